@@ -1,0 +1,158 @@
+"""The GRPO-PODS objective (paper §3.1-3.2) and the completion log-probabilities it needs.
+
+Objective per kept rollout i with advantage A_i and tokens t = 1..|o_i| (paper eq. for GRPO-PODS):
+
+    J = mean_i  1/|o_i| sum_t  min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i)  -  beta * KL_it
+    rho_it = exp(log pi(o_it) - log pi_old(o_it)),  KL_it = exp(ref - logp) - (ref - logp) - 1   (k3)
+
+`grpo_loss` returns -J. In the paper's setting (one gradient step per batch, pi_old = pi) call it with
+old_logprobs = logprobs.detach(): then rho = 1 and grad(-J) = -mean_i 1/|o_i| sum_t A_i grad log pi(o_it)
+(+ the KL gradient), the plain REINFORCE-with-baseline policy gradient; the clip only matters for
+additional updates on the same batch.
+
+Simplification: the KL term is optional (paper and TRL default beta = 0) and uses TRL's k3 estimator.
+"""
+
+import torch
+from torch import Tensor
+
+# Completion logits are converted to float32 this many elements at a time (~256 MiB), which bounds
+# the transient memory of the log-softmax on top of the [B, C+1, V] logits the model returns.
+_LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids for left-padded rows: 0 at the first real token, counting up; pads get 0.
+
+    transformers 5 forward() falls back to arange(T) when position_ids is None, shifting every real
+    token of a left-padded row by its pad count. RoPE models (Llama, Qwen2) only see position
+    differences, so that changes logits by float rounding only; absolute position embeddings (GPT-2)
+    would be wrong. Passing these makes both exact and matches the positions generate() uses.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(
+    model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int, temperature: float = 1.0
+) -> Tensor:
+    """float32 log p(input_ids[:, -C:]) under `model` at sampling temperature, shape [B, C].
+
+    Rows are prompt + completion, left padded; C = num_completion_tokens is the (right-aligned)
+    completion width. Only the last C+1 positions are projected on the vocabulary
+    (`logits_to_keep`); the logits at position t predict token t+1, so the last C tokens are scored
+    by logits[:, :-1]. log p = logit[token] / T - logsumexp(logits / T), in float32, chunked over rows.
+    Gradients flow into `model` unless the caller wraps the call in torch.no_grad().
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be [B, T]; got {tuple(input_ids.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    seq_len = input_ids.shape[1]
+    if isinstance(num_completion_tokens, bool) or not isinstance(num_completion_tokens, int):
+        raise ValueError(f"num_completion_tokens must be an int, got {num_completion_tokens!r}")
+    if not 1 <= num_completion_tokens <= seq_len - 1:
+        raise ValueError(
+            f"num_completion_tokens = {num_completion_tokens} must be in [1, T-1] = [1, {seq_len - 1}] "
+            "(at least one prompt token precedes the completion)"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    c = num_completion_tokens
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=c + 1,
+        use_cache=False,
+    ).logits
+    # Drop the last position (it predicts past the row); slicing from -(c+1) also covers a model that
+    # ignores logits_to_keep and returns all T positions.
+    logits = logits[:, -(c + 1) : -1, :]
+    targets = input_ids[:, -c:]
+    rows_per_chunk = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // (c * logits.shape[-1]))
+    chunks = []
+    for start in range(0, logits.shape[0], rows_per_chunk):
+        scaled = logits[start : start + rows_per_chunk].float() / temperature
+        picked = scaled.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1)
+        chunks.append(picked - torch.logsumexp(scaled, dim=-1))
+    return torch.cat(chunks, dim=0)
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    clip_eps: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO loss -J (see module docstring) and TRL-named metrics.
+
+    logprobs/old_logprobs/ref_logprobs/completion_mask: [B, C]; advantages: [B]. Computed in float32.
+    Each sequence is averaged over its own masked tokens (a row with no tokens counts as 0), then the
+    B sequences are averaged. With old_logprobs = logprobs.detach() the gradient is exactly the policy
+    gradient -mean_i A_i/|o_i| sum_t grad log pi (tested). Tokens in the clipped region
+    (rho > 1+eps with A > 0, rho < 1-eps with A < 0) get zero gradient.
+
+    Metrics (masked token means): "clip_ratio/low_mean" (rho < 1-eps and A < 0), "clip_ratio/high_mean"
+    (rho > 1+eps and A > 0), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3, 0.0 when no
+    ref_logprobs).
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, C], got shape {tuple(logprobs.shape)}")
+    same_shape = {
+        "old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs
+    }
+    for name, t in same_shape.items():
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [B] = [{logprobs.shape[0]}], got {tuple(advantages.shape)}")
+    if not clip_eps > 0:
+        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef = {kl_coef} > 0 needs ref_logprobs")
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")
+
+    # Padded positions may hold anything (even inf/NaN): zero them *before* exp so that neither the
+    # value nor the gradient (0 * inf) can turn into NaN.
+    keep = completion_mask.bool()
+    mask = keep.float()
+
+    def tokens(x: Tensor) -> Tensor:
+        return torch.where(keep, x.float(), 0.0)
+
+    logp = tokens(logprobs)
+    adv = advantages.float()[:, None]
+    ratio = torch.exp(logp - tokens(old_logprobs))
+    clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if ref_logprobs is not None:
+        log_ref_ratio = tokens(ref_logprobs) - logp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    tokens_per_seq = mask.sum(-1).clamp(min=1)  # empty completions contribute 0, not NaN
+    loss = ((per_token * mask).sum(-1) / tokens_per_seq).mean()
+
+    with torch.no_grad():
+        num_tokens = mask.sum().clamp(min=1)
+
+        def masked_mean(x: Tensor) -> float:
+            return float((x.float() * mask).sum() / num_tokens)
+
+        low = (ratio < 1 - clip_eps) & (adv < 0)
+        high = (ratio > 1 + clip_eps) & (adv > 0)
+        metrics = {
+            "clip_ratio/low_mean": masked_mean(low),
+            "clip_ratio/high_mean": masked_mean(high),
+            "clip_ratio/region_mean": masked_mean(low | high),
+            "ratio_mean": masked_mean(ratio),
+            "kl": masked_mean(kl) if ref_logprobs is not None else 0.0,
+        }
+    return loss, metrics

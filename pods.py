@@ -1,0 +1,200 @@
+"""Down-sampling rules of PODS (paper §3.2-3.3, Lemma 1, Algorithm 2, Theorems 1-2).
+
+PODS generates n rollouts per prompt and trains on a subset of m of them. This module picks that subset
+from the rewards alone and computes the group-relative advantages of the kept rollouts.
+
+- `max_variance_indices` is the paper's rule (Algorithm 2). Lemma 1: some maximum-variance m-subset of
+  real numbers is always "the k highest + the (m-k) lowest" for some k in 0..m. So one sort plus prefix
+  sums of r and r^2 score all m+1 candidates at once, O(n log n) per row, vectorised over rows and over k.
+  Theorem 2 follows for binary rewards: with enough of each value, the optimum is m/2 ones + m/2 zeros.
+- `random_indices`, `percentile_indices`, `max_reward_indices` are the baselines of the paper's ablation;
+  `downsample(..., "none")` keeps every rollout (m == n), i.e. plain GRPO.
+- `group_advantages` / `selected_advantages`: GRPO advantages (r - mean) / (std + eps) with the
+  *unbiased* sample std and eps = 1e-4, as in the authors' code and TRL. The paper (§3.2) normalises with
+  the statistics of the selected subset (default); normalize="group" uses the full group of n instead
+  (the appendix ablation).
+
+Simplifications: rewards are one scalar per rollout (already summed over reward functions); ties are
+broken deterministically (stable sort by reward, then position; the smallest k among equal-variance
+candidates) rather than randomly.
+
+All index-returning functions take rewards of shape (..., n) and return a LongTensor (..., m) of
+distinct positions along the last dim. Deterministic rules return them in ascending-reward order
+(max_reward: descending); random_indices in random order.
+"""
+
+import torch
+from torch import Tensor
+
+RULES = ("max_variance", "random", "percentile", "max_reward", "none")
+NORMALIZE_MODES = ("selected", "group")
+
+
+def _check_rewards(rewards: Tensor, m: int | None = None, check_finite: bool = True) -> int:
+    """Validate rewards (..., n) and subset size m; return n. Raises ValueError naming the problem."""
+    if not isinstance(rewards, Tensor):
+        raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.dim() == 0:
+        raise ValueError("rewards must have shape (..., n), got a 0-d tensor")
+    if rewards.dtype == torch.bool or rewards.is_complex():
+        raise ValueError(f"rewards must be real numbers, got dtype {rewards.dtype}")
+    n = rewards.shape[-1]
+    if n == 0:
+        raise ValueError(f"rewards has empty rows: shape {tuple(rewards.shape)} (n = 0)")
+    if check_finite and rewards.is_floating_point() and not bool(torch.isfinite(rewards).all()):
+        _raise_non_finite(rewards)
+    if m is not None:
+        if isinstance(m, bool) or not isinstance(m, int):
+            raise ValueError(f"m must be an int, got {m!r}")
+        if m < 1 or m > n:
+            raise ValueError(f"subset size m = {m} must satisfy 1 <= m <= n = {n}")
+    return n
+
+
+def _raise_non_finite(rewards: Tensor) -> None:
+    bad = rewards[~torch.isfinite(rewards)]
+    raise ValueError(
+        f"rewards contain {bad.numel()} non-finite value(s) (e.g. {bad[0].item()}) "
+        f"in a tensor of shape {tuple(rewards.shape)}"
+    )
+
+
+def _sorted_ascending(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """Stable ascending sort along the last dim (ties keep position order): (values, indices)."""
+    return torch.sort(rewards, dim=-1, stable=True)
+
+
+def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
+    """Indices (..., m) of a maximum-variance m-subset of each row of rewards (..., n) (Algorithm 2).
+
+    Candidate k keeps the k highest and the (m-k) lowest rewards; these never overlap since m <= n.
+    Its sum of squared deviations is S2 - S1^2/m with S1, S2 the sums of r and r^2 over the subset,
+    taken from prefix sums of the sorted row. Maximising that maximises the variance (either
+    normaliser). Only the m lowest and m highest sorted values can be chosen, so the prefix sums run
+    over those 2m "ends". Sums are in float64 on values shifted by one of the row's own values (so
+    every term is bounded by the row's range): cancellation cannot pick a wrong k for
+    float32/bfloat16 inputs. Scores within 1e-12 x (sum of squares of the ends) of the best count as
+    tied and the smallest such k wins, so equal-variance candidates resolve the same way everywhere.
+    """
+    n = _check_rewards(rewards, m, check_finite=False)  # finiteness is checked on the ends below
+    sorted_r, order = _sorted_ascending(rewards)
+    if 2 * m < n:  # ends = [m lowest, m highest], in sorted order
+        ends = torch.cat([sorted_r[..., :m], sorted_r[..., n - m :]], dim=-1).to(torch.float64)
+    else:
+        ends = sorted_r.to(torch.float64)
+    width = ends.shape[-1]
+    x = ends - ends[..., m - 1 : m]  # variance is shift invariant; shifting avoids cancellation
+    # Prefix sums of x and x^2 with a leading 0: (..., width+1).
+    prefix1 = torch.nn.functional.pad(x.cumsum(-1), (1, 0))
+    prefix2 = torch.nn.functional.pad((x * x).cumsum(-1), (1, 0))
+    total_ss = prefix2[..., width:]
+    # sort puts NaN and +-inf at the ends of a row (either end for CUDA's signed NaNs), so they are
+    # in `ends` and make its sums non-finite.
+    if not bool(torch.isfinite(total_ss).all()):
+        _raise_non_finite(rewards)
+    k = torch.arange(m + 1, device=x.device)
+    low_end, high_start = m - k, width - k
+    # Candidate k = ends[:m-k] + ends[width-k:]: its sums are prefix[m-k] + prefix[width] - prefix[width-k].
+    s1 = prefix1.index_select(-1, low_end) + prefix1[..., width:] - prefix1.index_select(-1, high_start)
+    s2 = prefix2.index_select(-1, low_end) + total_ss - prefix2.index_select(-1, high_start)
+    score = s2 - s1 * s1 / m  # (..., m+1): m * population variance of candidate k
+    near_best = score >= score.amax(dim=-1, keepdim=True) - 1e-12 * total_ss
+    best_k = near_best.to(torch.uint8).argmax(dim=-1, keepdim=True)  # first True = smallest k
+    # Subset position j (in sorted order) is j in the low part and j + (n - m) in the high part.
+    j = torch.arange(m, device=x.device)
+    return order.gather(-1, torch.where(j >= m - best_k, j + (n - m), j))
+
+
+def random_indices(rewards: Tensor, m: int, generator: torch.Generator | None = None) -> Tensor:
+    """m distinct positions per row drawn uniformly without replacement (random-subset baseline)."""
+    _check_rewards(rewards, m)
+    rand_device = generator.device if generator is not None else rewards.device
+    keys = torch.rand(rewards.shape, generator=generator, device=rand_device)
+    return keys.argsort(dim=-1)[..., :m].to(rewards.device)
+
+
+def percentile_indices(rewards: Tensor, m: int) -> Tensor:
+    """The rewards at the (j + 0.5)/m quantiles, j = 0..m-1, of each sorted row.
+
+    Exact definition: sorted position floor((2j + 1) * n / (2m)). Consecutive positions differ by at
+    least n/m >= 1, so they are distinct, and the last is < n. m == n keeps everything.
+    """
+    n = _check_rewards(rewards, m)
+    _, order = _sorted_ascending(rewards)
+    j = torch.arange(m, device=rewards.device)
+    return order[..., ((2 * j + 1) * n) // (2 * m)]
+
+
+def max_reward_indices(rewards: Tensor, m: int) -> Tensor:
+    """The m highest rewards of each row, in descending order (ties: lower position first)."""
+    _check_rewards(rewards, m)
+    return torch.sort(rewards, dim=-1, descending=True, stable=True).indices[..., :m]
+
+
+def downsample(
+    rewards: Tensor, m: int, rule: str, generator: torch.Generator | None = None
+) -> Tensor:
+    """Single entry point: indices (..., m) of the rollouts to train on under `rule` (one of RULES).
+
+    "none" is plain GRPO and requires m == n; it returns arange(n) for every row.
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown down-sampling rule {rule!r}; expected one of {RULES}")
+    if rule == "max_variance":
+        return max_variance_indices(rewards, m)
+    if rule == "random":
+        return random_indices(rewards, m, generator=generator)
+    if rule == "percentile":
+        return percentile_indices(rewards, m)
+    if rule == "max_reward":
+        return max_reward_indices(rewards, m)
+    n = _check_rewards(rewards, m)
+    if m != n:
+        raise ValueError(f"rule 'none' keeps every rollout, so it needs m == n; got m = {m}, n = {n}")
+    return torch.arange(n, device=rewards.device).expand(rewards.shape).clone()
+
+
+def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
+    """GRPO advantages (r - mean) / (std + eps) along the last dim, with the unbiased sample std.
+
+    Computed in float32 (float64 stays float64). A group of one has no baseline, so its advantage is 0
+    (the unbiased std of one sample is undefined; we never return NaN).
+    """
+    k = _check_rewards(rewards)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 so the division is defined, got {eps}")
+    r = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    if k == 1 or r.numel() == 0:
+        return torch.zeros_like(r)
+    mean = r.mean(dim=-1, keepdim=True)
+    std = r.std(dim=-1, keepdim=True, correction=1)
+    return (r - mean) / (std + eps)
+
+
+def selected_advantages(
+    rewards: Tensor, indices: Tensor, normalize: str = "selected", eps: float = 1e-4
+) -> Tensor:
+    """Advantages (..., m) of the rollouts `indices` (..., m) picked from `rewards` (..., n).
+
+    normalize="selected" (default, paper §3.2): mean/std of the m kept rewards.
+    normalize="group" (appendix ablation): mean/std of all n rewards, then gather the kept ones.
+    """
+    n = _check_rewards(rewards)
+    if normalize not in NORMALIZE_MODES:
+        raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
+    if not isinstance(indices, Tensor) or indices.dtype != torch.long:
+        raise ValueError(f"indices must be a LongTensor, got {getattr(indices, 'dtype', type(indices))}")
+    if indices.shape[:-1] != rewards.shape[:-1] or indices.dim() != rewards.dim():
+        raise ValueError(
+            f"indices shape {tuple(indices.shape)} does not match rewards shape {tuple(rewards.shape)} "
+            "in the leading dims"
+        )
+    if indices.shape[-1] == 0:
+        raise ValueError("indices select no rollouts (m = 0)")
+    if indices.numel() > 0 and (int(indices.min()) < 0 or int(indices.max()) >= n):
+        raise ValueError(
+            f"indices must lie in [0, {n}), got range [{int(indices.min())}, {int(indices.max())}]"
+        )
+    if normalize == "selected":
+        return group_advantages(rewards.gather(-1, indices), eps=eps)
+    return group_advantages(rewards, eps=eps).gather(-1, indices)

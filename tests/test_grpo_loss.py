@@ -1,0 +1,288 @@
+"""GRPO-PODS objective (grpo_loss.py): loss and gradient vs a naive per-token loop, clipping, masking,
+KL, and completion log-probabilities of a tiny real-architecture model with left padding."""
+
+import math
+
+import pytest
+import torch
+
+import grpo_loss as gl
+import models
+
+EPS = 0.2
+
+
+def naive_loss_and_grad(logp, old, adv, mask, ref=None, beta=0.0, eps=EPS):
+    """Per-token Python loop with hand-derived gradient d(-J)/d logp."""
+    batch, width = len(logp), len(logp[0])
+    total, grad = 0.0, [[0.0] * width for _ in range(batch)]
+    for i in range(batch):
+        count = sum(mask[i])
+        if count == 0:
+            continue
+        for t in range(width):
+            if not mask[i][t]:
+                continue
+            rho = math.exp(logp[i][t] - old[i][t])
+            clipped = min(max(rho, 1 - eps), 1 + eps)
+            unclipped_term, clipped_term = rho * adv[i], clipped * adv[i]
+            term = -min(unclipped_term, clipped_term)
+            # d/dlogp of -min(...): -rho*A when the unclipped branch is active, 0 when clipped.
+            dterm = -rho * adv[i] if unclipped_term <= clipped_term else 0.0
+            if ref is not None and beta > 0:
+                d = ref[i][t] - logp[i][t]
+                term += beta * (math.exp(d) - d - 1)
+                dterm += beta * (1 - math.exp(d))
+            total += term / count / batch
+            grad[i][t] = dterm / count / batch
+    return total, torch.tensor(grad, dtype=torch.float64)
+
+
+def random_batch(seed, batch=5, width=7):
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(batch, width, generator=gen, dtype=torch.float64) * 3
+    old = logp + torch.randn(batch, width, generator=gen, dtype=torch.float64) * 0.3  # some clipped
+    ref = logp + torch.randn(batch, width, generator=gen, dtype=torch.float64) * 0.5
+    adv = torch.randn(batch, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor([width, 3, 0, 1, width - 2][:batch])
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_loss_and_gradient_match_naive_loop(beta):
+    for seed in range(3):
+        logp, old, ref, adv, mask = random_batch(seed)
+        lists = [t.tolist() for t in (logp, old, adv, mask, ref)]
+        want, want_grad = naive_loss_and_grad(*lists, beta=beta)
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = gl.grpo_loss(x, old, adv, mask, ref_logprobs=ref, kl_coef=beta)
+        loss.backward()
+        assert loss.dtype == torch.float32 and loss.dim() == 0
+        assert abs(loss.item() - want) < 1e-5
+        assert torch.allclose(x.grad, want_grad, atol=1e-6)
+
+
+def test_metrics_match_naive_counts():
+    logp, old, ref, adv, mask = random_batch(7)
+    _, metrics = gl.grpo_loss(logp, old, adv, mask, ref_logprobs=ref)
+    m = mask.bool()
+    rho = torch.exp(logp - old)[m]
+    a = adv[:, None].expand_as(logp)[m]
+    low, high = (rho < 1 - EPS) & (a < 0), (rho > 1 + EPS) & (a > 0)
+    d = (ref - logp)[m]
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(low.double().mean().item())
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(high.double().mean().item())
+    assert metrics["clip_ratio/region_mean"] == pytest.approx((low | high).double().mean().item())
+    assert metrics["clip_ratio/region_mean"] > 0  # the fixture does exercise clipping
+    assert metrics["ratio_mean"] == pytest.approx(rho.mean().item(), rel=1e-6)
+    assert metrics["kl"] == pytest.approx((d.exp() - d - 1).mean().item(), rel=1e-5)
+    assert set(metrics) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                            "ratio_mean", "kl"}
+
+
+def test_clipped_tokens_get_zero_gradient_and_others_do_not():
+    logp, old, _, adv, mask = random_batch(11)
+    x = logp.clone().requires_grad_(True)
+    gl.grpo_loss(x, old, adv, mask)[0].backward()
+    rho, a = torch.exp(logp - old), adv[:, None].expand_as(logp)
+    clipped = ((rho > 1 + EPS) & (a > 0)) | ((rho < 1 - EPS) & (a < 0))
+    live = mask.bool() & ~clipped
+    assert clipped[mask.bool()].any() and live.any()
+    assert torch.all(x.grad[clipped] == 0)
+    assert torch.all(x.grad[live] != 0)
+
+
+def test_masked_tokens_contribute_nothing():
+    logp, old, ref, adv, mask = random_batch(4)
+    pad = mask == 0
+    # Padded positions full of overflowing, infinite and NaN values must change nothing.
+    garbage = logp.masked_fill(pad, 500.0)
+    old_garbage = old.masked_fill(pad, -float("inf")).masked_fill(pad & (torch.arange(7) % 2 == 0), math.nan)
+    ref_garbage = ref.masked_fill(pad, 1e9)
+    x = garbage.clone().requires_grad_(True)
+    loss, metrics = gl.grpo_loss(x, old_garbage, adv, mask.bool(), ref_logprobs=ref_garbage, kl_coef=0.1)
+    loss.backward()
+    reference, ref_metrics = gl.grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert metrics == pytest.approx(ref_metrics)
+    assert torch.all(x.grad[pad] == 0) and torch.isfinite(x.grad).all()
+
+
+def test_one_update_per_batch_gives_the_plain_policy_gradient():
+    logp, _, _, adv, mask = random_batch(5)
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = gl.grpo_loss(x, x.detach(), adv, mask)
+    loss.backward()
+    lengths = mask.sum(-1).clamp(min=1).double()
+    policy_gradient = -(adv / lengths)[:, None] * mask / len(adv)  # d/dlogp of -mean_i A_i/|o_i| sum_t logp
+    assert torch.allclose(x.grad, policy_gradient, atol=1e-7)
+    has_tokens = (mask.sum(-1) > 0).double()
+    assert loss.item() == pytest.approx(-(adv * has_tokens).mean().item(), rel=1e-6)
+    assert metrics["ratio_mean"] == 1.0 and metrics["clip_ratio/region_mean"] == 0.0
+
+
+def test_zero_advantages_and_empty_rows_give_zero_gradient_without_nan():
+    logp, old, _, _, mask = random_batch(2)
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = gl.grpo_loss(x, old, torch.zeros(len(logp)), mask)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(x.grad == 0)
+    empty = torch.zeros_like(mask)
+    y = logp.clone().requires_grad_(True)
+    loss, metrics = gl.grpo_loss(y, old, torch.ones(len(logp)), empty)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(y.grad == 0)
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_kl_term_value_and_gradient():
+    logp, _, ref, _, mask = random_batch(9)
+    x = logp.clone().requires_grad_(True)
+    beta = 0.04
+    loss, metrics = gl.grpo_loss(x, x.detach(), torch.zeros(len(logp)), mask, ref_logprobs=ref, kl_coef=beta)
+    loss.backward()
+    d = ref - logp
+    lengths = mask.sum(-1).clamp(min=1)[:, None]
+    want = beta * ((d.exp() - d - 1) * mask / lengths).sum(-1).mean()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert torch.allclose(x.grad, beta * (1 - d.exp()) * mask / lengths / len(logp), atol=1e-7)
+    kl_only, metrics_no_beta = gl.grpo_loss(logp, logp, torch.zeros(len(logp)), mask, ref_logprobs=ref)
+    assert kl_only.item() == 0.0 and metrics["kl"] > 0
+    assert metrics_no_beta["kl"] == pytest.approx(metrics["kl"])  # reported even when beta = 0
+
+
+def test_bfloat16_logprobs_are_computed_in_float32():
+    logp, old, ref, adv, mask = random_batch(3)
+    low = [t.bfloat16() for t in (logp, old, adv, ref)]
+    loss, _ = gl.grpo_loss(*low[:3], mask, ref_logprobs=low[3], kl_coef=0.1)
+    upcast = [t.float() for t in low]
+    want, _ = gl.grpo_loss(*upcast[:3], mask, ref_logprobs=upcast[3], kl_coef=0.1)
+    assert loss.dtype == torch.float32 and loss.item() == want.item()
+
+
+def test_grpo_loss_rejects_bad_input():
+    logp, old, ref, adv, mask = random_batch(1)
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        gl.grpo_loss(logp, old, adv, mask, kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"advantages must be \[B\] = \[5\]"):
+        gl.grpo_loss(logp, old, adv[:3], mask)
+    with pytest.raises(ValueError, match=r"old_logprobs shape \(5, 6\)"):
+        gl.grpo_loss(logp, old[:, :6], adv, mask)
+    with pytest.raises(ValueError, match="non-finite"):
+        gl.grpo_loss(logp, old, adv * float("nan"), mask)
+
+
+# --- token_logprobs on a tiny real-architecture model -------------------------------------------
+
+VOCAB = 256
+
+
+def tiny_gpt2():
+    """Absolute position embeddings: the architecture where wrong left-pad positions are visible."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                        initializer_range=0.5)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.fixture(params=["llama", "qwen2", "gpt2"])
+def small_model(request):
+    if request.param == "gpt2":
+        return tiny_gpt2().eval()
+    # A larger init scale than the default makes logits depend visibly on the context.
+    return models.tiny_random_model(request.param, vocab_size=VOCAB, seed=0, initializer_range=0.5).eval()
+
+
+def left_padded_batch(seed, prompt_lengths=(5, 2, 7), completion_len=4):
+    """Rows [pad..., prompt, completion] plus the unpadded rows for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(prompt_lengths) + completion_len
+    rows = [torch.randint(3, VOCAB, (p + completion_len,), generator=gen) for p in prompt_lengths]
+    ids = torch.full((len(rows), width), 2)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return ids, mask, rows
+
+
+def naive_completion_logprobs(model, row, completion_len, temperature=1.0):
+    logits = model(input_ids=row[None]).logits[0]  # every position, full vocabulary
+    logprobs = torch.log_softmax(logits.double() / temperature, dim=-1)
+    targets = row[-completion_len:]
+    return logprobs[-completion_len - 1 : -1].gather(-1, targets[:, None]).squeeze(-1)
+
+
+def test_token_logprobs_with_left_padding_match_unpadded_full_softmax(small_model):
+    ids, mask, rows = left_padded_batch(0)
+    for temperature in (1.0, 0.7):
+        got = gl.token_logprobs(small_model, ids, mask, 4, temperature=temperature)
+        assert got.shape == (3, 4) and got.dtype == torch.float32
+        with torch.no_grad():
+            for i, row in enumerate(rows):
+                want = naive_completion_logprobs(small_model, row, 4, temperature).float()
+                assert torch.allclose(got[i], want, atol=1e-4), (temperature, i, got[i], want)
+
+
+def test_left_padding_position_ids_finding():
+    # transformers 5 forward() falls back to arange(T) positions and ignores the mask. RoPE models
+    # (Llama, Qwen2) only see position differences, so a constant left-pad shift changes logits by
+    # float rounding only; absolute position embeddings (GPT-2) change visibly. token_logprobs passes
+    # position_ids_from_mask, which is exact for both (and matches what generate() uses).
+    ids, mask, rows = left_padded_batch(1)
+    positions = gl.position_ids_from_mask(mask)
+    assert positions[1].tolist() == [0] * 5 + list(range(6))
+    rope = models.tiny_random_model("llama", vocab_size=VOCAB, initializer_range=0.5).eval()
+    with torch.no_grad():
+        for model, shift_matters in ((tiny_gpt2().eval(), True), (rope, False)):
+            unpadded = model(input_ids=rows[1][None]).logits[0, -1]
+            with_pos = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[1, -1]
+            without = model(input_ids=ids, attention_mask=mask).logits[1, -1]
+            assert torch.allclose(with_pos, unpadded, atol=1e-4)
+            assert torch.allclose(without, unpadded, atol=1e-2) != shift_matters
+
+
+def test_token_logprobs_gradient_matches_naive_and_requests_only_completion_logits(small_model):
+    ids, mask, rows = left_padded_batch(2, prompt_lengths=(3, 6), completion_len=5)
+    seen = {}
+    original_forward = small_model.forward
+
+    def recording_forward(*args, **kwargs):
+        seen["logits_to_keep"] = kwargs.get("logits_to_keep")
+        out = original_forward(*args, **kwargs)
+        seen["logits_positions"] = out.logits.shape[1]
+        return out
+
+    small_model.forward = recording_forward
+    gl.token_logprobs(small_model, ids, mask, 5).sum().backward()
+    assert seen == {"logits_to_keep": 6, "logits_positions": 6}
+    got = {name: p.grad.clone() for name, p in small_model.named_parameters()}
+    small_model.zero_grad()
+    small_model.forward = original_forward
+    sum(naive_completion_logprobs(small_model, row, 5) for row in rows).sum().backward()
+    for name, p in small_model.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-4, rtol=1e-3), name
+    assert any(g.abs().sum() > 0 for g in got.values())
+
+
+def test_token_logprobs_chunking_does_not_change_results(small_model, monkeypatch):
+    ids, mask, _ = left_padded_batch(3)
+    with torch.no_grad():
+        whole = gl.token_logprobs(small_model, ids, mask, 4)
+        monkeypatch.setattr(gl, "_LOGSUMEXP_CHUNK_ELEMENTS", 1)  # one row per chunk
+        chunked = gl.token_logprobs(small_model, ids, mask, 4)
+    assert torch.equal(whole, chunked)
+
+
+def test_token_logprobs_rejects_bad_sizes(small_model):
+    ids, mask, _ = left_padded_batch(0)
+    for bad in (0, ids.shape[1], 3.0):
+        with pytest.raises(ValueError, match="num_completion_tokens"):
+            gl.token_logprobs(small_model, ids, mask, bad)
+    with pytest.raises(ValueError, match="attention_mask"):
+        gl.token_logprobs(small_model, ids, mask[:, 1:], 2)
+    with pytest.raises(ValueError, match="temperature"):
+        gl.token_logprobs(small_model, ids, mask, 2, temperature=0.0)
