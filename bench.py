@@ -164,6 +164,8 @@ def bench_rewards(argv):
     import time
     from pathlib import Path
 
+    import torch  # noqa: F401  compute_rewards imports it lazily: keep that out of the timings
+
     import data
     import rewards
 

@@ -1,0 +1,282 @@
+"""Datasets and prompts of the PODS experiments (paper §4, Appendix A.1): GSM8K, MATH (train / MATH-500),
+SciKnowEval Chemistry L3 multiple choice, and synthetic addition for the offline demo.
+
+Every loader returns a `datasets.Dataset` with "prompt" (TRL conversational messages: the paper's
+think/answer system prompt, an optional one-shot worked example turn, the question), "answer" (the ground
+truth string the rewards compare against), "question", and the source fields. Local JSONL files are read
+from `data_dir` (default ../shared/data); a Hub id reads the Hub instead, when the network allows.
+
+Simplifications: the chemistry held-out split is ours (the source has none): a fixed seeded 20% of the
+rows. Arithmetic train and test use disjoint sets of {a, b} pairs.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+from pathlib import Path
+
+from rewards import THINK_PREFILL, last_boxed_content
+
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
+    "</answer> tags, respectively, i.e., <think>\nreasoning process here\n</think>\n<answer>\nanswer here\n"
+    "</answer>")
+DATASETS = ("gsm8k", "math", "chemistry", "arithmetic")
+SPLITS = ("train", "test")
+CHEMISTRY_TEST_FRACTION = 0.2  # 2100 rows -> 1680 train / 420 test
+ARITHMETIC_TEST_FRACTION = 0.2  # of the unordered {a, b} pairs
+ARITHMETIC_DEFAULT_ROWS = {"train": 1000, "test": 100}
+_SPLIT_SALT = "pods-split-v1"  # fixed: the held-out rows never depend on a run's seed
+_FILES = {("gsm8k", "train"): "gsm8k/train.jsonl", ("gsm8k", "test"): "gsm8k/test.jsonl",
+          ("math", "train"): "math/train.jsonl", ("math", "test"): "math/test500.jsonl",
+          ("chemistry", "train"): "chemistry/l3_mcq.jsonl", ("chemistry", "test"): "chemistry/l3_mcq.jsonl"}
+_FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution"),
+           "chemistry": ("question", "answer")}
+_MATH_HUB_CONFIGS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
+                     "number_theory", "prealgebra", "precalculus")  # EleutherAI/hendrycks_math
+CHEMISTRY_INSTRUCTION = ("Given a question and four options, please select the right answer. "
+                         "Your answer should be \"A\", \"B\", \"C\" or \"D\".")
+
+# One worked example per dataset in the exact target format; small models need it to learn the format.
+# The arithmetic one is as short as possible and phrased exactly like the real questions.
+ONE_SHOT = {
+    "arithmetic": ("What is 23 + 45?", "<think>\n23 + 45 = 68\n</think>\n<answer>\n68\n</answer>"),
+    "gsm8k": ("Tom has 3 boxes with 4 apples in each box. He eats 2 of the apples. How many apples are left?",
+              "<think>\nTom has 3 * 4 = 12 apples. After eating 2 he has 12 - 2 = 10 apples.\n</think>\n"
+              "<answer>\n10\n</answer>"),
+    "math": ("What is $\\frac{1}{2} + \\frac{1}{3}$?",
+             "<think>\nWith the common denominator 6: $\\frac{3}{6} + \\frac{2}{6} = \\frac{5}{6}$.\n</think>\n"
+             "<answer>\n\\frac{5}{6}\n</answer>"),
+    "chemistry": (f"{CHEMISTRY_INSTRUCTION}\n\nHow many carbon atoms are there in ethanol (SMILES: CCO)?\n"
+                  "A. 1\nB. 2\nC. 3\nD. 4",
+                  "<think>\nCCO has two carbon atoms and one oxygen atom.\n</think>\n<answer>\nB\n</answer>"),
+}
+logger = logging.getLogger(__name__)
+
+
+def default_data_dir():
+    """$PODS_DATA_DIR, else <repo>/../shared/data when it exists, else None."""
+    if os.environ.get("PODS_DATA_DIR"):
+        return Path(os.environ["PODS_DATA_DIR"])
+    shared = Path(__file__).resolve().parent.parent / "shared" / "data"
+    return shared if shared.is_dir() else None
+
+
+def read_jsonl(path, required_fields=()):
+    """Rows of a JSONL file; errors name the file and line (blank lines are allowed and skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path} (pass data_dir=/path/to/data, e.g. "
+                                "../shared/data, or set PODS_DATA_DIR)")
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: malformed JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
+            missing = [name for name in required_fields if name not in row]
+            if missing:
+                raise ValueError(f"{path}:{line_number}: missing field(s) {missing}")
+            rows.append((line_number, row))
+    if not rows:
+        raise ValueError(f"{path}: file is empty")
+    return rows
+
+
+def gsm8k_final_answer(solution):
+    """N from the solution's final `#### N` line, thousands separators removed; None when absent."""
+    match = re.search(r"####\s*(.+?)\s*$", solution or "")
+    answer = match.group(1).replace(",", "").replace("$", "").strip() if match else ""
+    return answer or None
+
+
+def _gsm8k_row(row):
+    answer = gsm8k_final_answer(row["answer"])
+    return answer and {"question": row["question"], "answer": answer, "solution": row["answer"]}
+
+
+def _math_row(row):
+    level = row.get("level")
+    if isinstance(level, str):  # Hub copies say "Level 3"
+        level = int(level.split()[-1]) if level.split() and level.split()[-1].isdigit() else None
+    answer = last_boxed_content(row["solution"] or "")
+    return answer and {"question": row["problem"], "answer": answer, "solution": row["solution"],
+                       "subject": row.get("subject", row.get("type")), "level": level,
+                       "unique_id": row.get("unique_id", "")}
+
+
+def _chemistry_row(row):
+    answer = str(row["answer"]).strip()
+    return answer in ("A", "B", "C", "D") and {
+        "question": row["question"], "answer": answer, "choices": list(row.get("choices") or []),
+        "task": row.get("task", ""), "subtask": row.get("subtask", "")}
+
+
+_CONVERTERS = {"gsm8k": _gsm8k_row, "math": _math_row, "chemistry": _chemistry_row}
+
+
+def _convert(name, numbered_rows, source):
+    """Loader rows, skipping (with a logged count) rows without a usable answer; never silently empty."""
+    rows, skipped_lines = [], []
+    for line_number, row in numbered_rows:
+        converted = _CONVERTERS[name](row)
+        if converted:
+            rows.append(converted)
+        else:
+            skipped_lines.append(line_number)
+    if skipped_lines:
+        logger.warning("%s: skipped %d of %d rows without an answer (lines %s%s)", source, len(skipped_lines),
+                       len(numbered_rows), skipped_lines[:10], " ..." if len(skipped_lines) > 10 else "")
+    if not rows:
+        raise ValueError(f"{source}: no row has a usable answer ({len(numbered_rows)} rows read)")
+    return rows
+
+
+def _split_key(text):
+    return hashlib.sha256(f"{_SPLIT_SALT}:{text}".encode()).hexdigest()
+
+
+def _held_out(keys, fraction):
+    """Indices of the held-out part: the `fraction` of keys with the smallest salted hash (exact size,
+    independent of file order and library versions)."""
+    order = sorted(range(len(keys)), key=lambda i: _split_key(keys[i]))
+    return set(order[:round(fraction * len(keys))])
+
+
+def _hub_rows(name, split, hub_id):
+    import datasets
+
+    if name not in ("gsm8k", "math"):
+        raise ValueError(f"no Hub loader for {name!r}; read the local files (data_dir) instead")
+    try:
+        if name == "gsm8k":
+            parts = [datasets.load_dataset(hub_id, "main", split=split)]
+        elif "hendrycks_math" in hub_id:
+            parts = [datasets.load_dataset(hub_id, config, split=split) for config in _MATH_HUB_CONFIGS]
+        else:  # e.g. HuggingFaceH4/MATH-500, which only has a test split
+            parts = [datasets.load_dataset(hub_id, split=split)]
+    except Exception as error:  # noqa: BLE001  network, auth, unknown id: one clear message
+        raise RuntimeError(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {error}. "
+                           "Without network access leave hub_id unset and pass data_dir "
+                           "(e.g. ../shared/data).") from error
+    rows = [row for part in parts for row in part]
+    missing = [field for field in _FIELDS[name] if rows and field not in rows[0]]
+    if missing:
+        raise ValueError(f"{hub_id} ({split}): rows lack field(s) {missing}")
+    return list(enumerate(rows, start=1))
+
+
+def _arithmetic_rows(split, num_rows, seed, max_digits):
+    if not 1 <= max_digits <= 3:
+        raise ValueError(f"max_digits must be 1, 2 or 3, got {max_digits}")
+    high = 10 ** max_digits
+    pairs = [(a, b) for a in range(high) for b in range(a, high) if (a, b) != (23, 45)]  # not the one-shot
+    held_out = _held_out([f"{a}+{b}" for a, b in pairs], ARITHMETIC_TEST_FRACTION)
+    pool = [pair for i, pair in enumerate(pairs) if (i in held_out) == (split == "test")]
+    rng = random.Random(f"{seed}:{split}:{max_digits}")
+    rows = []
+    while len(rows) < num_rows:  # each pass uses every pair once: no repeats until the pool is used up
+        rng.shuffle(pool)
+        for a, b in pool[:num_rows - len(rows)]:
+            a, b = (a, b) if rng.random() < 0.5 else (b, a)
+            rows.append({"question": f"What is {a} + {b}?", "answer": str(a + b), "a": a, "b": b})
+    return rows
+
+
+def _messages(system_prompt, example, user_content):
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    if example:
+        messages += [{"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]}]
+    return messages + [{"role": "user", "content": user_content}]
+
+
+def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None, seed=0, one_shot=False,
+               system_prompt=SYSTEM_PROMPT, max_digits=2):
+    """One split of a dataset as a `datasets.Dataset` ("prompt", "answer", "question", source fields).
+
+    num_rows: a seeded random subset (in file order); for arithmetic, the number of generated rows
+    (default 1000 train / 100 test). hub_id: read the Hub instead of data_dir (gsm8k, math only)."""
+    import datasets
+
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    if num_rows is not None and num_rows <= 0:
+        raise ValueError(f"num_rows must be positive, got {num_rows}")
+    if name == "arithmetic":
+        if hub_id:
+            raise ValueError("the arithmetic task is synthetic: it has no Hub id")
+        rows = _arithmetic_rows(split, num_rows or ARITHMETIC_DEFAULT_ROWS[split], seed, max_digits)
+    else:
+        if hub_id:
+            rows = _convert(name, _hub_rows(name, split, hub_id), f"{hub_id} ({split})")
+        else:
+            folder = Path(data_dir) if data_dir is not None else default_data_dir()
+            if folder is None:
+                raise FileNotFoundError("no data folder: pass data_dir (e.g. ../shared/data), set "
+                                        "PODS_DATA_DIR, or give a hub_id")
+            path = folder / _FILES[(name, split)]
+            rows = _convert(name, read_jsonl(path, _FIELDS[name]), str(path))
+        if name == "chemistry":
+            held_out = _held_out([row["question"] for row in rows], CHEMISTRY_TEST_FRACTION)
+            rows = [row for i, row in enumerate(rows) if (i in held_out) == (split == "test")]
+        if num_rows is not None:
+            if num_rows > len(rows):
+                raise ValueError(f"num_rows={num_rows} but {name}/{split} has only {len(rows)} rows")
+            rows = [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), num_rows))]
+    example = ONE_SHOT[name] if one_shot else None
+    for row in rows:
+        content = f"{CHEMISTRY_INSTRUCTION}\n\n{row['question']}" if name == "chemistry" else row["question"]
+        row["prompt"] = _messages(system_prompt, example, content)
+    return datasets.Dataset.from_list(rows)
+
+
+def render_prompts(tokenizer, prompts, prefill_think=False, *, use_chat_template=None):
+    """Prompt texts ending where the assistant's reply starts.
+
+    With a chat template: tokenizer.apply_chat_template(..., add_generation_prompt=True). Without one, or
+    with use_chat_template=False (base models whose tokenizer still ships a template): plain text
+    "<system>\\n\\nUser: <q>\\nAssistant: <a>\\n...User: <q>\\nAssistant:". prefill_think appends
+    THINK_PREFILL ("<think>\\n", after a space in plain text): the completion then lacks it, so prepend
+    THINK_PREFILL to completions before scoring them."""
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    if use_chat_template:
+        texts = [tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+                 for messages in prompts]
+        return [text + THINK_PREFILL for text in texts] if prefill_think else texts
+    texts = []
+    for messages in prompts:
+        parts = []
+        for message in messages:
+            role, content = message["role"], message["content"]
+            parts.append(content + "\n" if role == "system" else
+                         f"\nUser: {content}" if role == "user" else f"\nAssistant: {content}")
+        texts.append("".join(parts).lstrip("\n") + "\nAssistant:" + (" " + THINK_PREFILL if prefill_think else ""))
+    return texts
+
+
+def filter_long_prompts(texts, tokenizer, max_prompt_tokens):
+    """(indices of texts with at most max_prompt_tokens tokens, number dropped). Counted as the sampler
+    tokenizes rendered prompts: add_special_tokens=False (the template already holds them). None: keep all."""
+    if max_prompt_tokens is None:
+        return list(range(len(texts))), 0
+    if max_prompt_tokens <= 0:
+        raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
+    lengths = [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    kept = [i for i, length in enumerate(lengths) if length <= max_prompt_tokens]
+    dropped = len(texts) - len(kept)
+    if dropped:
+        logger.warning("dropped %d of %d prompts longer than %d tokens", dropped, len(texts), max_prompt_tokens)
+    return kept, dropped
