@@ -140,15 +140,11 @@ def _rewards_rate(fn, count, repeats):
     import statistics
     import time
 
-    import rewards
+    import grader
 
     rates = []
     for _ in range(repeats):
-        rewards._verdict_cache.clear()
-        with rewards._workers_lock:
-            for worker in rewards._workers:
-                rewards._kill_worker(worker)
-            rewards._workers.clear()
+        grader.reset_workers()
         start = time.perf_counter()
         fn()
         rates.append(count / (time.perf_counter() - start))
@@ -167,6 +163,7 @@ def bench_rewards(argv):
     import torch  # noqa: F401  compute_rewards imports it lazily: keep that out of the timings
 
     import data
+    import grader
     import rewards
 
     parser = argparse.ArgumentParser(prog="python bench.py rewards", description=bench_rewards.__doc__)
@@ -225,7 +222,7 @@ def bench_rewards(argv):
             if time.perf_counter() - start > worst_s:
                 worst_s, worst_case = time.perf_counter() - start, case[:30]
     print(f"\nadversarial: worst of {2 * len(cases)} cases {worst_s:.2f} s ({worst_case!r}); the limit is "
-          f"{rewards.VERIFY_TIMEOUT_S} s soft + {rewards._KILL_GRACE_S} s to the kill")
+          f"{rewards.VERIFY_TIMEOUT_S} s soft + {grader._KILL_GRACE_S} s to the kill")
     print(f"target: >= 500 GSM8K-style completions/s on one core; load average now {os.getloadavg()[0]:.1f}")
 
 

@@ -1,10 +1,9 @@
 """Rewards (paper Appendix A.1): extraction order, math-verify equivalence, letters, format and tag count,
-the TRL-shaped batch API, hard time limits on adversarial input, and sweeps over the real datasets."""
+the TRL-shaped batch API, time limits on adversarial input, and sweeps over the real datasets.
+The grader's worker machinery itself (pool, kill at the deadline, verdict cache) is in test_grader.py."""
 
 import json
-import os
 import re
-import signal
 import threading
 import time
 
@@ -13,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import grader
 import rewards
 from rewards import (accuracy_reward, compute_rewards, extract_final_answer, format_reward, grade_accuracy,
                      tag_count_reward)
@@ -80,7 +80,7 @@ def test_fast_number_path_agrees_with_math_verify():
     for gold, prediction in pairs:
         fast = rewards._grade_cheaply(formatted(prediction), gold)[0]
         assert fast is not None, prediction  # really took the fast path
-        assert fast == float(rewards._math_verify_equal(gold, prediction)), (gold, prediction)
+        assert fast == float(grader._math_verify_equal(gold, prediction)), (gold, prediction)
 
 
 @pytest.mark.parametrize("prediction", ["B", "(B)", "B.", "B) benzene", "The answer is B", "**B**",
@@ -169,15 +169,6 @@ def test_compute_rewards_weights_and_user_functions():
         rewards.accuracy_rewards(["q"], ["x"], None)
 
 
-def test_process_pool_path_gives_the_same_scores():
-    golds = ["\\frac{1}{2}", "(1, 2)", "x^2", "\\sqrt{3}"] * 4
-    predictions = ["0.5", "(1,2)", "x^{2}", "1.8"] * 4
-    completions = [formatted(p + " " * i) for i, p in enumerate(predictions)]  # distinct: no cache hits
-    expected = [1.0, 1.0, 1.0, 0.0] * 4
-    assert grade_accuracy(completions, golds, num_workers=2, timeout_s=5.0) == expected
-    assert grade_accuracy(completions, golds, num_workers=0, timeout_s=5.0) == expected
-
-
 # -------------------------------------------------------------------------------- adversarial input
 def _adversarial_cases():
     towers = ["9^9^9^9", "10**10**10**10", "9^{9^{9^{9}}}", "2^{2^{2^{2^{2^{2}}}}}", "(10^{10})^{10^{10}}",
@@ -253,24 +244,22 @@ def test_non_string_inputs_score_zero():
             assert format_reward(completion) == 0.0 and tag_count_reward(completion) == 0.0
 
 
-def test_a_hung_worker_is_killed_at_the_deadline_and_replaced():
-    """SIGSTOP makes a worker deaf to everything, like C code that never returns."""
-    assert grade_accuracy([formatted("x^{2}")], ["x^2"], timeout_s=5.0) == [1.0]  # worker is up
-    worker = rewards._workers[0]
-    os.kill(worker.pid, signal.SIGSTOP)
-    start = time.perf_counter()
-    scores = grade_accuracy([formatted("\\sqrt{4}")], ["2"], timeout_s=0.3)
-    elapsed_s = time.perf_counter() - start
-    assert scores == [0.0] and elapsed_s < 1.5
-    assert rewards._workers[0].pid != worker.pid  # replaced
-    assert grade_accuracy([formatted("\\sqrt{9}")], ["3"], timeout_s=5.0) == [1.0]
+def test_verify_timeout_s_is_read_at_call_time(monkeypatch):
+    """`rewards.VERIFY_TIMEOUT_S = 2.0` on a busy machine must reach the grader without a restart."""
+    seen_timeouts_s, verify_pairs = [], grader.verify_pairs
 
+    def recording_verify_pairs(pairs, timeout_s, num_workers=0):
+        seen_timeouts_s.append(timeout_s)
+        return verify_pairs(pairs, timeout_s, num_workers)
 
-def test_a_timed_out_verdict_is_not_cached():
-    """A busy machine may time out a legitimate comparison; that 0 must not stick for the whole run."""
-    completion, gold = formatted("\\frac{6}{8}"), "\\frac{3}{4}"
-    assert accuracy_reward(completion, gold, timeout_s=1e-6) == 0.0
-    assert accuracy_reward(completion, gold, timeout_s=5.0) == 1.0
+    monkeypatch.setattr(grader, "verify_pairs", recording_verify_pairs)
+    completion, gold = formatted("\\frac{10}{16}"), "\\frac{5}{8}"
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 1e-6)
+    assert accuracy_reward(completion, gold) == 0.0  # timed out, so not cached
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 5.0)
+    assert accuracy_reward(completion, gold) == 1.0
+    assert seen_timeouts_s == [1e-6, 5.0]
+    assert accuracy_reward(completion, gold, timeout_s=1e-6) == 1.0  # a verdict, once had, is cached
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
