@@ -165,6 +165,23 @@ def test_model_generation_config_defaults_do_not_leak(tiny_model, smollm2_tokeni
     assert torch.equal(base.completion_ids, nucleus.completion_ids)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prefill_gives_the_same_rollouts(arch, temperature, smollm2_tokenizer):
+    """Prefilling each distinct prompt once and copying its KV cache to its n rows must not change a single
+    sampled token, also when a chunk boundary splits a prompt's group (4 rollouts, chunks of 5)."""
+    import models
+    from sampling import shared_prefill_cache  # noqa: F401  (public: bench/readers may call it)
+
+    model = models.tiny_random_model(arch, seed=1)
+    kwargs = dict(n=4, max_new_tokens=10, temperature=temperature, rollout_batch_size=5, seed=11)
+    shared = generate_rollouts(model, smollm2_tokenizer, PROMPTS, share_prefill=True, **kwargs)
+    unshared = generate_rollouts(model, smollm2_tokenizer, PROMPTS, share_prefill=False, **kwargs)
+    assert torch.equal(shared.completion_ids, unshared.completion_ids)
+    assert torch.equal(shared.completion_mask, unshared.completion_mask)
+    assert shared.completion_ids.shape[0] == len(PROMPTS) * 4
+
+
 def test_static_cache_matches_dynamic(tiny_model, smollm2_tokenizer):
     logits = {}
 
@@ -173,8 +190,9 @@ def test_static_cache_matches_dynamic(tiny_model, smollm2_tokenizer):
         handle = tiny_model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o[:, -1].clone()))
         spy = tiny_model.model.register_forward_pre_hook(
             lambda m, args, kw: cache_types.add(type(kw.get("past_key_values")).__name__), with_kwargs=True)
+        # share_prefill off: its extra prefill call would add lm_head outputs the static path does not have
         out = greedy(tiny_model, smollm2_tokenizer, PROMPTS, n=2, max_new_tokens=6, rollout_batch_size=3,
-                     cache_implementation=cache)
+                     cache_implementation=cache, share_prefill=False)
         handle.remove()
         spy.remove()
         assert cache_types == {f"{cache.capitalize()}Cache"}
