@@ -1,0 +1,336 @@
+"""Comparing runs as the paper does: accuracy vs wall-clock time, confidence bands, speed-up ratio.
+
+Paper §4 figures: held-out accuracy against training wall-clock time, mean over seeds with a band;
+Appendix A.4: speed-up = (time for the baseline to first reach 0.99x its own peak accuracy) / (time for the
+method to reach that same accuracy). study.py runs the down-sampling-rule and n/m studies and calls this.
+
+    python compare.py RUN_DIR... --plot out.png [--table out.md] [--baseline-label "GRPO 4/4"]
+    python eval.py compare RUN_DIR... ...          (the same command)
+
+Curve rules (documented, tested): each seed's eval points (eval lines of metrics.jsonl, or --eval-file
+written by eval.py) are joined linearly (--interp step: held until the next eval). A method's curve lives on
+the union of its seeds' eval times; outside a seed's own [first, last] eval time that seed has no value
+(no extrapolation), and only grid times where >= --min-seeds seeds have a value are kept (ragged runs end
+where too few seeds remain). Band = mean +- 1.96 * sample-std / sqrt(k) over the k seeds present; one seed
+gives no band. Threshold crossing times are interpolated the same way as the curve.
+"""
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+Z_95 = 1.96
+
+
+@dataclass
+class RunData:
+    run_dir: str
+    label: str
+    seed: object
+    eval_times_s: np.ndarray      # training wall-clock of each evaluation (eval/checkpoint time excluded)
+    eval_accuracy: np.ndarray
+    step_durations_s: np.ndarray  # wall-clock of each optimizer step, in step order
+    phase_means_s: dict           # mean generate_s / update_s / ... per step
+    skipped_lines: int = 0        # unreadable lines (e.g. a run killed mid-write)
+    config: dict = field(default_factory=dict)
+
+
+@dataclass
+class MethodCurve:
+    label: str
+    runs: list
+    times_s: np.ndarray
+    mean: np.ndarray
+    band: np.ndarray              # 1.96 * SE; NaN where fewer than 2 seeds
+    count: np.ndarray             # seeds present at each grid time
+    notes: list = field(default_factory=list)
+
+
+def _read_jsonl(path):
+    records, skipped = [], 0
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            skipped += 1
+    return records, skipped
+
+
+def _finite(value):
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def method_label(config):
+    if config.get("label"):
+        return str(config["label"])
+    return f"{config.get('rule', '?')} {config.get('num_rollouts', '?')}/{config.get('update_size', '?')}"
+
+
+METRICS = ("accuracy", "format_accuracy", "both_accuracy")
+
+
+def read_run(run_dir, eval_file=None, metric="accuracy"):
+    """One run's eval curve of `metric` and its step times. A step logged twice (resume) keeps its last line."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    run_dir = Path(run_dir)
+    config_path, metrics_path = run_dir / "config.json", run_dir / "metrics.jsonl"
+    if not config_path.is_file() or not metrics_path.is_file():
+        raise ValueError(f"{run_dir}: not a run directory (needs config.json and metrics.jsonl)")
+    config = json.loads(config_path.read_text())
+    records, skipped = _read_jsonl(metrics_path)
+    train = {r["step"]: r for r in records if r.get("type", "train") == "train" and "step" in r}
+    if eval_file:
+        results = json.loads((run_dir / eval_file).read_text())["results"].values()
+        points = {r["step"]: (r["elapsed_s"], r[metric]["mean"]) for r in results}
+    else:
+        points = {r["step"]: (r.get("elapsed_s"), r.get(f"eval/{metric}")) for r in records
+                  if r.get("type") == "eval" and "step" in r}
+    points = sorted((t, a) for t, a in points.values() if _finite(t) and _finite(a))
+    steps = [train[s] for s in sorted(train)]
+    elapsed = [r.get("elapsed_s") for r in steps]
+    if steps and all(_finite(t) for t in elapsed):
+        durations = np.diff(np.array([0.0] + elapsed))
+    else:  # no training clock: fall back to the sum of the phase timers
+        durations = np.array([sum(r.get(k) or 0.0 for k in ("generate_s", "reward_s", "select_s", "update_s"))
+                              for r in steps])
+    phases = {k: float(np.mean([r[k] for r in steps if _finite(r.get(k))]))
+              for k in ("generate_s", "update_s") if any(_finite(r.get(k)) for r in steps)}
+    return RunData(str(run_dir), method_label(config), config.get("seed"),
+                   np.array([t for t, _ in points], dtype=float), np.array([a for _, a in points], dtype=float),
+                   durations.astype(float), phases, skipped, config)
+
+
+def values_on_grid(times_s, accuracy, grid_s, interp="linear"):
+    """A seed's accuracy at each grid time; NaN before its first and after its last evaluation."""
+    if interp not in ("linear", "step"):
+        raise ValueError(f"interp must be 'linear' or 'step', got {interp!r}")
+    out = np.full(len(grid_s), np.nan)
+    if len(times_s) == 0:
+        return out
+    inside = (grid_s >= times_s[0]) & (grid_s <= times_s[-1])
+    if interp == "linear":
+        out[inside] = np.interp(grid_s[inside], times_s, accuracy)
+    else:
+        out[inside] = accuracy[np.searchsorted(times_s, grid_s[inside], side="right") - 1]
+    return out
+
+
+def method_curve(label, runs, interp="linear", min_seeds=2):
+    """Mean curve and 1.96*SE band across seeds on the union of their eval times.
+
+    min_seeds <= 0 means every seed must be present; it is capped at the number of seeds with evals."""
+    with_evals = [r for r in runs if len(r.eval_times_s)]
+    notes = [f"{Path(r.run_dir).name}: no evaluation, left out" for r in runs if not len(r.eval_times_s)]
+    if not with_evals:
+        return MethodCurve(label, runs, *(np.empty(0) for _ in range(4)), notes + ["no evaluations"])
+    needed = len(with_evals) if min_seeds <= 0 else min(min_seeds, len(with_evals))
+    grid = np.unique(np.concatenate([r.eval_times_s for r in with_evals]))
+    values = np.stack([values_on_grid(r.eval_times_s, r.eval_accuracy, grid, interp) for r in with_evals])
+    count = np.sum(~np.isnan(values), axis=0)
+    keep = count >= needed
+    grid, values, count = grid[keep], values[:, keep], count[keep]
+    mean = np.array([np.mean(col[~np.isnan(col)]) for col in values.T])
+    band = np.array([Z_95 * np.std(col[~np.isnan(col)], ddof=1) / math.sqrt(k) if k > 1 else np.nan
+                     for col, k in zip(values.T, count)])
+    ends = sorted(float(r.eval_times_s[-1]) for r in with_evals)
+    if ends[0] != ends[-1]:
+        notes.append(f"seeds' last evals at {ends[0]:.0f}-{ends[-1]:.0f} s; curve kept while >= {needed} seeds")
+    if len(with_evals) == 1:
+        notes.append("1 seed: no band")
+    return MethodCurve(label, runs, grid, mean, band, count, notes)
+
+
+def first_time_reaching(times_s, values, threshold, interp="linear"):
+    """First time the curve is >= threshold (linear: interpolated crossing), None if it never is."""
+    above = np.nonzero(values >= threshold)[0]
+    if len(above) == 0:
+        return None
+    i = above[0]
+    if i == 0 or interp == "step":
+        return float(times_s[i])
+    t0, t1, v0, v1 = times_s[i - 1], times_s[i], values[i - 1], values[i]
+    return float(t0 + (threshold - v0) / (v1 - v0) * (t1 - t0))
+
+
+def speedup_rows(curves, baseline_label, interp="linear", fraction=0.99):
+    """Per method: peak accuracy, time to fraction x (baseline peak), speed-up vs the baseline (Appendix A.4)."""
+    by_label = {c.label: c for c in curves}
+    if baseline_label not in by_label:
+        raise ValueError(f"baseline {baseline_label!r} is not among the methods {sorted(by_label)}")
+    base = by_label[baseline_label]
+    base_peak = float(np.max(base.mean)) if len(base.mean) else float("nan")
+    threshold = fraction * base_peak
+    base_time = first_time_reaching(base.times_s, base.mean, threshold, interp) if base_peak > 0 else None
+    rows = []
+    for c in curves:
+        time_s = first_time_reaching(c.times_s, c.mean, threshold, interp) if len(c.mean) and base_peak > 0 else None
+        if not base_peak > 0:
+            speedup = "undefined (baseline peak is 0 or missing)"
+        elif base_time == 0:  # T_b / T_m = 0 / T_m: the ratio says nothing about speed
+            speedup = "undefined (baseline peaks at its first eval)"
+        elif time_s is None:
+            speedup = "not reached"
+        elif time_s == 0:
+            speedup = "inf (reached at its first eval)"
+        else:
+            speedup = f"{base_time / time_s:.2f}x"
+        steps = np.concatenate([r.step_durations_s for r in c.runs]) if c.runs else np.empty(0)
+        evals = [len(r.eval_times_s) for r in c.runs]
+        rows.append({"method": c.label, "seeds": len(c.runs), "evals_per_seed": evals,
+                     "curve_end_s": float(c.times_s[-1]) if len(c.times_s) else None,
+                     "peak_accuracy": float(np.max(c.mean)) if len(c.mean) else None,
+                     "peak_band": float(c.band[np.argmax(c.mean)]) if len(c.mean) else None,
+                     "time_to_threshold_s": time_s, "speedup": speedup,
+                     "step_s": float(np.mean(steps)) if len(steps) else None,
+                     **{k: float(np.mean([r.phase_means_s[k] for r in c.runs if k in r.phase_means_s]))
+                        for k in ("generate_s", "update_s") if any(k in r.phase_means_s for r in c.runs)},
+                     "threshold": threshold, "notes": c.notes})
+    return rows
+
+
+def _fmt(value, digits=3):
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def markdown_table(rows, baseline_label, fraction=0.99, metric="accuracy"):
+    threshold = rows[0]["threshold"] if rows else float("nan")
+    lines = [f"Held-out {metric}. Baseline: {baseline_label}; threshold = {fraction} x its peak = "
+             f"{_fmt(threshold)}. Peak = max of the seed-mean curve (+- 1.96 SE there).", "",
+             f"| method | seeds | evals per seed | curve ends (s) | peak {metric} | time to threshold (s) "
+             "| speed-up | mean step time (s) | generate / update (s) |",
+             "|---|---:|---|---:|---|---:|---|---:|---|"]
+    for r in rows:
+        peak = _fmt(r["peak_accuracy"]) + (f" +- {_fmt(r['peak_band'])}" if _finite(r["peak_band"]) else "")
+        lines.append(f"| {r['method']} | {r['seeds']} | {','.join(map(str, r['evals_per_seed']))} "
+                     f"| {_fmt(r['curve_end_s'], 0)} | {peak} | {_fmt(r['time_to_threshold_s'], 1)} "
+                     f"| {r['speedup']} | {_fmt(r['step_s'], 2)} "
+                     f"| {_fmt(r.get('generate_s'), 2)} / {_fmt(r.get('update_s'), 2)} |")
+    notes = [f"- {r['method']}: {note}" for r in rows for note in r["notes"]]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
+    """Left: accuracy vs training wall-clock (mean line, 1.96 SE band). Right: per-step time by step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    minutes = max((c.times_s[-1] for c in curves if len(c.times_s)), default=0) > 600
+    scale = 60.0 if minutes else 1.0
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c in curves:
+        line, = left.plot(c.times_s / scale, c.mean, label=f"{c.label} (n={len(c.runs)})")
+        has_band = ~np.isnan(c.band)
+        left.fill_between(c.times_s / scale, np.where(has_band, c.mean - c.band, c.mean),
+                          np.where(has_band, c.mean + c.band, c.mean), color=line.get_color(), alpha=0.2)
+        durations = [r.step_durations_s for r in c.runs if len(r.step_durations_s)]
+        if durations:
+            width = max(len(d) for d in durations)
+            padded = np.array([np.pad(d, (0, width - len(d)), constant_values=np.nan) for d in durations])
+            right.plot(np.arange(1, width + 1), np.nanmean(padded, axis=0), color=line.get_color(), label=c.label)
+    if threshold is not None and _finite(threshold):
+        left.axhline(threshold, color="gray", linestyle="--", linewidth=0.8, label="0.99 x baseline peak")
+    left.set_xlabel(f"training wall-clock ({'min' if minutes else 's'})")
+    left.set_ylabel(f"held-out {metric}")
+    left.legend(fontsize=8)
+    right.set_xlabel("step")
+    right.set_ylabel("step time (s), mean over seeds")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# Config keys that legitimately differ between the runs of one comparison (method, seed, bookkeeping).
+PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
+                "baseline", "grad_accum_steps", "updates_per_batch", "advantage_normalization"}
+
+
+def config_differences(runs):
+    """'key: value (n runs), value (n runs)' for every other setting that is not the same in all runs
+    (e.g. a preset edited between runs: their curves are then not comparable)."""
+    differences = []
+    for key in sorted(set().union(*(r.config for r in runs)) - PER_RUN_KEYS):
+        counts = {}
+        for r in runs:
+            value = json.dumps(r.config.get(key), sort_keys=True)
+            counts[value] = counts.get(value, 0) + 1
+        if len(counts) > 1:
+            differences.append(f"{key}: " + ", ".join(f"{v} ({n} runs)" for v, n in counts.items()))
+    return differences
+
+
+def expand_run_dirs(paths):
+    expanded = []
+    for path in map(Path, paths):
+        inner = sorted(p.parent for p in path.glob("*/metrics.jsonl")) if not (path / "metrics.jsonl").exists() else []
+        expanded += inner or [path]
+    return expanded
+
+
+def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval_file=None, plot=None,
+            title=None, metric="accuracy"):
+    """Read runs, group seeds by label, build curves, and return (rows, markdown table).
+
+    A folder that is not a run but holds runs (e.g. a study's --out) stands for all of them."""
+    runs, problems = [], []
+    for run_dir in expand_run_dirs(run_dirs):
+        try:
+            runs.append(read_run(run_dir, eval_file, metric))
+        except (ValueError, OSError, KeyError, json.JSONDecodeError) as error:
+            problems.append(f"- skipped {run_dir}: {error}")
+    if not runs:
+        raise ValueError("no readable run directory among: " + ", ".join(map(str, run_dirs)))
+    problems += [f"- {r.run_dir}: {r.skipped_lines} unreadable metrics lines skipped" for r in runs if r.skipped_lines]
+    problems += [f"- settings differ between runs: {d}" for d in config_differences(runs)]
+    labels = list(dict.fromkeys(r.label for r in runs))
+    if baseline_label is None:
+        grpo = [label for label in labels if label.upper().startswith("GRPO")]
+        if len(grpo) != 1:
+            raise ValueError(f"cannot pick the baseline among {labels}: pass --baseline-label")
+        baseline_label = grpo[0]
+    curves = [method_curve(label, [r for r in runs if r.label == label], interp, min_seeds) for label in labels]
+    rows = speedup_rows(curves, baseline_label, interp)
+    table = markdown_table(rows, baseline_label, metric=metric) + ("\n" + "\n".join(problems) if problems else "")
+    if plot:
+        plot_curves(curves, plot, rows[0]["threshold"], title, metric)
+    return rows, table
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="compare.py", description="accuracy vs wall-clock, speed-up")
+    parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("--plot", help="PNG path")
+    parser.add_argument("--table", help="also write the markdown table here")
+    parser.add_argument("--json", help="also write the per-method rows as JSON")
+    parser.add_argument("--baseline-label", help="default: the one label starting with GRPO")
+    parser.add_argument("--interp", choices=("linear", "step"), default="linear")
+    parser.add_argument("--min-seeds", type=int, default=2, help="seeds needed at a time point (0 = all)")
+    parser.add_argument("--eval-file", help="read accuracy from <run>/<this> (eval.py output) instead of metrics")
+    parser.add_argument("--metric", choices=METRICS, default="accuracy",
+                        help="held-out metric to compare (both_accuracy = correct and well-formatted)")
+    parser.add_argument("--title")
+    args = parser.parse_args(argv)
+    rows, table = compare(args.run_dirs, baseline_label=args.baseline_label, interp=args.interp,
+                          min_seeds=args.min_seeds, eval_file=args.eval_file, plot=args.plot, title=args.title,
+                          metric=args.metric)
+    print(table)
+    if args.table:
+        Path(args.table).write_text(table + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

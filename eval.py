@@ -1,0 +1,304 @@
+"""Held-out evaluation: answer, format and joint accuracy of sampled completions.
+
+Paper §4 / Appendix A.2-A.4: test accuracy is measured by sampling completions at temperature 0.9 and
+averaging over 5 repeats; the reported curves are accuracy against wall-clock training time. evaluate()
+is the measurement (train.py calls it for its periodic held-out accuracy); the command line evaluates one
+checkpoint, every checkpoint of a run, or a base model, and writes the results as JSON.
+
+Simplifications: one device; a completion is graded on its text alone (rewards.accuracy_rewards /
+format_rewards, batched), so "both" means answer-correct *and* well-formatted; a prompt ending in the
+"<think>\n" prefill has it put back in front of the completion before grading. Temperature 0 means greedy
+decoding: all samples of a prompt would be identical, so K and R collapse to 1 (with a warning).
+
+    python eval.py --checkpoint runs/demo                  # every checkpoint of a run -> runs/demo/eval_test.json
+    python eval.py --checkpoint runs/demo/checkpoints/step_000020 --repeats 5
+    python eval.py --model smollm2-135m-offline --dataset arithmetic --out base.json
+    python eval.py compare RUN_DIR... --plot out.png        # = python compare.py (curves, speed-up)
+"""
+
+import argparse
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class EvalResult:
+    accuracy: float               # fraction of samples whose final answer is correct
+    format_accuracy: float        # fraction with the <think>...</think><answer>...</answer> format
+    both_accuracy: float          # correct and well-formatted
+    mean_completion_length: float  # tokens, up to and including the first EOS
+    num_samples: int
+    elapsed_s: float
+
+
+def _check_args(prompts, answers, samples_per_prompt, repeats, temperature, batch_size):
+    if len(prompts) == 0:
+        raise ValueError("evaluate: no prompts given")
+    if len(prompts) != len(answers):
+        raise ValueError(f"evaluate: {len(prompts)} prompts but {len(answers)} answers")
+    if samples_per_prompt < 1 or repeats < 1 or batch_size < 1:
+        raise ValueError(f"evaluate: samples_per_prompt ({samples_per_prompt}), repeats ({repeats}) and "
+                         f"batch_size ({batch_size}) must all be >= 1")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"evaluate: temperature must be >= 0 (0 = greedy), got {temperature}")
+
+
+def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1, repeats=1, temperature=0.9,
+                     top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False):
+    """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them).
+
+    Prompts are generated in chunks of batch_size // K prompts (K samples each, so about batch_size rows
+    per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
+    `progress` and a repeat is reproducible on its own."""
+    import rewards
+    import sampling
+
+    _check_args(prompts, answers, samples_per_prompt, repeats, temperature, batch_size)
+    if temperature == 0 and (samples_per_prompt > 1 or repeats > 1):
+        warnings.warn("temperature 0 is greedy decoding: every sample would be identical, so "
+                      f"samples_per_prompt={samples_per_prompt} and repeats={repeats} are reduced to 1")
+        samples_per_prompt = repeats = 1
+    prompts_per_chunk = max(1, batch_size // samples_per_prompt)
+    chunk_starts = range(0, len(prompts), prompts_per_chunk)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=repeats * len(prompts) * samples_per_prompt, desc="eval", unit="sample")
+    results = []
+    for repeat in range(repeats):
+        start_time = time.perf_counter()
+        correct, formatted, both, total_tokens, count = 0, 0, 0, 0, 0
+        for chunk_index, start in enumerate(chunk_starts):
+            chunk_prompts = list(prompts[start:start + prompts_per_chunk])
+            rollouts = sampling.generate_rollouts(
+                model, tokenizer, chunk_prompts, samples_per_prompt, max_new_tokens, temperature=temperature,
+                top_p=top_p, rollout_batch_size=batch_size, seed=seed + 100_003 * repeat + chunk_index)
+            rows = [start + row // samples_per_prompt for row in range(len(rollouts.texts))]  # row i*K+j
+            # A prompt that ends in the think prefill (data.render_prompts(prefill_think=True)) made the
+            # model's output start after "<think>\n": grade the completion as prefill + generated text.
+            texts = [(rewards.THINK_PREFILL if prompts[i].endswith(rewards.THINK_PREFILL) else "") + text
+                     for i, text in zip(rows, rollouts.texts)]
+            is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows])
+            is_formatted = rewards.format_rewards(None, texts)
+            correct += sum(a > 0 for a in is_correct)
+            formatted += sum(f > 0 for f in is_formatted)
+            both += sum(a > 0 and f > 0 for a, f in zip(is_correct, is_formatted))
+            total_tokens += int(rollouts.lengths.sum())
+            count += len(rollouts.texts)
+            if bar is not None:
+                bar.update(len(rollouts.texts))
+        results.append(EvalResult(correct / count, formatted / count, both / count, total_tokens / count,
+                                  count, time.perf_counter() - start_time))
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def evaluate(model, tokenizer, prompts, answers, *, samples_per_prompt=1, repeats=1, temperature=0.9,
+             top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False):
+    """Accuracy over all prompts x samples x repeats (repeats have equal size, so this is their mean)."""
+    per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, samples_per_prompt=samples_per_prompt,
+                                  repeats=repeats, temperature=temperature, top_p=top_p,
+                                  max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                                  progress=progress)
+    return _pool(per_repeat)
+
+
+def _pool(per_repeat):
+    mean = lambda name: sum(getattr(r, name) for r in per_repeat) / len(per_repeat)  # noqa: E731
+    return EvalResult(mean("accuracy"), mean("format_accuracy"), mean("both_accuracy"),
+                      mean("mean_completion_length"), sum(r.num_samples for r in per_repeat),
+                      sum(r.elapsed_s for r in per_repeat))
+
+
+def summarize_repeats(per_repeat):
+    """{metric: {"mean", "std", "per_repeat"}} for the results file; std is the sample std (0 for R=1)."""
+    summary = {}
+    for name in ("accuracy", "format_accuracy", "both_accuracy", "mean_completion_length"):
+        values = [getattr(r, name) for r in per_repeat]
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+        summary[name] = {"mean": mean, "std": std, "per_repeat": values}
+    summary["num_samples"] = sum(r.num_samples for r in per_repeat)
+    summary["eval_s"] = sum(r.elapsed_s for r in per_repeat)
+    return summary
+
+
+# ---------------------------------------------------------------- command line: which model(s) to evaluate
+
+def _is_checkpoint(path):
+    """LoRA runs save adapter/, full fine-tuning saves model/ (checkpoint.py); config.json is a copy of the
+    run's settings. Checkpoints are renamed into place complete, so a step_* folder is never half-written."""
+    return ((path / "adapter").is_dir() or (path / "model").is_dir()) and (path / "config.json").is_file()
+
+
+def find_checkpoints(path):
+    """[(name, checkpoint dir)] for one checkpoint dir or a run dir (all its checkpoints/step_*)."""
+    path = Path(path)
+    if _is_checkpoint(path):
+        return [(path.name, path)]
+    folder = path / "checkpoints"
+    if not folder.is_dir():
+        raise ValueError(f"{path} is neither a checkpoint (adapter/ or model/ + config.json) nor a run "
+                         "directory (no checkpoints/)")
+    found = [(p.name, p) for p in sorted(folder.glob("step_*")) if _is_checkpoint(p)]
+    if not found:
+        raise ValueError(f"no checkpoint (step_*/ with adapter/ or model/, and config.json) under {folder}")
+    return found
+
+
+def checkpoint_progress(checkpoint):
+    """(step, elapsed training seconds) saved with a checkpoint, None where unknown."""
+    state_path = Path(checkpoint) / "trainer_state.pt"
+    if not state_path.is_file():
+        return None, None
+    # Our own file, written by train.py; it holds RNG states that weights_only loading may reject.
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    return state.get("step"), state.get("elapsed_s")
+
+
+def default_output(checkpoint_arg, split):
+    """Results file: in the run directory, so every checkpoint of a run appends to one file."""
+    path = Path(checkpoint_arg)
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
+    return run_dir / f"eval_{split}.json"
+
+
+def load_results(path, eval_config):
+    """Existing results keyed by checkpoint name; refuses to mix results measured under other settings."""
+    if not path.is_file():
+        return {"config": eval_config, "results": {}}
+    saved = json.loads(path.read_text())
+    if saved.get("config") != eval_config:
+        differing = sorted(k for k in set(eval_config) | set(saved.get("config", {}))
+                           if saved.get("config", {}).get(k) != eval_config.get(k))
+        raise ValueError(f"{path} holds results measured with other settings ({', '.join(differing)}); "
+                         "pass --out with a new file name")
+    return saved
+
+
+def build_prompts(tokenizer, settings, split, num_prompts):
+    """Prompts and answers rendered exactly as train.py rendered them (same dataset, one-shot, system
+    prompt, think prefill), so eval accuracy measures the trained prompt format."""
+    import data
+
+    # seed 0: the fixed held-out sample train.py evaluates on (the sampling seed is separate).
+    kwargs = {"num_rows": num_prompts, "seed": 0, "one_shot": bool(settings.get("one_shot", False))}
+    if settings.get("system_prompt") is not None:
+        kwargs["system_prompt"] = settings["system_prompt"]
+    if settings.get("data_dir"):
+        kwargs["data_dir"] = settings["data_dir"]
+    dataset = data.load_split(settings["dataset"], split, **kwargs)
+    texts = data.render_prompts(tokenizer, list(dataset["prompt"]),
+                                prefill_think=bool(settings.get("prefill_think", False)))
+    return texts, list(dataset["answer"])
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint", help="a checkpoint dir (adapter/ + config.json) or a run dir: "
+                                            "evaluates every checkpoint in <run>/checkpoints/")
+    where.add_argument("--model", help="a base model (Hub id, folder, GGUF or smollm2-135m-offline), no adapter")
+    parser.add_argument("--base-model", help="override the base model named in the checkpoint's config.json")
+    parser.add_argument("--dataset", help="default: the run's dataset (config.json), else gsm8k")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: the whole split")
+    parser.add_argument("--samples-per-prompt", "-k", type=int, default=1)
+    parser.add_argument("--repeats", "-r", type=int, default=5, help="the authors used 5")
+    parser.add_argument("--temperature", type=float, default=0.9, help="the authors used 0.9; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's, else 256")
+    parser.add_argument("--batch-size", type=int, default=64, help="rows (prompts x samples) per generate call")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=(None, "float32", "bfloat16", "float16"))
+    parser.add_argument("--out", help="results JSON (default: <run>/eval_<split>.json, or eval_<split>.json)")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def run_settings(args, checkpoints):
+    """Model and prompt settings: explicit flags, else the run's config.json, else defaults."""
+    run_config = json.loads((checkpoints[0][1] / "config.json").read_text()) if checkpoints else {}
+    settings = {key: run_config.get(key) for key in ("one_shot", "system_prompt", "prefill_think", "data_dir")}
+    settings["model"] = args.model or args.base_model or run_config.get("model")
+    if not settings["model"]:
+        raise ValueError("the checkpoint's config.json names no base model: pass --base-model")
+    settings["dataset"] = args.dataset or run_config.get("dataset") or "gsm8k"
+    settings["max_new_tokens"] = args.max_new_tokens or run_config.get("max_completion_tokens") or 256
+    return settings
+
+
+def main(argv=None):
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "compare":
+        import compare
+
+        return compare.main(argv[1:])
+    args = parse_args(argv)
+    import models
+
+    checkpoints = find_checkpoints(args.checkpoint) if args.checkpoint else []
+    settings = run_settings(args, checkpoints)
+    out_path = Path(args.out) if args.out else (
+        default_output(args.checkpoint, args.split) if args.checkpoint else Path(f"eval_{args.split}.json"))
+    eval_config = {"model": settings["model"], "dataset": settings["dataset"], "split": args.split,
+                   "num_prompts_requested": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
+                   "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p,
+                   "max_new_tokens": settings["max_new_tokens"], "seed": args.seed,
+                   "one_shot": bool(settings["one_shot"]), "prefill_think": bool(settings["prefill_think"])}
+    saved = load_results(out_path, eval_config)
+    todo = [(name, path) for name, path in checkpoints if name not in saved["results"]]
+    if checkpoints and not todo:
+        print(f"all {len(checkpoints)} checkpoints already in {out_path}")
+        return saved
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    tokenizer = models.load_tokenizer(settings["model"])
+    prompts, answers = build_prompts(tokenizer, settings, args.split, args.num_prompts)
+    base = None
+    for name, path in todo or [("base", None)]:
+        if path is not None and (path / "model").is_dir():  # full fine-tuning checkpoint
+            model = models.load_policy(str(path / "model"), dtype=dtype, device=args.device)
+        else:
+            base = base or models.load_policy(settings["model"], dtype=dtype, device=args.device)
+            model = base
+            if path is not None:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(base, str(path / "adapter"))
+        per_repeat = evaluate_repeats(model, tokenizer, prompts, answers,
+                                      samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      max_new_tokens=settings["max_new_tokens"], batch_size=args.batch_size,
+                                      seed=args.seed, progress=not args.no_progress)
+        step, elapsed_s = checkpoint_progress(path) if path is not None else (0, 0.0)
+        entry = {"checkpoint": str(path) if path else settings["model"], "step": step, "elapsed_s": elapsed_s,
+                 "num_prompts": len(prompts), **summarize_repeats(per_repeat)}
+        saved["results"][name] = entry
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(saved, indent=1))  # after every checkpoint: a crash loses one at most
+        print(f"{name}: accuracy {entry['accuracy']['mean']:.4f} ± {entry['accuracy']['std']:.4f} "
+              f"format {entry['format_accuracy']['mean']:.4f} both {entry['both_accuracy']['mean']:.4f} "
+              f"length {entry['mean_completion_length']['mean']:.1f} ({entry['num_samples']} samples) -> {out_path}")
+        if model is not base:
+            if hasattr(model, "unload"):
+                base = model.unload()  # strip the LoRA layers: the plain base model for the next adapter
+            del model
+    return saved
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The paper's down-sampling-rule study (Fig. 5) and an n/m study, at demo scale on CPU.
+
+Trains train.py's demo preset (SmolLM2-135M on synthetic addition) with each rule (max_variance, random,
+max_reward, percentile) at n/m = 16/4 and the GRPO baseline (n = m = 4), and max_variance with m = 4 and
+n in {4, 8, 16}, for every seed, one subprocess at a time; then compares them with compare.py (accuracy vs
+wall-clock with 1.96 SE bands, speed-up ratio of paper Appendix A.4) into plots and markdown tables.
+
+    python study.py run --out runs/study --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
+    python study.py compare RUN_DIR...            (= python compare.py)
+
+Resumable: a finished run has <out>/<name>/study_done.json and is skipped; an interrupted one continues
+from its checkpoint (train.py --resume) or starts over; a failed one is listed and retried on the next call.
+Simplification: demo scale only; the paper-scale settings (a)-(d) are run with train.py directly.
+"""
+
+import argparse
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from compare import compare
+
+
+METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
+STUDY_RULES = ("max_variance", "random", "max_reward", "percentile")  # paper Fig. 5, plus the GRPO baseline
+# Demo preset, made to fit a shared 2-core CPU: one prompt per step (the authors' single-GPU config), a
+# 20-prompt greedy held-out set every 3 steps, and only the final checkpoint. Flags after `--` override these.
+STUDY_TRAIN_ARGS = ("--prompts-per-step", "1", "--eval-samples", "20", "--eval-interval", "3",
+                    "--checkpoint-interval-s", "100000")
+
+
+def study_plan(seeds, rules=STUDY_RULES, num_rollouts=16, update_size=4, nm_values=(4, 8, 16)):
+    """{run name: train.py method flags} and {study: [run names]} for the demo preset.
+
+    Rule study: every rule at n/m = num_rollouts/update_size, plus GRPO at n = m = update_size.
+    n/m study: max_variance with m = update_size and each n in nm_values (n = m is the GRPO baseline);
+    runs shared by both studies (GRPO, max_variance 16/4) are trained once."""
+    runs, studies = {}, {"rules": [], "nm": []}
+
+    def add(study_name, rule, n, seed):
+        if n == update_size:
+            name, flags = f"grpo-n{n}-m{n}-s{seed}", ["--rule", "none"]
+        else:
+            name, flags = f"{rule}-n{n}-m{update_size}-s{seed}", ["--rule", rule]
+        runs[name] = flags + ["--num-rollouts", str(n), "--update-size", str(update_size), "--seed", str(seed)]
+        studies[study_name].append(name)
+
+    for seed in seeds:  # seed-major, rule study first: a study cut short still has whole seeds
+        add("rules", "none", update_size, seed)
+        for rule in rules:
+            add("rules", rule, num_rollouts, seed)
+    for seed in seeds:
+        for n in nm_values:
+            add("nm", "max_variance", n, seed)
+    return runs, studies
+
+
+def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), dry_run=False, num_threads=1,
+              train_script=Path(__file__).with_name("train.py")):
+    """Train every planned run (sequentially, one subprocess each), then compare each study.
+
+    Resumable: a run with <out>/<name>/study_done.json is skipped; an interrupted one continues from its
+    latest checkpoint (train.py --resume) or, without one, starts over."""
+    out_dir = Path(out_dir)
+    runs, studies = study_plan(seeds, nm_values=nm_values)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    failed = []
+    for index, (name, flags) in enumerate(runs.items(), start=1):
+        run_dir = out_dir / name
+        if (run_dir / "study_done.json").is_file():
+            continue
+        command = [sys.executable, str(train_script), "--preset", "demo",
+                   "--output-dir", str(run_dir), "--max-time-s", str(max_time_s), "--no-progress",
+                   "--num-threads", str(num_threads), *STUDY_TRAIN_ARGS, *flags, *train_args]
+        if (run_dir / "checkpoints" / "latest.txt").is_file():
+            command.append("--resume")
+        elif run_dir.exists() and not dry_run:
+            shutil.rmtree(run_dir)  # interrupted before its first checkpoint: nothing worth keeping
+        print(f"[{index}/{len(runs)}] {' '.join(command)}", flush=True)
+        if dry_run:
+            continue
+        start = time.perf_counter()
+        with open(out_dir / "logs" / f"{name}.log", "a") as log:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            failed.append(name)
+            print(f"    failed (exit {code}); see {out_dir / 'logs' / (name + '.log')}", flush=True)
+            continue
+        done = {"command": command, "wall_s": time.perf_counter() - start}
+        (run_dir / "study_done.json").write_text(json.dumps(done))
+    if dry_run:
+        return {}
+    tables = {}
+    titles = {"rules": "Down-sampling rules (demo scale, paper Fig. 5)", "nm": "n/m study (demo scale)"}
+    # accuracy is the paper's metric; both_accuracy (correct *and* formatted) also shows format learning,
+    # which dominates the first minutes of the demo.
+    for (study_name, names), (metric, suffix) in itertools.product(studies.items(), METRIC_FILES):
+        present = [out_dir / name for name in dict.fromkeys(names) if (out_dir / name / "metrics.jsonl").is_file()]
+        if not present:
+            continue
+        name = study_name + suffix
+        # Every run has the same time budget, so seeds end within one step of each other: keep the curve
+        # only while all seeds have data (a mean over a changing subset of seeds jumps at the end).
+        _, table = compare(present, plot=out_dir / f"{name}.png", title=titles[study_name], metric=metric,
+                           min_seeds=0)
+        tables[name] = table
+        (out_dir / f"{name}.md").write_text(table + "\n")
+        print(f"\n## {titles[study_name]}\n\n{table}\nplot: {out_dir / (name + '.png')}", flush=True)
+    if failed:
+        print(f"\nfailed runs: {', '.join(failed)}")
+    return tables
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:
+        import compare as compare_module
+
+        return compare_module.main(argv[1:])
+    if argv[:1] != ["run"]:
+        sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...]")
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    parser = argparse.ArgumentParser(prog="study.py run", description="rule study + n/m study at demo scale; "
+                                     "arguments after -- go to every train.py run")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--max-time-s", type=float, default=120.0, help="training wall-clock per run")
+    parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
+    parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads per run: on a shared "
+                        "machine one thread avoids OpenMP spin-waits (here 2 threads were ~7x slower)")
+    parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
+    args = parser.parse_args(argv)
+    return run_study(args.out, args.seeds, args.max_time_s, train_args, tuple(args.nm_values), args.dry_run,
+                     args.num_threads)
+
+
+if __name__ == "__main__":
+    main()

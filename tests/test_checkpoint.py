@@ -1,0 +1,114 @@
+"""checkpoint.py: atomic save (a crash mid-save keeps the last good checkpoint), exact restore of adapter,
+optimizer and RNG states, and PeftModel.from_pretrained compatibility."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import models
+
+
+@pytest.fixture
+def lora_setup():
+    torch.manual_seed(0)
+    model = models.prepare_for_training(models.tiny_random_model("llama", vocab_size=256), lora_rank=4, lora_alpha=8)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    return model, optimizer
+
+
+def take_step(model, optimizer):
+    ids = torch.randint(0, 256, (2, 6))
+    optimizer.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def trainable(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_save_then_load_restores_weights_optimizer_and_rng(tmp_path, lora_setup):
+    model, optimizer = lora_setup
+    take_step(model, optimizer)
+    path = checkpoint.save_checkpoint(tmp_path, 1, model, optimizer, {"elapsed_s": 12.5, "position": (0, 4)},
+                                      {"model": "tiny"})
+    expected_weights = trainable(model)
+    expected_draws = (random.random(), np.random.rand(), torch.rand(3))
+    take_step(model, optimizer)  # move everything on, then restore
+    take_step(model, optimizer)
+    state = checkpoint.load_checkpoint(path, model, optimizer)
+    assert state["step"] == 1 and state["elapsed_s"] == 12.5 and state["position"] == (0, 4)
+    assert all(torch.equal(expected_weights[n], p) for n, p in trainable(model).items())
+    assert (random.random(), np.random.rand()) == expected_draws[:2] and torch.equal(torch.rand(3), expected_draws[2])
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 1  # Adam moments from step 1, not step 3
+    assert json.loads((path / "config.json").read_text()) == {"model": "tiny"}
+
+
+def test_adapter_loads_with_plain_peft(tmp_path, lora_setup):
+    from peft import PeftModel
+
+    model, optimizer = lora_setup
+    take_step(model, optimizer)
+    path = checkpoint.save_checkpoint(tmp_path, 3, model, optimizer, {}, {})
+    loaded = PeftModel.from_pretrained(models.tiny_random_model("llama", vocab_size=256), path / "adapter")
+    ours = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    theirs = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+
+def test_crash_mid_save_keeps_last_good_checkpoint(tmp_path, lora_setup, monkeypatch):
+    model, optimizer = lora_setup
+    good = checkpoint.save_checkpoint(tmp_path, 1, model, optimizer, {"elapsed_s": 1.0}, {})
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(tmp_path, 2, model, optimizer, {"elapsed_s": 2.0}, {})
+    monkeypatch.undo()
+    assert checkpoint.latest_checkpoint(tmp_path) == good
+    assert not (tmp_path / "checkpoints" / "step_000002").exists()
+    leftovers = list((tmp_path / "checkpoints").glob(checkpoint.TMP_PREFIX + "*"))
+    assert leftovers  # the half-written folder ...
+    newer = checkpoint.save_checkpoint(tmp_path, 2, model, optimizer, {"elapsed_s": 2.0}, {})
+    assert not any(p.exists() for p in leftovers)  # ... is cleaned up by the next save
+    assert checkpoint.latest_checkpoint(tmp_path) == newer
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path, lora_setup):
+    model, optimizer = lora_setup
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(tmp_path, step, model, optimizer, {}, {}, keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert names == ["step_000002", "step_000003"]
+    assert checkpoint.latest_checkpoint(tmp_path).name == "step_000003"
+
+
+def test_full_fine_tuning_round_trip(tmp_path):
+    model = models.tiny_random_model("llama", vocab_size=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    take_step(model, optimizer)
+    path = checkpoint.save_checkpoint(tmp_path, 1, model, optimizer, {}, {})
+    expected = trainable(model)
+    take_step(model, optimizer)
+    checkpoint.load_checkpoint(path, model, optimizer)
+    assert all(torch.equal(expected[n], p) for n, p in trainable(model).items())
+
+
+def test_prompt_order_is_a_per_epoch_permutation_and_resumable():
+    picked, position = checkpoint.next_prompt_indices(10, 25, seed=3, position=(0, 0))
+    assert position == (2, 5)
+    assert sorted(picked[:10]) == sorted(picked[10:20]) == list(range(10)) and picked[:10] != picked[10:20]
+    first, middle = checkpoint.next_prompt_indices(10, 7, seed=3, position=(0, 0))
+    second, end = checkpoint.next_prompt_indices(10, 18, seed=3, position=middle)
+    assert first + second == picked and end == position  # drawing in pieces = drawing at once
+
+
+def test_step_seeds_differ_by_step_and_round():
+    seeds = {checkpoint.step_seed(0, step, r) for step in range(1, 50) for r in range(3)}
+    assert len(seeds) == 147 and checkpoint.step_seed(0, 5) == checkpoint.step_seed(0, 5, 0)

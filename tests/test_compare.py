@@ -1,0 +1,190 @@
+"""compare.py: curves, 1.96*SE bands, speed-up ratio (Appendix A.4), ragged/missing runs, plot + table."""
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+import compare
+
+
+def make_run(root, name, label, seed, eval_points, step_times=(), extra_lines=()):
+    """A synthetic run dir in train.py's layout: config.json + metrics.jsonl (train and eval lines)."""
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"label": label, "seed": seed, "rule": "x"}))
+    lines, elapsed = [], 0.0
+    for step, duration in enumerate(step_times, start=1):
+        elapsed += duration
+        lines.append({"type": "train", "step": step, "elapsed_s": elapsed, "generate_s": 0.75 * duration,
+                      "update_s": 0.25 * duration})
+    for step, (time_s, accuracy) in enumerate(eval_points):
+        lines.append({"type": "eval", "step": step, "elapsed_s": time_s, "eval/accuracy": accuracy})
+    text = "\n".join(json.dumps(line) for line in lines) + "\n" + "".join(extra_lines)
+    (run / "metrics.jsonl").write_text(text)
+    return run
+
+
+def ramp(peak, time_to_peak_s, end_s=100, every_s=10, offset=0.0):
+    """Accuracy rising linearly to `peak` at time_to_peak_s, then flat; eval every `every_s`."""
+    return [(t, offset + peak * min(t / time_to_peak_s, 1.0)) for t in range(0, end_s + 1, every_s)]
+
+
+def test_speedup_matches_analytic_crossing_times(tmp_path):
+    peak, base_peak_s, fast_peak_s = 0.5, 100, 50
+    runs = [make_run(tmp_path, f"grpo{s}", "GRPO 4/4", s, ramp(peak, base_peak_s, offset=d))
+            for s, d in enumerate((-0.05, 0.05))]
+    runs += [make_run(tmp_path, f"pods{s}", "PODS 16/4", s, ramp(peak, fast_peak_s, offset=d))
+             for s, d in enumerate((-0.05, 0.05))]
+    runs += [make_run(tmp_path, f"slow{s}", "PODS random", s, ramp(0.3, 100)) for s in range(2)]
+    rows, table = compare.compare(runs)  # baseline auto-detected from the "GRPO" prefix
+    assert compare.compare([tmp_path])[1] == table  # a folder of runs stands for all of them
+    by_method = {r["method"]: r for r in rows}
+    # Symmetric seed offsets cancel in the mean, so the crossing of 0.99*peak is analytic on each ramp.
+    expected_base_s, expected_fast_s = 0.99 * base_peak_s, 0.99 * fast_peak_s
+    assert by_method["GRPO 4/4"]["time_to_threshold_s"] == pytest.approx(expected_base_s)
+    assert by_method["PODS 16/4"]["time_to_threshold_s"] == pytest.approx(expected_fast_s)
+    assert by_method["PODS 16/4"]["speedup"] == f"{expected_base_s / expected_fast_s:.2f}x"
+    assert by_method["GRPO 4/4"]["speedup"] == "1.00x"
+    assert by_method["PODS random"]["speedup"] == "not reached"
+    assert by_method["PODS 16/4"]["peak_accuracy"] == pytest.approx(peak)
+    assert "not reached" in table and "GRPO 4/4" in table
+
+
+def test_step_interpolation_uses_first_eval_at_or_above_threshold(tmp_path):
+    runs = [make_run(tmp_path, "b", "GRPO", 0, ramp(0.5, 100)), make_run(tmp_path, "p", "PODS", 0, ramp(0.5, 50))]
+    rows, _ = compare.compare(runs, interp="step")
+    by_method = {r["method"]: r for r in rows}
+    assert by_method["GRPO"]["time_to_threshold_s"] == 100  # first eval >= 0.495
+    assert by_method["PODS"]["time_to_threshold_s"] == 50
+    assert by_method["PODS"]["speedup"] == "2.00x"
+
+
+def test_band_is_196_standard_errors_across_seeds(tmp_path):
+    levels = [0.2, 0.45, 0.6]
+    runs = [compare.read_run(make_run(tmp_path, f"r{i}", "M", i, [(t, a + t / 1000) for t in (0, 10, 20)]))
+            for i, a in enumerate(levels)]
+    curve = compare.method_curve("M", runs)
+    expected_band = 1.96 * statistics.stdev(levels) / math.sqrt(len(levels))
+    np.testing.assert_allclose(curve.band, expected_band)
+    np.testing.assert_allclose(curve.mean, statistics.mean(levels) + np.array([0, 10, 20]) / 1000)
+    assert list(curve.count) == [3, 3, 3]
+
+
+def test_one_seed_has_no_band(tmp_path):
+    run = compare.read_run(make_run(tmp_path, "r", "M", 0, ramp(0.4, 50)))
+    curve = compare.method_curve("M", [run])
+    assert np.isnan(curve.band).all() and len(curve.mean) == 11
+    assert any("no band" in note for note in curve.notes)
+
+
+def test_ragged_seeds_cut_where_too_few_remain(tmp_path):
+    runs = [compare.read_run(make_run(tmp_path, "a", "M", 0, ramp(0.4, 100, end_s=100))),
+            compare.read_run(make_run(tmp_path, "b", "M", 1, ramp(0.4, 100, end_s=60))),
+            compare.read_run(make_run(tmp_path, "c", "M", 2, ramp(0.4, 100, end_s=100, every_s=25)))]
+    at_least_two = compare.method_curve("M", runs, min_seeds=2)
+    every_seed = compare.method_curve("M", runs, min_seeds=0)
+    assert at_least_two.times_s[-1] == 100 and at_least_two.count.min() >= 2
+    assert every_seed.times_s[-1] == 60 and (every_seed.count == 3).all()
+    # Grid = union of eval times (seed c evaluates at 25 and 75, between the others' points).
+    assert 25 in every_seed.times_s and 75 in at_least_two.times_s
+    assert any("last evals" in note for note in at_least_two.notes)
+
+
+def test_values_on_grid_no_extrapolation():
+    times, accuracy = np.array([10.0, 20.0]), np.array([0.2, 0.4])
+    grid = np.array([0.0, 10.0, 15.0, 20.0, 30.0])
+    linear = compare.values_on_grid(times, accuracy, grid, "linear")
+    step = compare.values_on_grid(times, accuracy, grid, "step")
+    np.testing.assert_allclose(linear[1:4], [0.2, 0.3, 0.4])
+    np.testing.assert_allclose(step[1:4], [0.2, 0.2, 0.4])
+    assert np.isnan(linear[[0, 4]]).all() and np.isnan(step[[0, 4]]).all()
+    with pytest.raises(ValueError, match="interp"):
+        compare.values_on_grid(times, accuracy, grid, "cubic")
+
+
+def test_missing_and_broken_data_is_reported(tmp_path):
+    good = [make_run(tmp_path, f"g{s}", "GRPO", s, ramp(0.5, 100)) for s in range(2)]
+    no_evals = make_run(tmp_path, "noeval", "PODS", 0, [], step_times=[1.0, 2.0])
+    partial = make_run(tmp_path, "partial", "PODS", 1, [(0, 0.1), (10, float("nan")), (20, 0.3)],
+                       extra_lines=['{"type": "eval", "step": 9, "elapsed_s": 9'])  # killed mid-write
+    not_a_run = tmp_path / "empty"
+    not_a_run.mkdir()
+    rows, table = compare.compare([*good, no_evals, partial, not_a_run])
+    pods = next(r for r in rows if r["method"] == "PODS")
+    assert pods["seeds"] == 2 and sorted(pods["evals_per_seed"]) == [0, 2]  # NaN eval dropped
+    assert "noeval: no evaluation" in table
+    assert "skipped" in table and "empty" in table
+    assert "1 unreadable metrics lines" in table
+
+
+def test_resumed_run_keeps_last_line_per_step_and_step_times(tmp_path):
+    run = make_run(tmp_path, "r", "M", 0, [(0, 0.1), (5, 0.2)], step_times=[2.0, 4.0, 3.0],
+                   extra_lines=[json.dumps({"type": "eval", "step": 1, "elapsed_s": 6, "eval/accuracy": 0.5}) + "\n"])
+    data = compare.read_run(run)
+    np.testing.assert_allclose(data.eval_times_s, [0, 6])
+    np.testing.assert_allclose(data.eval_accuracy, [0.1, 0.5])
+    np.testing.assert_allclose(data.step_durations_s, [2.0, 4.0, 3.0])
+    assert data.phase_means_s["generate_s"] == pytest.approx(0.75 * 3.0)
+
+
+def test_baseline_selection(tmp_path):
+    runs = [make_run(tmp_path, "a", "GRPO 4/4", 0, ramp(0.5, 100)),
+            make_run(tmp_path, "b", "GRPO 8/8", 0, ramp(0.5, 50))]
+    with pytest.raises(ValueError, match="baseline"):
+        compare.compare(runs)
+    rows, _ = compare.compare(runs, baseline_label="GRPO 8/8")
+    assert rows[0]["speedup"] == "0.50x"
+    with pytest.raises(ValueError, match="not among"):
+        compare.compare(runs, baseline_label="nope")
+
+
+def test_degenerate_baselines_give_undefined_speedup(tmp_path):
+    runs = [make_run(tmp_path, "a", "GRPO", 0, [(0, 0.0), (10, 0.0)]),
+            make_run(tmp_path, "b", "PODS", 0, [(0, 0.0), (10, 0.2)])]
+    rows, _ = compare.compare(runs)
+    assert all(r["speedup"].startswith("undefined") for r in rows)
+    # A baseline whose best evaluation is its first one (t = 0) gives T_b = 0: no meaningful ratio either.
+    runs = [make_run(tmp_path, "c", "GRPO", 0, [(0, 0.3), (10, 0.2)]),
+            make_run(tmp_path, "d", "PODS", 0, [(0, 0.3), (10, 0.4)])]
+    rows, _ = compare.compare(runs)
+    assert [r["speedup"] for r in rows] == ["undefined (baseline peaks at its first eval)"] * 2
+    assert rows[1]["peak_accuracy"] == 0.4 and rows[1]["time_to_threshold_s"] == 0.0
+
+
+def test_compare_cli_writes_plot_table_and_json(tmp_path, capsys):
+    runs = [str(make_run(tmp_path, f"{m}{s}", m, s, ramp(0.4, p, offset=0.02 * s), step_times=[1.0] * 5))
+            for m, p in (("GRPO", 100), ("PODS", 60)) for s in range(3)]
+    out = tmp_path / "out"
+    import eval as eval_module
+
+    rows = eval_module.main(["compare", *runs, "--plot", str(out / "c.png"), "--table", str(out / "t.md"),
+                             "--json", str(out / "r.json")])
+    assert (out / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| PODS |" in (out / "t.md").read_text() and "| PODS |" in capsys.readouterr().out
+    assert json.loads((out / "r.json").read_text())[1]["method"] == rows[1]["method"] == "PODS"
+    assert rows[1]["step_s"] == pytest.approx(1.0) and rows[1]["generate_s"] == pytest.approx(0.75)
+    assert "| 0.75 / 0.25 |" in (out / "t.md").read_text()
+
+
+def test_metric_choice(tmp_path):
+    run = make_run(tmp_path, "r", "M", 0, [(0, 0.3), (5, 0.4)],
+                   extra_lines=[json.dumps({"type": "eval", "step": 2, "elapsed_s": 9, "eval/accuracy": 0.2,
+                                            "eval/both_accuracy": 0.15}) + "\n"])
+    assert list(compare.read_run(run).eval_accuracy) == [0.3, 0.4, 0.2]
+    both = compare.read_run(run, metric="both_accuracy")  # lines without the metric are left out
+    assert list(both.eval_times_s) == [9.0] and list(both.eval_accuracy) == [0.15]
+    with pytest.raises(ValueError, match="metric"):
+        compare.read_run(run, metric="loss")
+
+
+def test_settings_that_differ_between_runs_are_reported(tmp_path):
+    runs = [make_run(tmp_path, f"r{s}", "GRPO" if s else "PODS", s, ramp(0.4, 50)) for s in range(3)]
+    for run, lr in zip(runs, (3e-4, 3e-4, 5e-4)):
+        config = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps(dict(config, learning_rate=lr, output_dir=str(run))))
+    _, table = compare.compare(runs)
+    assert "settings differ between runs: learning_rate: 0.0003 (2 runs), 0.0005 (1 runs)" in table
+    assert "output_dir" not in table and "seed" not in table.split("settings differ")[1]

@@ -1,0 +1,166 @@
+"""eval.py: evaluate() on a tiny random model end to end, its bookkeeping, and the command line."""
+
+import json
+import statistics
+
+import pytest
+import torch
+
+import eval as eval_module
+import rewards
+
+PROMPTS = ["What is 2 + 3?", "Compute 7 * 6.", "What is 10 - 4?"]
+
+
+def test_evaluate_tiny_model_end_to_end(tiny_model, smollm2_tokenizer):
+    result = eval_module.evaluate(tiny_model, smollm2_tokenizer, PROMPTS, ["5", "42", "6"], samples_per_prompt=2,
+                                  repeats=2, max_new_tokens=6, batch_size=4, seed=1)
+    assert result.num_samples == len(PROMPTS) * 2 * 2
+    for value in (result.accuracy, result.format_accuracy, result.both_accuracy):
+        assert 0.0 <= value <= 1.0
+    assert result.both_accuracy <= min(result.accuracy, result.format_accuracy)
+    assert 1.0 <= result.mean_completion_length <= 6.0  # tokens, first EOS included
+    assert result.elapsed_s > 0
+
+
+def test_rows_are_graded_against_their_own_prompt(tiny_model, smollm2_tokenizer, monkeypatch):
+    # Grade by the answer alone, so the exact fraction follows from which prompt each row belongs to.
+    monkeypatch.setattr(rewards, "accuracy_rewards",
+                        lambda prompts, texts, answer, **kw: [float(a == "yes") for a in answer])
+    monkeypatch.setattr(rewards, "format_rewards",
+                        lambda prompts, texts, **kw: [float(t.startswith("<think>\n")) for t in texts])
+    answers = ["yes", "no", "yes"]
+    expected = answers.count("yes") / len(answers)
+    for k, batch_size in ((1, 64), (3, 2), (2, 5)):  # chunks of 1-2 prompts: rows must not shift
+        result = eval_module.evaluate(tiny_model, smollm2_tokenizer, PROMPTS, answers, samples_per_prompt=k,
+                                      max_new_tokens=2, batch_size=batch_size)
+        assert result.accuracy == pytest.approx(expected)
+        assert result.format_accuracy == 0.0 and result.both_accuracy == 0.0
+    # A prompt that ends in the think prefill gets it back in front of the completion before grading.
+    prefilled = [p + rewards.THINK_PREFILL for p in PROMPTS[:2]] + PROMPTS[2:]
+    result = eval_module.evaluate(tiny_model, smollm2_tokenizer, prefilled, answers, max_new_tokens=2)
+    assert result.format_accuracy == pytest.approx(2 / 3) and result.both_accuracy == pytest.approx(1 / 3)
+
+
+def test_reproducible_and_progress_does_not_change_results(tiny_model, smollm2_tokenizer):
+    kwargs = dict(samples_per_prompt=2, repeats=2, max_new_tokens=5, batch_size=4, seed=3)
+    first = eval_module.evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, **kwargs)
+    again = eval_module.evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, progress=True, **kwargs)
+    assert [r.mean_completion_length for r in first] == [r.mean_completion_length for r in again]
+    assert [r.num_samples for r in first] == [6, 6]
+    assert torch.is_grad_enabled()  # generation's no_grad does not leak out
+
+
+def test_greedy_collapses_samples_and_repeats(tiny_model, smollm2_tokenizer):
+    with pytest.warns(UserWarning, match="greedy"):
+        result = eval_module.evaluate(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, samples_per_prompt=4,
+                                      repeats=3, temperature=0.0, max_new_tokens=3)
+    assert result.num_samples == len(PROMPTS)
+
+
+@pytest.mark.parametrize("prompts, answers, kwargs, message", [
+    ([], [], {}, "no prompts"),
+    (PROMPTS, ["1"], {}, "3 prompts but 1 answers"),
+    (PROMPTS, ["1"] * 3, {"samples_per_prompt": 0}, "must all be >= 1"),
+    (PROMPTS, ["1"] * 3, {"temperature": -0.5}, "temperature"),
+    (PROMPTS, ["1"] * 3, {"temperature": float("nan")}, "temperature"),
+])
+def test_bad_input_raises(prompts, answers, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        eval_module.evaluate(None, None, prompts, answers, **kwargs)
+
+
+def test_summarize_repeats_mean_and_sample_std():
+    accuracies = [0.25, 0.5, 0.6]
+    per_repeat = [eval_module.EvalResult(a, 1 - a, a / 2, 10.0 + i, 8, 1.5) for i, a in enumerate(accuracies)]
+    summary = eval_module.summarize_repeats(per_repeat)
+    assert summary["accuracy"]["mean"] == pytest.approx(statistics.mean(accuracies))
+    assert summary["accuracy"]["std"] == pytest.approx(statistics.stdev(accuracies))
+    assert summary["accuracy"]["per_repeat"] == accuracies
+    assert summary["num_samples"] == 24 and summary["eval_s"] == pytest.approx(4.5)
+    assert eval_module.summarize_repeats(per_repeat[:1])["accuracy"]["std"] == 0.0
+
+
+def _save_tiny(model_dir, model, tokenizer):
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+
+def _add_checkpoint(run_dir, step, model_dir, config):
+    """A checkpoint in train.py's layout (checkpoint.py): adapter/, trainer_state.pt, config.json."""
+    from peft import LoraConfig, get_peft_model
+
+    import models
+
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    lora = get_peft_model(models.tiny_random_model(seed=step), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(path / "adapter")
+    torch.save({"step": step, "elapsed_s": 1.5 * step, "rng": {"numpy": None}}, path / "trainer_state.pt")
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_cli_evaluates_every_checkpoint_and_appends(tmp_path, tiny_model, smollm2_tokenizer, capsys):
+    pytest.importorskip("data")
+    import compare
+
+    model_dir, run_dir = tmp_path / "model", tmp_path / "run"
+    _save_tiny(model_dir, tiny_model, smollm2_tokenizer)
+    config = {"model": str(model_dir), "dataset": "arithmetic", "one_shot": False, "prefill_think": False,
+              "max_completion_tokens": 4, "label": "PODS max_variance 16/4", "seed": 0}
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(config))
+    (run_dir / "metrics.jsonl").write_text("")
+    for step in (0, 2):
+        _add_checkpoint(run_dir, step, model_dir, config)
+    flags = ["--num-prompts", "3", "--repeats", "2", "--batch-size", "8", "--no-progress"]
+    eval_module.main(["--checkpoint", str(run_dir), *flags])
+    out = run_dir / "eval_test.json"
+    saved = json.loads(out.read_text())
+    assert saved["config"]["repeats"] == 2 and saved["config"]["max_new_tokens"] == 4
+    assert sorted(saved["results"]) == ["step_000000", "step_000002"]
+    entry = saved["results"]["step_000002"]
+    assert entry["elapsed_s"] == 3.0 and entry["step"] == 2 and entry["num_samples"] == 6
+    assert len(entry["accuracy"]["per_repeat"]) == 2 and 0 <= entry["accuracy"]["mean"] <= 1
+    assert 1 <= entry["mean_completion_length"]["mean"] <= 4
+
+    _add_checkpoint(run_dir, 4, model_dir, config)  # a new checkpoint: only it is evaluated and appended
+    eval_module.main(["--checkpoint", str(run_dir), *flags])
+    again = json.loads(out.read_text())
+    assert sorted(again["results"]) == ["step_000000", "step_000002", "step_000004"]
+    assert again["results"]["step_000002"] == entry
+    capsys.readouterr()
+    eval_module.main(["--checkpoint", str(run_dir), *flags])
+    assert "all 3 checkpoints already" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="other settings.*temperature"):
+        eval_module.main(["--checkpoint", str(run_dir), *flags, "--temperature", "0.5"])
+    # compare can read these results instead of the training-time eval lines.
+    data = compare.read_run(run_dir, eval_file="eval_test.json")
+    assert list(data.eval_times_s) == [0.0, 3.0, 6.0]
+
+
+def test_cli_base_model_and_full_checkpoint(tmp_path, tiny_model, smollm2_tokenizer):
+    pytest.importorskip("data")
+    model_dir = tmp_path / "model"
+    _save_tiny(model_dir, tiny_model, smollm2_tokenizer)
+    out = tmp_path / "base.json"
+    eval_module.main(["--model", str(model_dir), "--dataset", "arithmetic", "--num-prompts", "2", "--repeats", "1",
+                      "--max-new-tokens", "3", "--temperature", "0", "--out", str(out), "--no-progress"])
+    base = json.loads(out.read_text())["results"]["base"]
+    assert base["num_samples"] == 2 and base["accuracy"]["std"] == 0.0
+    # A full fine-tuning checkpoint (model/ instead of adapter/), evaluated on its own.
+    full = tmp_path / "step_000001"
+    tiny_model.save_pretrained(full / "model")
+    (full / "config.json").write_text(json.dumps({"model": str(model_dir), "dataset": "arithmetic",
+                                                  "max_completion_tokens": 3}))
+    eval_module.main(["--checkpoint", str(full), "--num-prompts", "2", "--repeats", "1", "--no-progress"])
+    entry = json.loads((full / "eval_test.json").read_text())["results"]["step_000001"]
+    assert entry["step"] is None and entry["num_samples"] == 2
+
+
+def test_cli_rejects_a_folder_that_is_not_a_run(tmp_path):
+    with pytest.raises(ValueError, match="neither a checkpoint"):
+        eval_module.main(["--checkpoint", str(tmp_path)])
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ValueError, match="no checkpoint"):
+        eval_module.main(["--checkpoint", str(tmp_path)])

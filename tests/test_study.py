@@ -1,0 +1,56 @@
+"""study.py: the rule study / n/m study plan, and the runner (train.py replaced by a fake script)."""
+
+import study
+
+FAKE_TRAIN = r'''
+import argparse, json, pathlib, sys
+parser = argparse.ArgumentParser()
+for flag in ("--preset", "--output-dir", "--max-time-s", "--rule", "--num-rollouts", "--update-size", "--seed"):
+    parser.add_argument(flag)
+parser.add_argument("--no-progress", action="store_true")
+parser.add_argument("--num-threads")
+parser.add_argument("--resume", action="store_true")
+args, extra = parser.parse_known_args()
+out = pathlib.Path(args.output_dir)
+with open(out.parent / "calls.txt", "a") as calls:
+    calls.write(f"{out.name} resume={args.resume} extra={extra}\n")
+if args.rule == "random" and args.seed == "1":
+    sys.exit(3)  # one failing run
+out.mkdir(parents=True, exist_ok=True)
+n, m = int(args.num_rollouts), int(args.update_size)
+label = f"GRPO {n}/{m}" if args.rule == "none" else f"PODS {args.rule} {n}/{m}"
+(out / "config.json").write_text(json.dumps({"label": label, "seed": int(args.seed)}))
+speed = n / m  # more rollouts per kept one -> faster learning in this fake
+lines = [{"type": "eval", "step": s, "elapsed_s": float(s), "eval/accuracy": 0.5 * min(1.0, speed * s / 100),
+          "eval/both_accuracy": 0.1} for s in range(101)]  # linear ramp: 0.99*peak is crossed at t = 99 / speed
+(out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+'''
+
+
+def test_study_plan_shares_runs_between_studies():
+    runs, studies = study.study_plan([0, 1])
+    assert len(runs) == 2 * (1 + len(study.STUDY_RULES) + 1)  # GRPO + rules + max_variance 8/4, per seed
+    assert "grpo-n4-m4-s0" in studies["rules"] and "grpo-n4-m4-s0" in studies["nm"]
+    assert "max_variance-n16-m4-s1" in studies["rules"] and "max_variance-n16-m4-s1" in studies["nm"]
+    assert runs["percentile-n16-m4-s1"][:2] == ["--rule", "percentile"]
+
+
+def test_run_study_trains_compares_and_resumes(tmp_path):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    out = tmp_path / "study"
+    (out / "max_reward-n16-m4-s0").mkdir(parents=True)  # interrupted before any checkpoint: restarted
+    (out / "max_reward-n16-m4-s0" / "metrics.jsonl").write_text("garbage")
+    tables = study.run_study(out, [0, 1], 5, train_args=["--eval-samples", "7"], train_script=script)
+    calls = (out / "calls.txt").read_text().splitlines()
+    assert len(calls) == 12 and all(c.endswith("'--eval-samples', '7']") for c in calls)  # user flags last
+    assert all((out / f"{name}.png").is_file() for name in ("rules", "nm", "rules_both", "nm_both"))
+    assert "Held-out both_accuracy" in (out / "rules_both.md").read_text()
+    assert "| PODS max_variance 16/4 | 2 |" in tables["rules"] and "| PODS random 16/4 | 1 |" in tables["rules"]
+    assert "| PODS max_variance 8/4 | 2 |" in tables["nm"] and (out / "nm.md").read_text().strip() == tables["nm"]
+    # Fake accuracy grows speed = n/m times faster, so the analytic speed-up over GRPO 4/4 is n/m.
+    assert "| 4.00x |" in tables["rules"] and "| 2.00x |" in tables["nm"]
+    # Second call: only the failed run is tried again.
+    study.run_study(out, [0, 1], 5, train_script=script)
+    again = (out / "calls.txt").read_text().splitlines()[12:]
+    assert [c.split()[0] for c in again] == ["random-n16-m4-s1"]
