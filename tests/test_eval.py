@@ -43,7 +43,7 @@ def test_rows_are_graded_against_their_own_prompt(tiny_model, smollm2_tokenizer,
 
 
 def test_reproducible_and_progress_does_not_change_results(tiny_model, smollm2_tokenizer):
-    kwargs = dict(samples_per_prompt=2, repeats=2, max_new_tokens=5, batch_size=4, seed=3)
+    kwargs = dict(samples_per_prompt=2, repeats=2, max_new_tokens=3, batch_size=4, seed=3)
     first = eval_module.evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, **kwargs)
     again = eval_module.evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, progress=True, **kwargs)
     assert [r.mean_completion_length for r in first] == [r.mean_completion_length for r in again]
@@ -113,14 +113,14 @@ def test_cli_evaluates_every_checkpoint_and_appends(tmp_path, tiny_model, smollm
     (run_dir / "metrics.jsonl").write_text("")
     for step in (0, 2):
         _add_checkpoint(run_dir, step, model_dir, config)
-    flags = ["--num-prompts", "3", "--repeats", "2", "--batch-size", "8", "--no-progress"]
+    flags = ["--num-prompts", "2", "--repeats", "2", "--batch-size", "8", "--no-progress"]
     eval_module.main(["--checkpoint", str(run_dir), *flags])
     out = run_dir / "eval_test.json"
     saved = json.loads(out.read_text())
     assert saved["config"]["repeats"] == 2 and saved["config"]["max_new_tokens"] == 4
     assert sorted(saved["results"]) == ["step_000000", "step_000002"]
     entry = saved["results"]["step_000002"]
-    assert entry["elapsed_s"] == 3.0 and entry["step"] == 2 and entry["num_samples"] == 6
+    assert entry["elapsed_s"] == 3.0 and entry["step"] == 2 and entry["num_samples"] == 4
     assert len(entry["accuracy"]["per_repeat"]) == 2 and 0 <= entry["accuracy"]["mean"] <= 1
     assert 1 <= entry["mean_completion_length"]["mean"] <= 4
 

@@ -64,8 +64,11 @@ def test_presets_baseline_and_overrides():
     base = train.parse_args(["--preset", "a", "--baseline"])
     assert (base.num_rollouts, base.update_size, base.rule) == (16, 16, "none")
     assert train.method_label(base) == "GRPO 16/16" and train.method_label(a) == "PODS max_variance 64/16"
-    b = train.parse_args(["--preset", "b", "--baseline", "--learning-rate", "1e-6", "-n", "8", "-m", "8"])
-    assert (b.kl_coef, b.learning_rate, b.num_rollouts) == (0.04, 1e-6, 8)  # explicit flags win
+    paper_baselines = {p: train.parse_args(["--preset", p, "--baseline"]) for p in "bcd"}
+    assert {p: (x.num_rollouts, x.update_size) for p, x in paper_baselines.items()} == {
+        "b": (8, 8), "c": (16, 16), "d": (16, 16)}
+    b = train.parse_args(["--preset", "b", "--baseline", "--learning-rate", "1e-6", "-n", "16", "-m", "16"])
+    assert (b.kl_coef, b.learning_rate, b.num_rollouts, b.rule) == (0.04, 1e-6, 16, "none")  # explicit flags win
     demo = train.parse_args([])
     assert demo.preset == "demo" and demo.model == models.SMOLLM2_ALIAS and demo.dataset == "arithmetic"
     assert demo.update_size < demo.num_rollouts and demo.max_time_s == 600
