@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,3 +34,14 @@ def data_dir():
     if not path.is_dir():
         pytest.skip(f"shared data folder not found at {path}")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on shared, oversubscribed cores the thread pool's
+    spin-waiting makes such tests several times slower; restored afterwards. Opt in per module with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -12,14 +12,7 @@ import models
 SMALL = ["--prompt-tokens", "4", "--completion-tokens", "4", "--device", "cpu"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on shared, oversubscribed cores the thread pool's
-    spin-waiting makes these tests several times slower; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_kv_cache_and_decode_bound_by_hand():

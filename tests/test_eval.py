@@ -12,6 +12,16 @@ import rewards
 PROMPTS = ["What is 2 + 3?", "Compute 7 * 6.", "What is 10 - 4?"]
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Hidden-64 models gain nothing from threads, and on a shared CPU OpenMP threads spin-wait for each
+    other (measured here: 2 threads up to ~7x slower than 1 under load). Restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_evaluate_tiny_model_end_to_end(tiny_model, smollm2_tokenizer):
     result = eval_module.evaluate(tiny_model, smollm2_tokenizer, PROMPTS, ["5", "42", "6"], samples_per_prompt=2,
                                   repeats=2, max_new_tokens=6, batch_size=4, seed=1)

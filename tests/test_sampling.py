@@ -10,14 +10,7 @@ PROMPTS = ["Hello there, how are you?", "2+2=", "Name a prime number bigger than
 EOS = 2  # SmolLM2: eos == pad == 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on shared, oversubscribed cores the thread pool's
-    spin-waiting makes these tests several times slower; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def force_eos_at(model, stop_steps, eos_id=EOS, suppress=(EOS,)):
