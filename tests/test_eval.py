@@ -12,14 +12,7 @@ import rewards
 PROMPTS = ["What is 2 + 3?", "Compute 7 * 6.", "What is 10 - 4?"]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Hidden-64 models gain nothing from threads, and on a shared CPU OpenMP threads spin-wait for each
-    other (measured here: 2 threads up to ~7x slower than 1 under load). Restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny models, shared cores
 
 
 def test_evaluate_tiny_model_end_to_end(tiny_model, smollm2_tokenizer):
