@@ -37,21 +37,22 @@ import pods
 
 # Paper Appendix hyper-parameter table, plus the authors' released single-GPU config (YixuanEvenXu/pods,
 # config/train.yaml: 1 prompt per step, temperature 0.9, AdamW betas 0.9/0.99, checkpoints every 1800 s).
-DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"
 PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(models.DEFAULT_LORA_TARGETS),
                     weight_decay=0.1, max_grad_norm=1.0, max_prompt_tokens=512, max_completion_tokens=512,
                     bf16=True, gradient_checkpointing=True, optimizer="adamw", rule="max_variance",
                     prompts_per_step=1, temperature=0.9, kl_coef=0.0, one_shot=False,
                     checkpoint_interval_s=1800.0, max_time_s=6 * 3600.0, eval_interval=50, eval_samples=200,
                     eval_temperature=0.9, rollout_batch_size=64, micro_batch_size=4)
+# Demo: a short system prompt (prompt tokens dominate CPU time) that spells out the format (base model:
+# 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step).
+DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"
 PRESETS = {
-    # CPU demo. Short system prompt: prompt tokens dominate CPU time (prefill of every rollout row).
-    # One thread: on the shared 2-core machine two threads ran 1.5-5x slower (spinning OpenMP workers).
+    # One thread: on the shared 2-core machine two torch threads ran 1.5-5x slower (spinning OpenMP workers).
     "demo": dict(model=models.SMOLLM2_ALIAS, dataset="arithmetic", one_shot=True, num_rollouts=16,
                  update_size=4, rule="max_variance", prompts_per_step=4, learning_rate=5e-4, lora_rank=16,
                  lora_alpha=32, system_prompt=DEMO_SYSTEM_PROMPT, temperature=1.0, max_prompt_tokens=256,
                  max_completion_tokens=32, rollout_batch_size=64, micro_batch_size=16, eval_samples=100,
-                 eval_interval=5, eval_temperature=0.0, max_time_s=600.0, checkpoint_interval_s=120.0,
+                 eval_interval=5, eval_temperature=0.9, max_time_s=600.0, checkpoint_interval_s=120.0,
                  num_threads=1),
     "a": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", num_rollouts=64, update_size=16,
               learning_rate=5e-6),
