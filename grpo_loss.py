@@ -10,6 +10,12 @@ old_logprobs = logprobs.detach(): then rho = 1 and grad(-J) = -mean_i 1/|o_i| su
 (+ the KL gradient), the plain REINFORCE-with-baseline policy gradient; the clip only matters for
 additional updates on the same batch.
 
+Variants (defaults = the paper): `aggregation` "sequence" (above), "token" (DAPO: sum over all kept
+tokens / their number) or "fixed" (Dr. GRPO: sum / (rows x max completion tokens)); clip-higher (DAPO:
+ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit.
+The trainer accumulates micro-batches, so "token" and "fixed" must normalise over the whole update batch:
+`grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
+
 Simplification: the KL term is optional (paper and TRL default beta = 0) and uses TRL's k3 estimator.
 """
 
@@ -19,6 +25,8 @@ from torch import Tensor
 # Completion logits are converted to float32 this many elements at a time (~256 MiB), which bounds
 # the transient memory of the log-softmax on top of the [B, C+1, V] logits the model returns.
 _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
+
+LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -79,7 +87,58 @@ def token_logprobs(
     return torch.cat(chunks, dim=0)
 
 
-def grpo_loss(
+def mask_truncated(completion_mask: Tensor, truncated: Tensor) -> Tensor:
+    """`completion_mask` [B, C] with the rows of truncated completions (`truncated` [B] bool: they hit
+    the length limit) zeroed, so they contribute no loss and no tokens to the "token" denominator (DAPO's
+    overlong filtering, TRL's mask_truncated_completions). Same dtype as the mask."""
+    if truncated.dtype != torch.bool or truncated.shape != completion_mask.shape[:1]:
+        raise ValueError(
+            f"truncated must be a bool [B] = [{completion_mask.shape[0]}] tensor, got "
+            f"{truncated.dtype} {tuple(truncated.shape)}"
+        )
+    return completion_mask.masked_fill(truncated[:, None].to(completion_mask.device), 0)
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
+
+
+def loss_denominator(
+    completion_masks: Tensor | list[Tensor],
+    aggregation: str = "sequence",
+    max_completion_tokens: int | None = None,
+) -> int:
+    """The normaliser of the whole update batch: `grpo_loss_sum` of every micro-batch / this = the loss.
+
+    completion_masks: the [B, C] mask of the batch, or a list of masks (micro-batches, several rollout
+    batches), after `mask_truncated` when truncated rows are masked. "sequence": number of rows;
+    "token": number of kept tokens; "fixed": rows x max_completion_tokens (the generation limit, not the
+    padded width). Masked rows still count as rows for "sequence" and "fixed" (as in TRL: those
+    normalisers do not depend on what the rows hold). It is a sum over rows, so a distributed caller
+    sums the local values over ranks. It is 0 only for "token" with no kept token (the numerator is
+    then 0 too): divide by max(denominator, 1).
+    """
+    _check_aggregation(aggregation)
+    masks = [completion_masks] if isinstance(completion_masks, Tensor) else list(completion_masks)
+    if any(mask.dim() != 2 for mask in masks):
+        raise ValueError(f"completion masks must be [B, C]; got shapes {[tuple(m.shape) for m in masks]}")
+    rows = sum(mask.shape[0] for mask in masks)
+    if aggregation == "sequence":
+        return rows
+    lengths = [mask.bool().sum(-1) for mask in masks]
+    if aggregation == "token":
+        return int(sum(int(length.sum()) for length in lengths))
+    limit = max_completion_tokens
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"aggregation 'fixed' needs max_completion_tokens >= 1, got {max_completion_tokens!r}")
+    longest = max((int(length.max()) for length in lengths if length.numel()), default=0)
+    if longest > max_completion_tokens:
+        raise ValueError(f"a completion has {longest} tokens > max_completion_tokens = {max_completion_tokens}")
+    return rows * max_completion_tokens
+
+
+def grpo_loss_sum(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
@@ -87,18 +146,17 @@ def grpo_loss(
     clip_eps: float = 0.2,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    *,
+    clip_eps_high: float | None = None,
+    aggregation: str = "sequence",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO loss -J (see module docstring) and TRL-named metrics.
+    """Numerator of the loss of these rows: divide by `loss_denominator` of the whole update batch.
 
-    logprobs/old_logprobs/ref_logprobs/completion_mask: [B, C]; advantages: [B]. Computed in float32.
-    Each sequence is averaged over its own masked tokens (a row with no tokens counts as 0), then the
-    B sequences are averaged. With old_logprobs = logprobs.detach() the gradient is exactly the policy
-    gradient -mean_i A_i/|o_i| sum_t grad log pi (tested). Tokens in the clipped region
-    (rho > 1+eps with A > 0, rho < 1-eps with A < 0) get zero gradient.
-
-    Metrics (masked token means): "clip_ratio/low_mean" (rho < 1-eps and A < 0), "clip_ratio/high_mean"
-    (rho > 1+eps and A > 0), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3, 0.0 when no
-    ref_logprobs).
+    "sequence": sum_i 1/|o_i| sum_t loss_it (a row with no tokens adds 0); "token" and "fixed":
+    sum_it loss_it (they differ only in the denominator). Micro-batches therefore accumulate exactly:
+    sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) = the full-batch loss.
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO clip-higher; None = clip_eps).
+    Metrics: token means over this call's kept tokens, see `grpo_loss`.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, C], got shape {tuple(logprobs.shape)}")
@@ -110,8 +168,10 @@ def grpo_loss(
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages must be [B] = [{logprobs.shape[0]}], got {tuple(advantages.shape)}")
-    if not clip_eps > 0:
-        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not clip_eps > 0 or not clip_high > 0:
+        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {clip_eps_high}")
+    _check_aggregation(aggregation)
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logprobs is None:
@@ -130,15 +190,17 @@ def grpo_loss(
     logp = tokens(logprobs)
     adv = advantages.float()[:, None]
     ratio = torch.exp(logp - tokens(old_logprobs))
-    clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_high)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
     if ref_logprobs is not None:
         log_ref_ratio = tokens(ref_logprobs) - logp
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
-    tokens_per_seq = mask.sum(-1).clamp(min=1)  # empty completions contribute 0, not NaN
-    loss = ((per_token * mask).sum(-1) / tokens_per_seq).mean()
+    row_sums = (per_token * mask).sum(-1)
+    if aggregation == "sequence":
+        row_sums = row_sums / mask.sum(-1).clamp(min=1)  # empty completions contribute 0, not NaN
+    loss_sum = row_sums.sum()
 
     with torch.no_grad():
         num_tokens = mask.sum().clamp(min=1)
@@ -147,7 +209,7 @@ def grpo_loss(
             return float((x.float() * mask).sum() / num_tokens)
 
         low = (ratio < 1 - clip_eps) & (adv < 0)
-        high = (ratio > 1 + clip_eps) & (adv > 0)
+        high = (ratio > 1 + clip_high) & (adv > 0)
         metrics = {
             "clip_ratio/low_mean": masked_mean(low),
             "clip_ratio/high_mean": masked_mean(high),
@@ -155,4 +217,37 @@ def grpo_loss(
             "ratio_mean": masked_mean(ratio),
             "kl": masked_mean(kl) if ref_logprobs is not None else 0.0,
         }
-    return loss, metrics
+    return loss_sum, metrics
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    clip_eps: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    *,
+    clip_eps_high: float | None = None,
+    aggregation: str = "sequence",
+    max_completion_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO loss -J of one whole batch (see module docstring) and TRL-named metrics.
+
+    logprobs/old_logprobs/ref_logprobs/completion_mask: [B, C]; advantages: [B]. Computed in float32.
+    = grpo_loss_sum / max(loss_denominator, 1). With the default aggregation each sequence is averaged
+    over its own masked tokens (a row with no tokens counts as 0), then the B sequences are averaged.
+    With old_logprobs = logprobs.detach() the gradient is exactly the policy gradient
+    -mean_i A_i/|o_i| sum_t grad log pi (tested). Tokens in the clipped region (rho > 1+eps_high with
+    A > 0, rho < 1-eps with A < 0) get zero gradient.
+
+    Metrics (masked token means): "clip_ratio/low_mean" (rho < 1-eps and A < 0), "clip_ratio/high_mean"
+    (rho > 1+eps_high and A > 0), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3, 0.0 when
+    no ref_logprobs).
+    """
+    loss_sum, metrics = grpo_loss_sum(
+        logprobs, old_logprobs, advantages, completion_mask, clip_eps, ref_logprobs, kl_coef,
+        clip_eps_high=clip_eps_high, aggregation=aggregation,
+    )
+    return loss_sum / max(loss_denominator(completion_mask, aggregation, max_completion_tokens), 1), metrics

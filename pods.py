@@ -13,6 +13,13 @@ from the rewards alone and computes the group-relative advantages of the kept ro
   *unbiased* sample std and eps = 1e-4, as in the authors' code and TRL. The paper (§3.2) normalises with
   the statistics of the selected subset (default); normalize="group" uses the full group of n instead
   (the appendix ablation).
+- Variants (defaults = the paper): `scale_rewards` "group" (above), "batch" (one std over the whole
+  batch's statistics sets, as TRL's scale_rewards="batch") or "none" (centred only, Dr. GRPO);
+  `masked_advantages` takes any kept mask (uneven counts per prompt); `zero_variance_prompts` flags prompts
+  whose n rewards are all equal (zero advantages under any subset) so the trainer can drop them.
+- `select_across_prompts` is the cross-prompt scope the paper names as future work ("applying the
+  max-variance rule within each prompt and then selecting a balanced subset across prompts"); its
+  exact rule is in its docstring.
 
 Simplifications: rewards are one scalar per rollout (already summed over reward functions); ties are
 broken deterministically (stable sort by reward, then position; the smallest k among equal-variance
@@ -28,6 +35,8 @@ from torch import Tensor
 
 RULES = ("max_variance", "random", "percentile", "max_reward", "none")
 NORMALIZE_MODES = ("selected", "group")
+SCALE_MODES = ("group", "batch", "none")
+SELECTION_SCOPES = ("prompt", "batch")
 
 
 def _check_rewards(rewards: Tensor, m: int | None = None, check_finite: bool = True) -> int:
@@ -171,17 +180,51 @@ def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
     return (r - mean) / (std + eps)
 
 
+def masked_advantages(
+    rewards: Tensor, keep: Tensor, normalize: str = "selected", scale_rewards: str = "group", eps: float = 1e-4
+) -> Tensor:
+    """Advantages (..., n) of the rollouts where `keep` (..., n, bool) is True; 0 elsewhere.
+
+    Statistics set of each prompt: its kept rewards (normalize="selected", paper §3.2) or all n
+    (normalize="group"). Advantage = (r - mean of the set) / (std + eps), std (unbiased) of the set
+    (scale_rewards="group"), of the union of every prompt's set (="batch"), or no division (="none").
+    A set of one has no baseline: advantage 0. Statistics in float64; returns float32 (float64 input:
+    float64). Works for any number of kept rollouts per prompt (the batch selection scope).
+    """
+    _check_rewards(rewards)
+    if normalize not in NORMALIZE_MODES:
+        raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
+    if scale_rewards not in SCALE_MODES:
+        raise ValueError(f"scale_rewards must be one of {SCALE_MODES}, got {scale_rewards!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 so the division is defined, got {eps}")
+    if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.shape != rewards.shape:
+        raise ValueError(f"keep must be a bool tensor of the rewards' shape {tuple(rewards.shape)}, got "
+                         f"{getattr(keep, 'dtype', type(keep))} {tuple(getattr(keep, 'shape', ()))}")
+    r = rewards.to(torch.float64)
+    stats = keep if normalize == "selected" else torch.ones_like(keep)
+    count = stats.sum(-1, keepdim=True)
+    mean = (r * stats).sum(-1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(stats, r - mean, 0.0)
+    scale = r.new_ones(())  # scale_rewards == "none": centred only
+    if scale_rewards == "group":
+        scale = ((centred * centred).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt() + eps
+    elif scale_rewards == "batch":
+        scale = (r[stats].std(correction=1) if int(stats.sum()) > 1 else r.new_zeros(())) + eps
+    advantages = torch.where(keep & (count > 1), (r - mean) / scale, 0.0)
+    return advantages.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+
+
 def selected_advantages(
-    rewards: Tensor, indices: Tensor, normalize: str = "selected", eps: float = 1e-4
+    rewards: Tensor, indices: Tensor, normalize: str = "selected", eps: float = 1e-4, scale_rewards: str = "group"
 ) -> Tensor:
     """Advantages (..., m) of the rollouts `indices` (..., m) picked from `rewards` (..., n).
 
     normalize="selected" (default, paper §3.2): mean/std of the m kept rewards.
     normalize="group" (appendix ablation): mean/std of all n rewards, then gather the kept ones.
+    scale_rewards: see `masked_advantages` ("group" = the paper).
     """
     n = _check_rewards(rewards)
-    if normalize not in NORMALIZE_MODES:
-        raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
     if not isinstance(indices, Tensor) or indices.dtype != torch.long:
         raise ValueError(f"indices must be a LongTensor, got {getattr(indices, 'dtype', type(indices))}")
     if indices.shape[:-1] != rewards.shape[:-1] or indices.dim() != rewards.dim():
@@ -195,6 +238,60 @@ def selected_advantages(
         raise ValueError(
             f"indices must lie in [0, {n}), got range [{int(indices.min())}, {int(indices.max())}]"
         )
-    if normalize == "selected":
-        return group_advantages(rewards.gather(-1, indices), eps=eps)
-    return group_advantages(rewards, eps=eps).gather(-1, indices)
+    keep = torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device).scatter(-1, indices, True)
+    return masked_advantages(rewards, keep, normalize, scale_rewards, eps).gather(-1, indices)
+
+
+def zero_variance_prompts(rewards: Tensor) -> Tensor:
+    """Bool (...): True where all n rewards of a prompt are equal (every advantage is 0, whatever is kept)."""
+    _check_rewards(rewards)
+    return (rewards == rewards[..., :1]).all(dim=-1)
+
+
+def _subset_sum_sq(rewards: Tensor, size: int) -> Tensor:
+    """Sum of squared deviations of each row's max-variance `size`-subset, float64 (rows,)."""
+    chosen = rewards.gather(-1, max_variance_indices(rewards, size)).to(torch.float64)
+    return ((chosen - chosen.mean(-1, keepdim=True)) ** 2).sum(-1)
+
+
+def batch_budgets(rewards: Tensor, m: int) -> Tensor:
+    """Rollouts kept per prompt (P,) by `select_across_prompts` for rewards [P, n] (rule there)."""
+    if rewards.dim() != 2:
+        raise ValueError(f"batch selection needs rewards [P, n], got shape {tuple(rewards.shape)}")
+    n = _check_rewards(rewards, m)
+    informative = (~zero_variance_prompts(rewards)).nonzero().squeeze(1)
+    budgets = torch.zeros(rewards.shape[0], dtype=torch.long, device=rewards.device)
+    if len(informative) == 0:
+        return budgets
+    base, extra = divmod(min(m * rewards.shape[0], len(informative) * n), len(informative))
+    budgets[informative] = base
+    if extra:  # base < n here, so base + 1 is a valid size
+        group = rewards[informative]
+        gain = _subset_sum_sq(group, base + 1) - _subset_sum_sq(group, base)
+        best = torch.sort(gain, descending=True, stable=True).indices[:extra]  # ties: lower prompt first
+        budgets[informative[best]] += 1
+    return budgets
+
+
+def select_across_prompts(rewards: Tensor, m: int) -> Tensor:
+    """Batch selection scope: bool mask [P, n] of the rollouts to train on, m x P slots in all.
+
+    Rule. Prompts whose n rewards are all equal get nothing (any subset of them has zero advantages).
+    The other P' prompts share M' = min(m P, P' n) slots as evenly as possible: q = M' // P' each, and
+    q + 1 for r = M' mod P' of them; each fills its budget with its max-variance subset (Lemma 1). The r
+    extra slots go to the prompts whose within-group sum of squared deviations grows most from q to
+    q + 1 (ties: lower prompt index). This maximises exactly the total within-group sum of squared
+    deviations, sum_i sum_{j kept} (r_ij - mean_i)^2 (the squared norm of the centred advantages),
+    over all selections of M' rollouts with no slot on a zero-variance prompt and per-prompt counts
+    that differ by at most one: the counts are fixed up to which r prompts get q + 1, and that choice
+    is separable (tested against brute force). With no zero-variance prompt it equals the prompt
+    scope (m each). Cost: O(P n log n), two vectorised max-variance calls. The trainer trains on
+    mask.sum() rows (fewer than m P only when P' n < m P; 0 when every prompt has zero variance).
+    """
+    budgets = batch_budgets(rewards, m)
+    keep = torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device)
+    for size in budgets.unique().tolist():
+        rows = (budgets == size).nonzero().squeeze(1)
+        if size > 0:
+            keep[rows] = keep[rows].scatter(-1, max_variance_indices(rewards[rows], size), True)
+    return keep

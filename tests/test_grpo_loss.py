@@ -12,19 +12,24 @@ import models
 EPS = 0.2
 
 
-def naive_loss_and_grad(logp, old, adv, mask, ref=None, beta=0.0, eps=EPS):
-    """Per-token Python loop with hand-derived gradient d(-J)/d logp."""
+def naive_loss_and_grad(logp, old, adv, mask, ref=None, beta=0.0, eps=EPS, eps_high=None,
+                        aggregation="sequence", max_tokens=None):
+    """Per-token Python loop with hand-derived gradient d(-J)/d logp; each token's term is divided by
+    its aggregation's normaliser: |o_i| x B (sequence), all kept tokens (token), B x max_tokens (fixed)."""
     batch, width = len(logp), len(logp[0])
+    eps_high = eps if eps_high is None else eps_high
     total, grad = 0.0, [[0.0] * width for _ in range(batch)]
+    all_tokens = sum(sum(row) for row in mask)
     for i in range(batch):
         count = sum(mask[i])
         if count == 0:
             continue
+        norm = {"sequence": count * batch, "token": all_tokens, "fixed": batch * (max_tokens or 0)}[aggregation]
         for t in range(width):
             if not mask[i][t]:
                 continue
             rho = math.exp(logp[i][t] - old[i][t])
-            clipped = min(max(rho, 1 - eps), 1 + eps)
+            clipped = min(max(rho, 1 - eps), 1 + eps_high)
             unclipped_term, clipped_term = rho * adv[i], clipped * adv[i]
             term = -min(unclipped_term, clipped_term)
             # d/dlogp of -min(...): -rho*A when the unclipped branch is active, 0 when clipped.
@@ -33,8 +38,8 @@ def naive_loss_and_grad(logp, old, adv, mask, ref=None, beta=0.0, eps=EPS):
                 d = ref[i][t] - logp[i][t]
                 term += beta * (math.exp(d) - d - 1)
                 dterm += beta * (1 - math.exp(d))
-            total += term / count / batch
-            grad[i][t] = dterm / count / batch
+            total += term / norm
+            grad[i][t] = dterm / norm
     return total, torch.tensor(grad, dtype=torch.float64)
 
 
@@ -171,6 +176,141 @@ def test_grpo_loss_rejects_bad_input():
         gl.grpo_loss(logp, old[:, :6], adv, mask)
     with pytest.raises(ValueError, match="non-finite"):
         gl.grpo_loss(logp, old, adv * float("nan"), mask)
+
+
+# --- variants: loss aggregation, clip-higher, truncated completions ---------------------------------
+
+@pytest.mark.parametrize("aggregation", gl.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("eps_high", [None, 0.28])
+def test_each_aggregation_matches_naive_loop_with_empty_and_truncated_rows(aggregation, eps_high):
+    for seed in range(3):
+        logp, old, ref, adv, mask = random_batch(seed)  # row 2 is an empty completion
+        for truncated in (torch.zeros(5, dtype=torch.bool), torch.tensor([True, False, False, False, True])):
+            kept = gl.mask_truncated(mask, truncated)
+            lists = [t.tolist() for t in (logp, old, adv, kept, ref)]
+            want, want_grad = naive_loss_and_grad(*lists, beta=0.1, eps_high=eps_high, aggregation=aggregation,
+                                                  max_tokens=9)
+            x = logp.clone().requires_grad_(True)
+            loss, _ = gl.grpo_loss(x, old, adv, kept, ref_logprobs=ref, kl_coef=0.1, clip_eps_high=eps_high,
+                                   aggregation=aggregation, max_completion_tokens=9)
+            loss.backward()
+            assert abs(loss.item() - want) < 1e-5, (aggregation, seed, truncated)
+            assert torch.allclose(x.grad, want_grad, atol=1e-6)
+            assert torch.all(x.grad[truncated] == 0)
+
+
+def test_aggregations_differ_and_sequence_is_the_default():
+    logp, old, ref, adv, mask = random_batch(6)
+    losses = {a: gl.grpo_loss(logp, old, adv, mask, aggregation=a, max_completion_tokens=7)[0].item()
+              for a in gl.LOSS_AGGREGATIONS}
+    assert losses["sequence"] == gl.grpo_loss(logp, old, adv, mask)[0].item()
+    assert len(set(losses.values())) == 3
+    # Same numerator for token and fixed; only the normaliser differs.
+    assert losses["token"] * int(mask.sum()) == pytest.approx(losses["fixed"] * 5 * 7, rel=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", gl.LOSS_AGGREGATIONS)
+def test_micro_batch_numerators_over_global_denominator_equal_the_full_batch(aggregation):
+    logp, old, ref, adv, mask = random_batch(8)
+    mask = gl.mask_truncated(mask, torch.tensor([False, False, False, True, False]))
+    kwargs = dict(kl_coef=0.05, clip_eps_high=0.3, aggregation=aggregation)
+    full_x = logp.clone().requires_grad_(True)
+    full, _ = gl.grpo_loss(full_x, old, adv, mask, ref_logprobs=ref, max_completion_tokens=7, **kwargs)
+    full.backward()
+    micro = [slice(0, 2), slice(2, 4), slice(4, 5)]
+    # Trim each micro-batch's columns to its longest completion, as the trainer does.
+    widths = [max(1, int(mask[rows].sum(-1).max())) for rows in micro]
+    denominator = gl.loss_denominator([mask[rows, :w] for rows, w in zip(micro, widths)], aggregation, 7)
+    assert denominator == gl.loss_denominator(mask, aggregation, 7)
+    x = logp.clone().requires_grad_(True)
+    accumulated = 0.0
+    for rows, w in zip(micro, widths):
+        part, _ = gl.grpo_loss_sum(x[rows, :w], old[rows, :w], adv[rows], mask[rows, :w],
+                                   ref_logprobs=ref[rows, :w], **kwargs)
+        (part / max(denominator, 1)).backward()
+        accumulated += part.item() / max(denominator, 1)
+    assert accumulated == pytest.approx(full.item(), rel=1e-5, abs=1e-7)
+    assert torch.allclose(x.grad, full_x.grad, atol=1e-7)
+
+
+def clip_case():
+    """Hand-made tokens, old log-prob 0: row 0 has A = +1 and ratios 1.25, 1.35; row 1 has A = -1 and
+    ratios 0.75, 1.25. With eps = 0.2: 1.25 (A > 0) is clipped unless eps_high >= 0.25, 1.35 is clipped
+    at 1.3 with eps_high = 0.3, 0.75 (A < 0) is always clipped low, 1.25 with A < 0 is never clipped."""
+    ratios = torch.tensor([[1.25, 1.35], [0.75, 1.25]], dtype=torch.float64)
+    return ratios.log(), torch.zeros(2, 2, dtype=torch.float64), torch.tensor([1.0, -1.0]), torch.ones(2, 2)
+
+
+@pytest.mark.parametrize("eps_high,want_loss,want_grad,high_mean", [
+    (None, (-1.2 + 1.025) / 2, [[0.0, 0.0], [0.0, 0.3125]], 0.5),
+    (0.3, (-1.275 + 1.025) / 2, [[-0.3125, 0.0], [0.0, 0.3125]], 0.25),
+])
+def test_clip_higher_widens_the_upper_bound_for_positive_advantages(eps_high, want_loss, want_grad, high_mean):
+    logp, old, adv, mask = clip_case()
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = gl.grpo_loss(x, old, adv, mask, clip_eps=0.2, clip_eps_high=eps_high)
+    loss.backward()
+    assert loss.item() == pytest.approx(want_loss, rel=1e-6)
+    assert torch.allclose(x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-6)
+    assert metrics["clip_ratio/high_mean"] == high_mean and metrics["clip_ratio/low_mean"] == 0.25
+    assert metrics["clip_ratio/region_mean"] == high_mean + 0.25
+
+
+def test_clip_higher_with_clipping_on_one_side_only():
+    logp, old, adv, mask = clip_case()
+    # Row 0 alone (A > 0): only the upper bound acts; eps_high = 0.3 frees 1.25 and caps 1.35 at 1.3.
+    for eps_high, want_value, want_grad in ((None, -1.2, [0.0, 0.0]), (0.3, -1.275, [-0.625, 0.0])):
+        x = logp[:1].clone().requires_grad_(True)
+        loss, metrics = gl.grpo_loss(x, old[:1], adv[:1], mask[:1], clip_eps_high=eps_high)
+        loss.backward()
+        assert loss.item() == pytest.approx(want_value, rel=1e-6) and metrics["clip_ratio/low_mean"] == 0
+        assert torch.allclose(x.grad[0], torch.tensor(want_grad, dtype=torch.float64), atol=1e-6)
+    # Row 1 alone (A < 0): only the lower bound acts, so eps_high changes nothing.
+    results = []
+    for eps_high in (None, 0.3, 5.0):
+        x = logp[1:].clone().requires_grad_(True)
+        loss, metrics = gl.grpo_loss(x, old[1:], adv[1:], mask[1:], clip_eps_high=eps_high)
+        loss.backward()
+        results.append((loss.item(), x.grad.tolist(), metrics))
+    assert results[0] == results[1] == results[2]
+    assert results[0][0] == pytest.approx((0.8 + 1.25) / 2) and results[0][2]["clip_ratio/high_mean"] == 0
+    assert results[0][1][0] == pytest.approx([0.0, 0.625])
+
+
+def test_mask_truncated_zeroes_rows_and_shrinks_only_the_token_denominator():
+    _, _, _, _, mask = random_batch(0)
+    truncated = torch.tensor([True, False, False, True, False])
+    for dtype in (torch.long, torch.bool, torch.float32):
+        kept = gl.mask_truncated(mask.to(dtype), truncated)
+        assert kept.dtype == dtype and not kept[truncated].any()
+        assert torch.equal(kept[~truncated], mask[~truncated].to(dtype))
+    kept = gl.mask_truncated(mask, truncated)
+    assert gl.loss_denominator(kept, "token") == int(mask.sum()) - int(mask[truncated].sum())
+    assert gl.loss_denominator(kept, "sequence") == gl.loss_denominator(mask, "sequence") == 5
+    assert gl.loss_denominator(kept, "fixed", 7) == 35
+    with pytest.raises(ValueError, match="truncated must be a bool"):
+        gl.mask_truncated(mask, truncated.long())
+    with pytest.raises(ValueError, match=r"\[B\] = \[5\]"):
+        gl.mask_truncated(mask, truncated[:3])
+
+
+def test_loss_denominator_is_additive_and_rejects_bad_input():
+    _, _, _, _, mask = random_batch(0)
+    for aggregation in gl.LOSS_AGGREGATIONS:
+        parts = [mask[:2], mask[2:4, :4], mask[4:]]
+        assert gl.loss_denominator(parts, aggregation, 7) == gl.loss_denominator(mask, aggregation, 7)
+    assert gl.loss_denominator(torch.zeros(3, 4), "token") == 0
+    with pytest.raises(ValueError, match="needs max_completion_tokens"):
+        gl.loss_denominator(mask, "fixed")
+    with pytest.raises(ValueError, match="7 tokens > max_completion_tokens = 6"):
+        gl.loss_denominator(mask, "fixed", 6)
+    with pytest.raises(ValueError, match="loss aggregation must be one of"):
+        gl.loss_denominator(mask, "mean")
+    logp, old, _, adv, _ = random_batch(0)
+    with pytest.raises(ValueError, match="loss aggregation must be one of"):
+        gl.grpo_loss_sum(logp, old, adv, mask, aggregation="seq")
+    with pytest.raises(ValueError, match="clip_eps_high must be > 0"):
+        gl.grpo_loss(logp, old, adv, mask, clip_eps_high=0.0)
 
 
 # --- token_logprobs on a tiny real-architecture model -------------------------------------------
