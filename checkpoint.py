@@ -18,17 +18,23 @@ renamed into place (a rename within one file system is atomic), and only then is
 (write temp file + os.replace). A crash at any point leaves the previous checkpoint and latest.txt intact;
 a half-written temporary folder is removed by the next save.
 
+What a resume restores besides weights and optimizer is a `TrainerState` (step, training seconds, data
+position, counters, the size metrics.jsonl had at save time: `open_metrics_log` cuts the lines written after
+the checkpoint). A checkpoint is never written from non-finite weights.
+
 Exact resume also needs the same prompts and the same random draws after the restart: the prompt order
 is a pure function of (seed, data position) (`next_prompt_indices`), and the RNG streams that shape the
 trajectory (generation, random down-sampling) are seeded from (seed, step) (`step_seed`); the saved global
 RNG states cover everything else.
 """
 
+import dataclasses
 import json
 import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +42,41 @@ import torch
 
 LATEST_FILE = "latest.txt"
 TMP_PREFIX = ".tmp_"
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides weights, optimizer and RNG states that a resumed run must continue from."""
+    step: int = 0                    # training steps done
+    elapsed_s: float = 0.0           # training wall-clock seconds (evaluation excluded)
+    position: tuple = (0, 0)         # (epoch, cursor) in the prompt order (next_prompt_indices)
+    num_tokens: int = 0              # prompt + completion tokens generated so far
+    metrics_bytes: int = 0           # size of metrics.jsonl when this state was saved
+    skipped_steps: int = 0           # optimizer steps skipped for a non-finite loss or gradient norm
+    nonfinite_streak: int = 0        # consecutive training steps with a skipped optimizer step
+    evaluated_step: int = -1         # step of the last held-out evaluation in the log
+
+    @classmethod
+    def from_saved(cls, saved):
+        """From the dict load_checkpoint returns (keys of older runs that are not fields are ignored)."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in saved.items() if key in names})
+
+
+def open_metrics_log(run_dir, keep_bytes=0):
+    """metrics.jsonl of a run, opened for appending after cutting it to `keep_bytes` (0: a new, empty log; a
+    resume passes TrainerState.metrics_bytes, dropping lines written after its checkpoint)."""
+    path = Path(run_dir) / METRICS_FILE
+    with open(path, "r+" if keep_bytes else "w") as handle:
+        handle.truncate(keep_bytes)
+    return open(path, "a")
+
+
+def append_metrics(log, record):
+    """One JSON line, flushed (a killed run keeps every line written before the kill)."""
+    log.write(json.dumps(record) + "\n")
+    log.flush()
 
 
 def next_prompt_indices(num_rows, count, seed, position):
@@ -106,8 +147,13 @@ def _is_peft(model):
 def save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep_last=0):
     """Write checkpoint step_<step> atomically and point latest.txt at it; returns its path.
 
-    trainer_state: plain picklable dict (data position, elapsed_s, counters); the optimizer state and RNG
-    states are added here. keep_last > 0 deletes all but the newest keep_last checkpoints afterwards."""
+    trainer_state: a TrainerState or a plain picklable dict (data position, elapsed_s, counters); the optimizer
+    state and RNG states are added here. keep_last > 0 deletes all but the newest keep_last checkpoints
+    afterwards. Non-finite trainable weights are refused (ValueError): they would poison every later resume."""
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.requires_grad):
+        raise ValueError(f"not saving step {step}: the trainable weights hold NaN or inf")
+    if dataclasses.is_dataclass(trainer_state):
+        trainer_state = dataclasses.asdict(trainer_state)
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(TMP_PREFIX + "*"):  # left by a crash during an earlier save
@@ -168,3 +214,71 @@ def load_checkpoint(path, model, optimizer):
     optimizer.load_state_dict(state.pop("optimizer"))
     restore_rng_states(state.pop("rng"))
     return state
+
+
+# ------------------------------------------------------------------------------------ Reading a run folder
+# A run folder holds config.json, metrics.jsonl, checkpoints/ (above) and eval_<split>.json (eval.py).
+# eval.py, compare.py and study.py read runs through these functions only.
+
+CONFIG_FILE = "config.json"
+
+
+def is_checkpoint(path):
+    """A complete checkpoint folder: adapter/ (LoRA) or model/ (full fine-tuning), and config.json. Saves are
+    renamed into place complete, so a step_* folder is never half-written."""
+    path = Path(path)
+    return ((path / "adapter").is_dir() or (path / "model").is_dir()) and (path / CONFIG_FILE).is_file()
+
+
+def find_checkpoints(path):
+    """Checkpoint folders, oldest first: `path` itself when it is a checkpoint, else every complete
+    <path>/checkpoints/step_*."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if is_checkpoint(path):
+        return [path]
+    root = checkpoint_root(path)
+    if not root.is_dir():
+        raise ValueError(f"{path} is neither a checkpoint (adapter/ or model/ + config.json) nor a run "
+                         "directory (no checkpoints/)")
+    found = [folder for folder in sorted(root.glob("step_*")) if is_checkpoint(folder)]
+    if not found:
+        raise ValueError(f"no checkpoint (step_*/ with adapter/ or model/, and config.json) under {root}")
+    return found
+
+
+def run_dir_of(path):
+    """The run folder of a checkpoint (<run>/checkpoints/step_*), or `path` itself."""
+    path = Path(path)
+    return path.parent.parent if path.parent == checkpoint_root(path.parent.parent) else path
+
+
+def checkpoint_progress(checkpoint):
+    """{"step", "elapsed_s"} (training seconds) saved with a checkpoint; None values where it has no
+    trainer_state.pt (e.g. a model folder copied by hand)."""
+    state_path = Path(checkpoint) / "trainer_state.pt"
+    if not state_path.is_file():
+        return {"step": None, "elapsed_s": None}
+    state = torch.load(state_path, map_location="cpu", weights_only=False)  # ours; RNG states need unpickling
+    return {"step": state.get("step"), "elapsed_s": state.get("elapsed_s")}
+
+
+def read_run_config(path):
+    """The settings of a run folder or a checkpoint folder (config.json; a run folder without one: its newest
+    checkpoint's copy). `max_completion_tokens` is the one key for the completion length: runs that also or
+    only wrote `max_new_tokens` have it folded in."""
+    path = Path(path)
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file() and checkpoint_root(path).is_dir():
+        config_path = find_checkpoints(path)[-1] / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (not a run or checkpoint folder)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path}: malformed JSON ({error.msg})") from None
+    legacy = config.pop("max_new_tokens", None)
+    if legacy is not None:
+        config.setdefault("max_completion_tokens", legacy)
+    return config

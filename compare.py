@@ -5,7 +5,9 @@ Appendix A.4: speed-up = (time for the baseline to first reach 0.99x its own pea
 method to reach that same accuracy). study.py runs the down-sampling-rule and n/m studies and calls this.
 
     python compare.py RUN_DIR... --plot out.png [--table out.md] [--baseline-label "GRPO 4/4"]
-    python eval.py compare RUN_DIR... ...          (the same command)
+    python eval.py compare RUN_DIR... ...          (an alias: the same code path)
+
+With a single method (e.g. the one demo run) the curve and the table come without a speed-up.
 
 Curve rules (documented, tested): each seed's eval points (eval lines of metrics.jsonl, or --eval-file
 written by eval.py) are joined linearly (--interp step: held until the next eval). A method's curve lives on
@@ -18,10 +20,14 @@ gives no band. Threshold crossing times are interpolated the same way as the cur
 import argparse
 import json
 import math
+import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+import checkpoint
 
 Z_95 = 1.96
 
@@ -52,9 +58,7 @@ class MethodCurve:
 
 def _read_jsonl(path):
     records, skipped = [], 0
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
+    for line in filter(str.strip, Path(path).read_text().splitlines()):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -67,9 +71,8 @@ def _finite(value):
 
 
 def method_label(config):
-    if config.get("label"):
-        return str(config["label"])
-    return f"{config.get('rule', '?')} {config.get('num_rollouts', '?')}/{config.get('update_size', '?')}"
+    return str(config["label"]) if config.get("label") else \
+        f"{config.get('rule', '?')} {config.get('num_rollouts', '?')}/{config.get('update_size', '?')}"
 
 
 METRICS = ("accuracy", "format_accuracy", "both_accuracy")
@@ -80,10 +83,10 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     run_dir = Path(run_dir)
-    config_path, metrics_path = run_dir / "config.json", run_dir / "metrics.jsonl"
-    if not config_path.is_file() or not metrics_path.is_file():
+    metrics_path = run_dir / checkpoint.METRICS_FILE
+    if not (run_dir / checkpoint.CONFIG_FILE).is_file() or not metrics_path.is_file():
         raise ValueError(f"{run_dir}: not a run directory (needs config.json and metrics.jsonl)")
-    config = json.loads(config_path.read_text())
+    config = checkpoint.read_run_config(run_dir)
     records, skipped = _read_jsonl(metrics_path)
     train = {r["step"]: r for r in records if r.get("type", "train") == "train" and "step" in r}
     if eval_file:
@@ -160,18 +163,21 @@ def first_time_reaching(times_s, values, threshold, interp="linear"):
 
 
 def speedup_rows(curves, baseline_label, interp="linear", fraction=0.99):
-    """Per method: peak accuracy, time to fraction x (baseline peak), speed-up vs the baseline (Appendix A.4)."""
+    """Per method: peak accuracy, time to fraction x (baseline peak), speed-up vs the baseline (Appendix A.4).
+    baseline_label None (one method): no threshold, time or speed-up (those fields are None)."""
     by_label = {c.label: c for c in curves}
-    if baseline_label not in by_label:
+    if baseline_label is not None and baseline_label not in by_label:
         raise ValueError(f"baseline {baseline_label!r} is not among the methods {sorted(by_label)}")
-    base = by_label[baseline_label]
-    base_peak = float(np.max(base.mean)) if len(base.mean) else float("nan")
-    threshold = fraction * base_peak
+    base = by_label.get(baseline_label)
+    base_peak = float(np.max(base.mean)) if base is not None and len(base.mean) else float("nan")
+    threshold = fraction * base_peak if base is not None else None
     base_time = first_time_reaching(base.times_s, base.mean, threshold, interp) if base_peak > 0 else None
     rows = []
     for c in curves:
         time_s = first_time_reaching(c.times_s, c.mean, threshold, interp) if len(c.mean) and base_peak > 0 else None
-        if not base_peak > 0:
+        if base is None:  # one method: nothing to compare against
+            speedup = None
+        elif not base_peak > 0:
             speedup = "undefined (baseline peak is 0 or missing)"
         elif base_time == 0:  # T_b / T_m = 0 / T_m: the ratio says nothing about speed
             speedup = "undefined (baseline peaks at its first eval)"
@@ -200,17 +206,19 @@ def _fmt(value, digits=3):
 
 
 def markdown_table(rows, baseline_label, fraction=0.99, metric="accuracy"):
-    threshold = rows[0]["threshold"] if rows else float("nan")
-    lines = [f"Held-out {metric}. Baseline: {baseline_label}; threshold = {fraction} x its peak = "
-             f"{_fmt(threshold)}. Peak = max of the seed-mean curve (+- 1.96 SE there).", "",
-             f"| method | seeds | evals per seed | curve ends (s) | peak {metric} | time to threshold (s) "
-             "| speed-up | mean step time (s) | generate / update (s) |",
-             "|---|---:|---|---:|---|---:|---|---:|---|"]
+    """The rows as markdown; baseline_label None: no time-to-threshold and speed-up columns."""
+    with_speedup = baseline_label is not None
+    intro = (f"Held-out {metric}. Baseline: {baseline_label}; threshold = {fraction} x its peak = "
+             f"{_fmt(rows[0]['threshold'] if rows else None)}." if with_speedup
+             else f"Held-out {metric}, one method (no speed-up: that needs a baseline).")
+    speedup_head, speedup_rule = ("| time to threshold (s) | speed-up ", "---:|---|") if with_speedup else ("", "")
+    lines = [intro + " Peak = max of the seed-mean curve (+- 1.96 SE there).", "", f"| method | seeds | evals per seed | curve ends (s) | peak {metric} {speedup_head}"
+             "| mean step time (s) | generate / update (s) |", f"|---|---:|---|---:|---|{speedup_rule}---:|---|"]
     for r in rows:
         peak = _fmt(r["peak_accuracy"]) + (f" +- {_fmt(r['peak_band'])}" if _finite(r["peak_band"]) else "")
+        speedup = f"| {_fmt(r['time_to_threshold_s'], 1)} | {r['speedup']} " if with_speedup else ""
         lines.append(f"| {r['method']} | {r['seeds']} | {','.join(map(str, r['evals_per_seed']))} "
-                     f"| {_fmt(r['curve_end_s'], 0)} | {peak} | {_fmt(r['time_to_threshold_s'], 1)} "
-                     f"| {r['speedup']} | {_fmt(r['step_s'], 2)} "
+                     f"| {_fmt(r['curve_end_s'], 0)} | {peak} {speedup}| {_fmt(r['step_s'], 2)} "
                      f"| {_fmt(r.get('generate_s'), 2)} / {_fmt(r.get('update_s'), 2)} |")
     notes = [f"- {r['method']}: {note}" for r in rows for note in r["notes"]]
     return "\n".join(lines + ([""] + notes if notes else []))
@@ -224,7 +232,7 @@ def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
     import matplotlib.pyplot as plt
 
     minutes = max((c.times_s[-1] for c in curves if len(c.times_s)), default=0) > 600
-    scale = 60.0 if minutes else 1.0
+    scale = 60.0 if minutes else 1.0  # long runs in minutes
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for c in curves:
         line, = left.plot(c.times_s / scale, c.mean, label=f"{c.label} (n={len(c.runs)})")
@@ -261,10 +269,7 @@ def config_differences(runs):
     (e.g. a preset edited between runs: their curves are then not comparable)."""
     differences = []
     for key in sorted(set().union(*(r.config for r in runs)) - PER_RUN_KEYS):
-        counts = {}
-        for r in runs:
-            value = json.dumps(r.config.get(key), sort_keys=True)
-            counts[value] = counts.get(value, 0) + 1
+        counts = Counter(json.dumps(r.config.get(key), sort_keys=True) for r in runs)
         if len(counts) > 1:
             differences.append(f"{key}: " + ", ".join(f"{v} ({n} runs)" for v, n in counts.items()))
     return differences
@@ -273,7 +278,10 @@ def config_differences(runs):
 def expand_run_dirs(paths):
     expanded = []
     for path in map(Path, paths):
-        inner = sorted(p.parent for p in path.glob("*/metrics.jsonl")) if not (path / "metrics.jsonl").exists() else []
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        is_run = (path / checkpoint.METRICS_FILE).exists()
+        inner = [] if is_run else sorted(p.parent for p in path.glob(f"*/{checkpoint.METRICS_FILE}"))
         expanded += inner or [path]
     return expanded
 
@@ -294,7 +302,11 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
     problems += [f"- {r.run_dir}: {r.skipped_lines} unreadable metrics lines skipped" for r in runs if r.skipped_lines]
     problems += [f"- settings differ between runs: {d}" for d in config_differences(runs)]
     labels = list(dict.fromkeys(r.label for r in runs))
-    if baseline_label is None:
+    if baseline_label is not None and baseline_label not in labels:
+        raise ValueError(f"baseline {baseline_label!r} is not among the methods {labels}")
+    if len(labels) == 1:  # nothing to compare against: curve and table without a speed-up
+        baseline_label = None
+    elif baseline_label is None:
         grpo = [label for label in labels if label.upper().startswith("GRPO")]
         if len(grpo) != 1:
             raise ValueError(f"cannot pick the baseline among {labels}: pass --baseline-label")
@@ -333,4 +345,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as error:  # a missing path, no runs, no baseline: one line
+        sys.exit(f"compare.py: error: {error}")

@@ -1,21 +1,26 @@
 """Datasets and prompts of the PODS experiments (paper §4, Appendix A.1): GSM8K, MATH (train / MATH-500),
 SciKnowEval Chemistry L3 multiple choice, and synthetic addition for the offline demo.
 
-Every loader returns a `datasets.Dataset` with "prompt" (TRL conversational messages: the paper's
-think/answer system prompt, an optional one-shot worked example turn, the question), "answer" (the ground
-truth string the rewards compare against), "question", and the source fields. Local JSONL files are read
-from `data_dir` (default ../shared/data); a Hub id reads the Hub instead, when the network allows.
+`build_prompt_set` builds the prompts of training and evaluation alike: [Example(text, prompt, answer)];
+`graded_completion` is the text the rewards grade. `load_split` gives the rows ("prompt": the paper's
+think/answer system prompt, an optional one-shot example turn, the question; "answer"; source fields).
+Rows come from the JSONL files under `data_dir` (else $PODS_DATA_DIR, else ../shared/data beside the
+repository) when such a folder is given or exists, otherwise from the Hugging Face Hub (`HUB_IDS`, cached by
+`datasets`), converted to the rows of the local files (same rows and order; MATH train: the Hub's order
+within each subject, which the local file sorts by problem number).
 
 Simplifications: the chemistry held-out split is ours (the source has none): a fixed seeded 20% of the
 rows. Arithmetic train and test use disjoint sets of {a, b} pairs.
 """
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from rewards import THINK_PREFILL, last_boxed_content
@@ -35,15 +40,18 @@ _SPLIT_SALT = "pods-split-v1"  # fixed: the held-out rows never depend on a run'
 _FILES = {("gsm8k", "train"): "gsm8k/train.jsonl", ("gsm8k", "test"): "gsm8k/test.jsonl",
           ("math", "train"): "math/train.jsonl", ("math", "test"): "math/test500.jsonl",
           ("chemistry", "train"): "chemistry/l3_mcq.jsonl", ("chemistry", "test"): "chemistry/l3_mcq.jsonl"}
-_FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution"),
-           "chemistry": ("question", "answer")}
+_FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution"), "chemistry": ("question", "answer")}
+HUB_IDS = {("gsm8k", "train"): "openai/gsm8k", ("gsm8k", "test"): "openai/gsm8k",  # without a local folder
+           ("math", "train"): "EleutherAI/hendrycks_math", ("math", "test"): "HuggingFaceH4/MATH-500",
+           ("chemistry", "train"): "hicai-zju/SciKnowEval", ("chemistry", "test"): "hicai-zju/SciKnowEval"}
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent.parent / "shared" / "data"
 _MATH_HUB_CONFIGS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
                      "number_theory", "prealgebra", "precalculus")  # EleutherAI/hendrycks_math
 CHEMISTRY_INSTRUCTION = ("Given a question and four options, please select the right answer. "
                          "Your answer should be \"A\", \"B\", \"C\" or \"D\".")
 
-# One worked example per dataset in the exact target format; small models need it to learn the format.
-# The arithmetic one is as short as possible and phrased exactly like the real questions.
+# One worked example per dataset in the exact target format (small models need it to learn the format); the
+# arithmetic one is as short as possible and phrased exactly like the real questions.
 ONE_SHOT = {
     "arithmetic": ("What is 23 + 45?", "<think>\n23 + 45 = 68\n</think>\n<answer>\n68\n</answer>"),
     "gsm8k": ("Tom has 3 boxes with 4 apples in each box. He eats 2 of the apples. How many apples are left?",
@@ -60,19 +68,38 @@ logger = logging.getLogger(__name__)
 
 
 def default_data_dir():
-    """$PODS_DATA_DIR, else <repo>/../shared/data when it exists, else None."""
+    """$PODS_DATA_DIR, else <repo>/../shared/data when it exists, else None (= read the Hub)."""
     if os.environ.get("PODS_DATA_DIR"):
         return Path(os.environ["PODS_DATA_DIR"])
-    shared = Path(__file__).resolve().parent.parent / "shared" / "data"
-    return shared if shared.is_dir() else None
+    return DEFAULT_DATA_DIR if DEFAULT_DATA_DIR.is_dir() else None
+
+
+def check_data_source(name, data_dir=None, splits=SPLITS):
+    """A one-line ValueError when `name` has neither its local files nor a usable Hub source. Fast and offline
+    (run before any model loads): "usable" = a Hub id and an importable `datasets`; an unreachable Hub shows
+    when the rows are read (load_split's RuntimeError)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}")
+    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    if name == "arithmetic":
+        return
+    if folder is not None:
+        missing = [str(path) for path in sorted({folder / _FILES[(name, split)] for split in splits})
+                   if not path.is_file()]
+        if missing:
+            raise ValueError(f"data file not found: {', '.join(missing)} (--data-dir / PODS_DATA_DIR must name "
+                             "the folder holding gsm8k/, math/ and chemistry/)")
+    elif importlib.util.find_spec("datasets") is None:
+        raise ValueError(f"no local data folder for {name} (pass --data-dir or set PODS_DATA_DIR) and the "
+                         f"`datasets` package, needed to read {HUB_IDS[(name, splits[0])]} from the Hub, "
+                         "is not installed")
 
 
 def read_jsonl(path, required_fields=()):
     """Rows of a JSONL file; errors name the file and line (blank lines are allowed and skipped)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path} (pass data_dir=/path/to/data, e.g. "
-                                "../shared/data, or set PODS_DATA_DIR)")
+        raise FileNotFoundError(f"data file not found: {path} (pass data_dir=/path/to/data or set PODS_DATA_DIR)")
     rows = []
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
@@ -153,22 +180,40 @@ def _held_out(keys, fraction):
     return set(order[:round(fraction * len(keys))])
 
 
+def sciknoweval_l3_mcq(rows):
+    """SciKnowEval rows (Hub schema) -> the rows of chemistry/l3_mcq.jsonl, selected and shaped as it was:
+    Chemistry, L3, mcq-4-choices, labels A-D with 4 texts, answerKey in A-D; the question, then one line
+    "X. <text>" per option; by task (the file joins the task files by name, each in source order: stable)."""
+    picked = []
+    for row in rows:
+        details, choices = row.get("details") or {}, row.get("choices") or {}
+        texts = list(choices.get("text") or [])
+        if (row.get("domain") == "Chemistry" and details.get("level") == "L3" and row.get("type") == "mcq-4-choices"
+                and list(choices.get("label") or []) == list("ABCD") and len(texts) == 4
+                and row.get("answerKey") in ("A", "B", "C", "D")):
+            options = "".join(f"\n{label}. {text}" for label, text in zip("ABCD", texts))
+            picked.append({"question": row["question"] + options, "choices": texts, "answer": row["answerKey"],
+                           "task": details.get("task", ""), "subtask": details.get("subtask", "")})
+    return sorted(picked, key=lambda row: row["task"])
+
+
 def _hub_rows(name, split, hub_id):
     import datasets
 
-    if name not in ("gsm8k", "math"):
-        raise ValueError(f"no Hub loader for {name!r}; read the local files (data_dir) instead")
     try:
         if name == "gsm8k":
             parts = [datasets.load_dataset(hub_id, "main", split=split)]
+        elif name == "chemistry":  # one "test" collection; our train/test split is made from it below
+            parts = [sciknoweval_l3_mcq(datasets.load_dataset(hub_id, "v2", split="test"))]
         elif "hendrycks_math" in hub_id:
             parts = [datasets.load_dataset(hub_id, config, split=split) for config in _MATH_HUB_CONFIGS]
         else:  # e.g. HuggingFaceH4/MATH-500, which only has a test split
             parts = [datasets.load_dataset(hub_id, split=split)]
     except Exception as error:  # noqa: BLE001  network, auth, unknown id: one clear message
-        raise RuntimeError(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {error}. "
-                           "Without network access leave hub_id unset and pass data_dir "
-                           "(e.g. ../shared/data).") from error
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise RuntimeError(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {reason}. Offline? "
+                           "pass data_dir (--data-dir, or set PODS_DATA_DIR) naming a folder with the local "
+                           "files, e.g. ../shared/data") from error
     rows = [row for part in parts for row in part]
     missing = [field for field in _FIELDS[name] if rows and field not in rows[0]]
     if missing:
@@ -205,7 +250,8 @@ def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None
     """One split of a dataset as a `datasets.Dataset` ("prompt", "answer", "question", source fields).
 
     num_rows: a seeded random subset (in file order); for arithmetic, the number of generated rows
-    (default 1000 train / 100 test). hub_id: read the Hub instead of data_dir (gsm8k, math only)."""
+    (default 1000 train / 100 test). Rows come from data_dir, else default_data_dir(), else the Hub
+    (HUB_IDS); hub_id reads that Hub dataset whatever folders exist."""
     import datasets
 
     if name not in DATASETS:
@@ -219,13 +265,11 @@ def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None
             raise ValueError("the arithmetic task is synthetic: it has no Hub id")
         rows = _arithmetic_rows(split, num_rows or ARITHMETIC_DEFAULT_ROWS[split], seed, max_digits)
     else:
-        if hub_id:
+        folder = None if hub_id else Path(data_dir) if data_dir is not None else default_data_dir()
+        if folder is None:  # no local folder: the Hub
+            hub_id = hub_id or HUB_IDS[(name, split)]
             rows = _convert(name, _hub_rows(name, split, hub_id), f"{hub_id} ({split})")
         else:
-            folder = Path(data_dir) if data_dir is not None else default_data_dir()
-            if folder is None:
-                raise FileNotFoundError("no data folder: pass data_dir (e.g. ../shared/data), set "
-                                        "PODS_DATA_DIR, or give a hub_id")
             path = folder / _FILES[(name, split)]
             rows = _convert(name, read_jsonl(path, _FIELDS[name]), str(path))
         if name == "chemistry":
@@ -243,13 +287,11 @@ def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None
 
 
 def render_prompts(tokenizer, prompts, prefill_think=False, *, use_chat_template=None):
-    """Prompt texts ending where the assistant's reply starts.
-
-    With a chat template: tokenizer.apply_chat_template(..., add_generation_prompt=True). Without one, or
-    with use_chat_template=False (base models whose tokenizer still ships a template): plain text
-    "<system>\\n\\nUser: <q>\\nAssistant: <a>\\n...User: <q>\\nAssistant:". prefill_think appends
-    THINK_PREFILL ("<think>\\n", after a space in plain text): the completion then lacks it, so prepend
-    THINK_PREFILL to completions before scoring them."""
+    """Prompt texts ending where the assistant's reply starts. With a chat template: apply_chat_template(...,
+    add_generation_prompt=True). Without one, or with use_chat_template=False (base models whose tokenizer
+    still ships a template): plain "<system>\\n\\nUser: <q>\\nAssistant: <a>\\n...User: <q>\\nAssistant:".
+    prefill_think appends THINK_PREFILL ("<think>\\n", after a space in plain text); graded_completion puts
+    it back in front of the completion."""
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template:
@@ -280,3 +322,30 @@ def filter_long_prompts(texts, tokenizer, max_prompt_tokens):
     if dropped:
         logger.warning("dropped %d of %d prompts longer than %d tokens", dropped, len(texts), max_prompt_tokens)
     return kept, dropped
+
+
+@dataclass
+class Example:
+    text: str     # the rendered prompt the model continues (render_prompts)
+    prompt: list  # its chat messages (what the rewards see as the prompt)
+    answer: str   # ground truth the accuracy reward compares against
+
+
+def build_prompt_set(dataset, split, tokenizer, *, data_dir=None, hub_id=None, num_rows=None, seed=0,
+                     one_shot=False, system_prompt=SYSTEM_PROMPT, prefill_think=False, max_prompt_tokens=None,
+                     max_digits=2):
+    """One split as [Example] rendered for `tokenizer`, for training and evaluation alike. Prompts longer than
+    max_prompt_tokens are dropped (a logged count); None keeps all."""
+    rows = load_split(dataset, split, data_dir=data_dir, hub_id=hub_id, num_rows=num_rows, seed=seed,
+                      one_shot=one_shot, system_prompt=system_prompt, max_digits=max_digits)
+    prompts, answers = list(rows["prompt"]), list(rows["answer"])
+    texts = render_prompts(tokenizer, prompts, prefill_think=prefill_think)
+    kept, _ = filter_long_prompts(texts, tokenizer, max_prompt_tokens)
+    if not kept:
+        raise ValueError(f"every {dataset}/{split} prompt is longer than max_prompt_tokens={max_prompt_tokens}")
+    return [Example(texts[i], prompts[i], answers[i]) for i in kept]
+
+
+def graded_completion(completion_text, prefill_think):
+    """The text the rewards grade: a prefilled prompt ended in THINK_PREFILL, which the completion lacks."""
+    return THINK_PREFILL + completion_text if prefill_think else completion_text

@@ -7,18 +7,21 @@ checkpoint, every checkpoint of a run, or a base model, and writes the results a
 
 Simplifications: one device; a completion is graded on its text alone (rewards.accuracy_rewards /
 format_rewards, batched), so "both" means answer-correct *and* well-formatted; a prompt ending in the
-"<think>\n" prefill has it put back in front of the completion before grading. Temperature 0 means greedy
-decoding: all samples of a prompt would be identical, so K and R collapse to 1 (with a warning).
+"<think>\n" prefill has it put back in front of the completion before grading (data.graded_completion).
+Temperature 0 means greedy decoding: all samples of a prompt would be identical, so K and R collapse to 1
+(with a warning). Prompts come from data.build_prompt_set with the run's settings (config.json), and the run
+folder is read through checkpoint.py.
 
     python eval.py --checkpoint runs/demo                  # every checkpoint of a run -> runs/demo/eval_test.json
     python eval.py --checkpoint runs/demo/checkpoints/step_000020 --repeats 5
     python eval.py --model smollm2-135m-offline --dataset arithmetic --out base.json
-    python eval.py compare RUN_DIR... --plot out.png        # = python compare.py (curves, speed-up)
+    python eval.py compare RUN_DIR... --plot out.png        # an alias of python compare.py
 """
 
 import argparse
 import json
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -56,6 +59,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1
     Prompts are generated in chunks of batch_size // K prompts (K samples each, so about batch_size rows
     per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
     `progress` and a repeat is reproducible on its own."""
+    import data
     import rewards
     import sampling
 
@@ -82,8 +86,8 @@ def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1
                 top_p=top_p, rollout_batch_size=batch_size, seed=seed + 100_003 * repeat + chunk_index)
             rows = [start + row // samples_per_prompt for row in range(len(rollouts.texts))]  # row i*K+j
             # A prompt that ends in the think prefill (data.render_prompts(prefill_think=True)) made the
-            # model's output start after "<think>\n": grade the completion as prefill + generated text.
-            texts = [(rewards.THINK_PREFILL if prompts[i].endswith(rewards.THINK_PREFILL) else "") + text
+            # model's output start after "<think>\n": grade prefill + generated text.
+            texts = [data.graded_completion(text, prompts[i].endswith(rewards.THINK_PREFILL))
                      for i, text in zip(rows, rollouts.texts)]
             is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows])
             is_formatted = rewards.format_rewards(None, texts)
@@ -133,89 +137,39 @@ def summarize_repeats(per_repeat):
 
 # ---------------------------------------------------------------- command line: which model(s) to evaluate
 
-def _is_checkpoint(path):
-    """LoRA runs save adapter/, full fine-tuning saves model/ (checkpoint.py); config.json is a copy of the
-    run's settings. Checkpoints are renamed into place complete, so a step_* folder is never half-written."""
-    return ((path / "adapter").is_dir() or (path / "model").is_dir()) and (path / "config.json").is_file()
-
-
-def find_checkpoints(path):
-    """[(name, checkpoint dir)] for one checkpoint dir or a run dir (all its checkpoints/step_*)."""
-    path = Path(path)
-    if _is_checkpoint(path):
-        return [(path.name, path)]
-    folder = path / "checkpoints"
-    if not folder.is_dir():
-        raise ValueError(f"{path} is neither a checkpoint (adapter/ or model/ + config.json) nor a run "
-                         "directory (no checkpoints/)")
-    found = [(p.name, p) for p in sorted(folder.glob("step_*")) if _is_checkpoint(p)]
-    if not found:
-        raise ValueError(f"no checkpoint (step_*/ with adapter/ or model/, and config.json) under {folder}")
-    return found
-
-
-def checkpoint_progress(checkpoint):
-    """(step, elapsed training seconds) saved with a checkpoint, None where unknown."""
-    state_path = Path(checkpoint) / "trainer_state.pt"
-    if not state_path.is_file():
-        return None, None
-    # Our own file, written by train.py; it holds RNG states that weights_only loading may reject.
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
-    return state.get("step"), state.get("elapsed_s")
-
-
-def default_output(checkpoint_arg, split):
-    """Results file: in the run directory, so every checkpoint of a run appends to one file."""
-    path = Path(checkpoint_arg)
-    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
-    return run_dir / f"eval_{split}.json"
-
-
 def load_results(path, eval_config):
     """Existing results keyed by checkpoint name; refuses to mix results measured under other settings."""
     if not path.is_file():
         return {"config": eval_config, "results": {}}
     saved = json.loads(path.read_text())
-    if saved.get("config") != eval_config:
-        differing = sorted(k for k in set(eval_config) | set(saved.get("config", {}))
-                           if saved.get("config", {}).get(k) != eval_config.get(k))
+    config = saved.get("config", {})
+    if "max_new_tokens" in config:  # files written before max_completion_tokens was the one key
+        config.setdefault("max_completion_tokens", config.pop("max_new_tokens"))
+    if config != eval_config:
+        differing = sorted(k for k in set(eval_config) | set(config) if config.get(k) != eval_config.get(k))
         raise ValueError(f"{path} holds results measured with other settings ({', '.join(differing)}); "
                          "pass --out with a new file name")
     return saved
 
 
-def build_prompts(tokenizer, settings, split, num_prompts):
-    """Prompts and answers rendered exactly as train.py rendered them (same dataset, one-shot, system
-    prompt, think prefill), so eval accuracy measures the trained prompt format."""
-    import data
-
-    # seed 0: the fixed held-out sample train.py evaluates on (the sampling seed is separate).
-    kwargs = {"num_rows": num_prompts, "seed": 0, "one_shot": bool(settings.get("one_shot", False))}
-    if settings.get("system_prompt") is not None:
-        kwargs["system_prompt"] = settings["system_prompt"]
-    if settings.get("data_dir"):
-        kwargs["data_dir"] = settings["data_dir"]
-    dataset = data.load_split(settings["dataset"], split, **kwargs)
-    texts = data.render_prompts(tokenizer, list(dataset["prompt"]),
-                                prefill_think=bool(settings.get("prefill_think", False)))
-    return texts, list(dataset["answer"])
-
-
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="eval.py", description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--checkpoint", help="a checkpoint dir (adapter/ + config.json) or a run dir: "
                                             "evaluates every checkpoint in <run>/checkpoints/")
     where.add_argument("--model", help="a base model (Hub id, folder, GGUF or smollm2-135m-offline), no adapter")
     parser.add_argument("--base-model", help="override the base model named in the checkpoint's config.json")
     parser.add_argument("--dataset", help="default: the run's dataset (config.json), else gsm8k")
-    parser.add_argument("--split", default="test")
+    parser.add_argument("--data-dir", help="folder with the dataset files (default: the run's, else "
+                                           "$PODS_DATA_DIR or ../shared/data, else the Hugging Face Hub)")
+    parser.add_argument("--split", default="test", choices=("train", "test"))
     parser.add_argument("--num-prompts", type=int, default=None, help="default: the whole split")
     parser.add_argument("--samples-per-prompt", "-k", type=int, default=1)
     parser.add_argument("--repeats", "-r", type=int, default=5, help="the authors used 5")
     parser.add_argument("--temperature", type=float, default=0.9, help="the authors used 0.9; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's, else 256")
+    parser.add_argument("--max-completion-tokens", "--max-new-tokens", type=int, default=None,
+                        help="default: the run's, else 256")
     parser.add_argument("--batch-size", type=int, default=64, help="rows (prompts x samples) per generate call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -227,39 +181,49 @@ def parse_args(argv):
 
 
 def run_settings(args, checkpoints):
-    """Model and prompt settings: explicit flags, else the run's config.json, else defaults."""
-    run_config = json.loads((checkpoints[0][1] / "config.json").read_text()) if checkpoints else {}
-    settings = {key: run_config.get(key) for key in ("one_shot", "system_prompt", "prefill_think", "data_dir")}
-    settings["model"] = args.model or args.base_model or run_config.get("model")
+    """Model and prompt settings: explicit flags, else the run's config.json, else defaults (those of train.py,
+    so the prompts are rendered exactly as in training)."""
+    import checkpoint
+    import data
+
+    run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else {}
+    settings = {"model": args.model or args.base_model or run_config.get("model"),
+                "dataset": args.dataset or run_config.get("dataset") or "gsm8k",
+                "data_dir": args.data_dir or run_config.get("data_dir"),
+                "one_shot": bool(run_config.get("one_shot", False)),
+                "system_prompt": run_config.get("system_prompt") or data.SYSTEM_PROMPT,
+                "prefill_think": bool(run_config.get("prefill_think", False)),
+                "max_completion_tokens": args.max_completion_tokens or run_config.get("max_completion_tokens") or 256}
     if not settings["model"]:
         raise ValueError("the checkpoint's config.json names no base model: pass --base-model")
-    settings["dataset"] = args.dataset or run_config.get("dataset") or "gsm8k"
-    settings["max_new_tokens"] = args.max_new_tokens or run_config.get("max_completion_tokens") or 256
     return settings
 
 
 def main(argv=None):
-    import sys
-
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "compare":
+    if argv[:1] == ["compare"]:  # an alias: the same code path as python compare.py
         import compare
 
         return compare.main(argv[1:])
     args = parse_args(argv)
+    import checkpoint
+    import data
     import models
 
-    checkpoints = find_checkpoints(args.checkpoint) if args.checkpoint else []
+    checkpoints = checkpoint.find_checkpoints(args.checkpoint) if args.checkpoint else []
     settings = run_settings(args, checkpoints)
+    data.check_data_source(settings["dataset"], settings["data_dir"], splits=(args.split,))
+    models.check_model_source(settings["model"])  # a missing local model: one line, before anything loads
     out_path = Path(args.out) if args.out else (
-        default_output(args.checkpoint, args.split) if args.checkpoint else Path(f"eval_{args.split}.json"))
+        checkpoint.run_dir_of(args.checkpoint) / f"eval_{args.split}.json" if args.checkpoint
+        else Path(f"eval_{args.split}.json"))
     eval_config = {"model": settings["model"], "dataset": settings["dataset"], "split": args.split,
                    "num_prompts_requested": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
                    "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p,
-                   "max_new_tokens": settings["max_new_tokens"], "seed": args.seed,
-                   "one_shot": bool(settings["one_shot"]), "prefill_think": bool(settings["prefill_think"])}
+                   "max_completion_tokens": settings["max_completion_tokens"], "seed": args.seed,
+                   "one_shot": settings["one_shot"], "prefill_think": settings["prefill_think"]}
     saved = load_results(out_path, eval_config)
-    todo = [(name, path) for name, path in checkpoints if name not in saved["results"]]
+    todo = [path for path in checkpoints if path.name not in saved["results"]]
     if checkpoints and not todo:
         print(f"all {len(checkpoints)} checkpoints already in {out_path}")
         return saved
@@ -267,9 +231,17 @@ def main(argv=None):
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     tokenizer = models.load_tokenizer(settings["model"])
-    prompts, answers = build_prompts(tokenizer, settings, args.split, args.num_prompts)
+    try:
+        # seed 0: the fixed held-out sample train.py evaluates on (the sampling seed is separate).
+        examples = data.build_prompt_set(settings["dataset"], args.split, tokenizer, data_dir=settings["data_dir"],
+                                         num_rows=args.num_prompts, seed=0, one_shot=settings["one_shot"],
+                                         system_prompt=settings["system_prompt"],
+                                         prefill_think=settings["prefill_think"])
+    except RuntimeError as error:  # the Hub unreachable: the user's situation, one line (see __main__)
+        raise ValueError(str(error)) from error
+    prompts, answers = [e.text for e in examples], [e.answer for e in examples]
     base = None
-    for name, path in todo or [("base", None)]:
+    for path in todo or [None]:
         if path is not None and (path / "model").is_dir():  # full fine-tuning checkpoint
             model = models.load_policy(str(path / "model"), dtype=dtype, device=args.device)
         else:
@@ -282,10 +254,11 @@ def main(argv=None):
         per_repeat = evaluate_repeats(model, tokenizer, prompts, answers,
                                       samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
                                       temperature=args.temperature, top_p=args.top_p,
-                                      max_new_tokens=settings["max_new_tokens"], batch_size=args.batch_size,
+                                      max_new_tokens=settings["max_completion_tokens"], batch_size=args.batch_size,
                                       seed=args.seed, progress=not args.no_progress)
-        step, elapsed_s = checkpoint_progress(path) if path is not None else (0, 0.0)
-        entry = {"checkpoint": str(path) if path else settings["model"], "step": step, "elapsed_s": elapsed_s,
+        progress = checkpoint.checkpoint_progress(path) if path is not None else {"step": 0, "elapsed_s": 0.0}
+        name = path.name if path is not None else "base"
+        entry = {"checkpoint": str(path) if path else settings["model"], **progress,
                  "num_prompts": len(prompts), **summarize_repeats(per_repeat)}
         saved["results"][name] = entry
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -301,4 +274,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as error:  # bad flags, paths, data: a message, not a traceback
+        sys.exit(f"eval.py: error: {error}")

@@ -4,6 +4,11 @@ Paper setting (a)-(d) (Appendix, hyper-parameter table): a 3B instruct model wit
 q,k,v,o,gate,up,down. The LoRA adapter also gives the reference policy for the KL term for free (adapter
 disabled = the base model), so no second model is held in memory.
 
+Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 (peft holds the adapter in
+fp32); --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
+autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4:
+the step rounds away). Generation then runs on the fp32 weights (correct, slower; a static KV cache is fp32).
+
 Simplifications: one device, no FSDP/DeepSpeed; 4-bit is bitsandbytes NF4 (QLoRA) only.
 """
 
@@ -86,6 +91,13 @@ def check_model_source(name_or_path):
         smollm2_gguf_location()
     else:
         _pretrained_source(name_or_path)
+
+
+def compute_dtypes(bf16, lora_rank):
+    """(dtype of the loaded weights, autocast dtype or None) for a run with these flags (module docstring)."""
+    if not bf16:
+        return torch.float32, None
+    return (torch.bfloat16, None) if lora_rank > 0 else (torch.float32, torch.bfloat16)
 
 
 def load_tokenizer(name_or_path):

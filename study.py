@@ -6,8 +6,10 @@ n in {4, 8, 16}, for every seed, one subprocess at a time; then compares them wi
 wall-clock with 1.96 SE bands, speed-up ratio of paper Appendix A.4) into plots and markdown tables.
 
     python study.py run --out runs/study --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
-    python study.py compare RUN_DIR...            (= python compare.py)
+    python study.py compare RUN_DIR...            (an alias of python compare.py)
 
+Every setting the recorded tables depend on is passed explicitly (`STUDY_TRAIN_ARGS`), evaluation
+temperature included, so the documented command measures the same thing whatever the demo preset becomes.
 Resumable: a finished run has <out>/<name>/study_done.json and is skipped; an interrupted one continues
 from its checkpoint (train.py --resume) or starts over; a failed one is listed and retried on the next call.
 Simplification: demo scale only; the paper-scale settings (a)-(d) are run with train.py directly.
@@ -16,21 +18,34 @@ Simplification: demo scale only; the paper-scale settings (a)-(d) are run with t
 import argparse
 import itertools
 import json
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import checkpoint
 from compare import compare
-
 
 METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
 STUDY_RULES = ("max_variance", "random", "max_reward", "percentile")  # paper Fig. 5, plus the GRPO baseline
-# Demo preset, made to fit a shared 2-core CPU: one prompt per step (the authors' single-GPU config), a
-# 20-prompt greedy held-out set every 3 steps, and only the final checkpoint. Flags after `--` override these.
-STUDY_TRAIN_ARGS = ("--prompts-per-step", "1", "--eval-samples", "20", "--eval-interval", "3",
-                    "--checkpoint-interval-s", "100000")
+STUDY_SYSTEM_PROMPT = "Reason inside <think> </think>, then answer inside <answer> </answer>."
+# The settings of the recorded study, all explicit (a later edit of the demo preset or of a flag's default
+# cannot change them): SmolLM2-135M with LoRA r=16 on 2-digit addition with a one-shot example, fitted to a
+# shared 2-core CPU: one prompt per step (the authors' single-GPU config), a 20-prompt greedy held-out set
+# every 3 steps, only the final checkpoint. The method flags (rule, n, m, seed) come from study_plan; flags
+# after `--` override all of these.
+STUDY_TRAIN_ARGS = (
+    "--model", "smollm2-135m-offline", "--lora-rank", "16", "--lora-alpha", "32",
+    "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--no-bf16",
+    "--no-gradient-checkpointing", "--dataset", "arithmetic", "--num-train-rows", "1000", "--one-shot",
+    "--system-prompt", STUDY_SYSTEM_PROMPT, "--max-prompt-tokens", "256", "--advantage-normalization", "selected",
+    "--reward-weights", "accuracy=1,format=1,tag_count=1", "--prompts-per-step", "1", "--grad-accum-steps", "1",
+    "--updates-per-batch", "1", "--clip-eps", "0.2", "--kl-coef", "0", "--learning-rate", "5e-4",
+    "--weight-decay", "0", "--max-grad-norm", "1.0", "--optimizer", "adamw", "--temperature", "1.0",
+    "--top-p", "1.0", "--max-completion-tokens", "32", "--rollout-batch-size", "64", "--micro-batch-size", "16",
+    "--eval-samples", "20", "--eval-interval", "3", "--eval-temperature", "0", "--checkpoint-interval-s", "100000")
 
 
 def study_plan(seeds, rules=STUDY_RULES, num_rollouts=16, update_size=4, nm_values=(4, 8, 16)):
@@ -59,6 +74,13 @@ def study_plan(seeds, rules=STUDY_RULES, num_rollouts=16, update_size=4, nm_valu
     return runs, studies
 
 
+def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=()):
+    """train.py's flags for one run of the study: the pinned settings, the run's method, then the user's."""
+    return ["--preset", "demo", "--output-dir", str(run_dir), "--max-time-s", str(max_time_s), "--no-progress",
+            "--num-threads", str(num_threads), "--device", "cpu", "--max-steps", "0", *STUDY_TRAIN_ARGS,
+            *method_flags, *train_args]
+
+
 def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), dry_run=False, num_threads=1,
               train_script=Path(__file__).with_name("train.py")):
     """Train every planned run (sequentially, one subprocess each), then compare each study.
@@ -73,14 +95,12 @@ def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), d
         run_dir = out_dir / name
         if (run_dir / "study_done.json").is_file():
             continue
-        command = [sys.executable, str(train_script), "--preset", "demo",
-                   "--output-dir", str(run_dir), "--max-time-s", str(max_time_s), "--no-progress",
-                   "--num-threads", str(num_threads), *STUDY_TRAIN_ARGS, *flags, *train_args]
-        if (run_dir / "checkpoints" / "latest.txt").is_file():
+        command = [sys.executable, str(train_script), *train_flags(run_dir, flags, max_time_s, num_threads, train_args)]
+        if checkpoint.latest_checkpoint(run_dir) is not None:
             command.append("--resume")
         elif run_dir.exists() and not dry_run:
             shutil.rmtree(run_dir)  # interrupted before its first checkpoint: nothing worth keeping
-        print(f"[{index}/{len(runs)}] {' '.join(command)}", flush=True)
+        print(f"[{index}/{len(runs)}] {shlex.join(command)}", flush=True)
         if dry_run:
             continue
         start = time.perf_counter()
@@ -140,4 +160,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as error:  # a missing path, no runs, a bad flag: one line
+        sys.exit(f"study.py: error: {error}")

@@ -112,3 +112,36 @@ def test_prompt_order_is_a_per_epoch_permutation_and_resumable():
 def test_step_seeds_differ_by_step_and_round():
     seeds = {checkpoint.step_seed(0, step, r) for step in range(1, 50) for r in range(3)}
     assert len(seeds) == 147 and checkpoint.step_seed(0, 5) == checkpoint.step_seed(0, 5, 0)
+
+
+def test_trainer_state_round_trip_ignores_keys_of_older_runs(tmp_path, lora_setup):
+    model, optimizer = lora_setup
+    state = checkpoint.TrainerState(step=4, elapsed_s=9.5, position=(1, 3), num_tokens=120, metrics_bytes=77,
+                                    skipped_steps=2, nonfinite_streak=1, evaluated_step=4)
+    path = checkpoint.save_checkpoint(tmp_path, 4, model, optimizer, state, {})
+    assert checkpoint.TrainerState.from_saved(checkpoint.load_checkpoint(path, model, optimizer)) == state
+    older = {"step": 2, "last_checkpoint_s": 1.0}  # a key earlier versions saved
+    assert checkpoint.TrainerState.from_saved(older) == checkpoint.TrainerState(step=2)
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, lora_setup):
+    model, optimizer = lora_setup
+    good = checkpoint.save_checkpoint(tmp_path, 1, model, optimizer, {}, {})
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.requires_grad)[0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        checkpoint.save_checkpoint(tmp_path, 2, model, optimizer, {}, {})
+    assert checkpoint.latest_checkpoint(tmp_path) == good and not (tmp_path / "checkpoints" / "step_000002").exists()
+
+
+def test_metrics_log_appends_and_resume_cuts_later_lines(tmp_path):
+    with checkpoint.open_metrics_log(tmp_path) as log:
+        checkpoint.append_metrics(log, {"step": 1})
+        saved_bytes = log.tell()
+        checkpoint.append_metrics(log, {"step": 2})  # written after the checkpoint: a resume drops it
+    with checkpoint.open_metrics_log(tmp_path, keep_bytes=saved_bytes) as log:
+        checkpoint.append_metrics(log, {"step": 2, "resumed": True})
+    lines = [json.loads(line) for line in (tmp_path / checkpoint.METRICS_FILE).read_text().splitlines()]
+    assert lines == [{"step": 1}, {"step": 2, "resumed": True}]
+    with checkpoint.open_metrics_log(tmp_path) as log:  # a new run starts an empty log
+        assert log.tell() == 0

@@ -188,3 +188,42 @@ def test_settings_that_differ_between_runs_are_reported(tmp_path):
     _, table = compare.compare(runs)
     assert "settings differ between runs: learning_rate: 0.0003 (2 runs), 0.0005 (1 runs)" in table
     assert "output_dir" not in table and "seed" not in table.split("settings differ")[1]
+
+
+def test_one_method_draws_its_curve_and_table_without_a_speedup(tmp_path):
+    run = make_run(tmp_path, "demo", "PODS max_variance 16/4", 0, ramp(0.5, 50), step_times=[2.0] * 4)
+    rows, table = compare.compare([run], plot=tmp_path / "demo.png")  # the one run a newcomer has
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    assert rows[0]["speedup"] is None and rows[0]["threshold"] is None and rows[0]["time_to_threshold_s"] is None
+    assert rows[0]["peak_accuracy"] == pytest.approx(0.5)
+    header, rule, line = table.splitlines()[2:5]
+    assert "speed-up" not in header and "threshold" not in table and "one method" in table
+    assert header.count("|") == rule.count("|") == line.count("|") == 8  # 7 columns, each row alike
+    assert line.startswith("| PODS max_variance 16/4 | 1 | 11 | 100 | 0.500 | 2.00 |")
+    with pytest.raises(ValueError, match="not among"):
+        compare.compare([run], baseline_label="GRPO 4/4")
+
+
+def run_cli(monkeypatch, argv):
+    """compare.py run as a command (its __main__ block); returns the exit message."""
+    import runpy
+
+    monkeypatch.setattr("sys.argv", ["compare.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(compare.__file__, run_name="__main__")
+    return exit_info.value.code
+
+
+def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    runs = [make_run(tmp_path, "a", "GRPO 4/4", 0, ramp(0.5, 100)),
+            make_run(tmp_path, "b", "GRPO 8/8", 0, ramp(0.5, 50))]
+    for argv, message in (([tmp_path / "missing"], "missing does not exist"),
+                          ([empty], "no readable run directory"),
+                          (runs, "cannot pick the baseline among"),
+                          ([*runs, "--baseline-label", "nope"], "'nope' is not among")):
+        text = run_cli(monkeypatch, argv)
+        assert text.startswith("compare.py: error: ") and message in text and "\n" not in text
+    assert run_cli(monkeypatch, [*runs, "--metric", "loss"]) == 2  # argparse: usage line, no traceback
+    assert "invalid choice: 'loss'" in capsys.readouterr().err

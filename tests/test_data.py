@@ -207,10 +207,13 @@ def test_hub_failure_names_the_id_and_suggests_data_dir(monkeypatch):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(RuntimeError, match="'openai/gsm8k'.*pass data_dir"):
+    with pytest.raises(RuntimeError, match="'openai/gsm8k'.*pass data_dir") as error:
         data.load_split("gsm8k", "test", hub_id="openai/gsm8k")
-    with pytest.raises(ValueError, match="no Hub loader"):
+    assert "\n" not in str(error.value)  # one line for the command line
+    with pytest.raises(RuntimeError, match="'hicai-zju/SciKnowEval'.*pass data_dir"):
         data.load_split("chemistry", "test", hub_id="hicai-zju/SciKnowEval")
+    with pytest.raises(ValueError, match="no Hub id"):
+        data.load_split("arithmetic", "test", hub_id="some/id")
 
 
 def test_hub_rows_in_hendrycks_schema_are_converted(monkeypatch):
@@ -227,3 +230,95 @@ def test_hub_rows_in_hendrycks_schema_are_converted(monkeypatch):
     dataset = data.load_split("math", "train", hub_id="EleutherAI/hendrycks_math")
     assert len(dataset) == len(calls) == 7 and set(dataset["answer"]) == {"\\frac{1}{2}"}
     assert dataset[0]["level"] == 3 and dataset[0]["subject"] == "Algebra"
+
+
+def hub_shaped(data_dir):
+    """The local files' rows as the Hub serves them: {(hub id, config, split): rows}, plus SciKnowEval rows
+    that the selection must leave out and its tasks interleaved (the local file groups them by task)."""
+    read = lambda relative: [json.loads(line) for line in open(data_dir / relative, encoding="utf-8")]  # noqa: E731
+    served = {("openai/gsm8k", "main", split): read(f"gsm8k/{split}.jsonl") for split in ("train", "test")}
+    served[("HuggingFaceH4/MATH-500", None, "test")] = read("math/test500.jsonl")
+    for row in read("math/train.jsonl"):  # hendrycks_math: one config per subject folder, "Level N", "type"
+        config = row["unique_id"].split("/")[1]
+        served.setdefault(("EleutherAI/hendrycks_math", config, "train"), []).append(
+            {"problem": row["problem"], "solution": row["solution"], "type": row["subject"],
+             "level": f"Level {row['level'] if row['level'] is not None else '?'}"})
+    by_task = {}
+    for row in read("chemistry/l3_mcq.jsonl"):
+        by_task.setdefault(row["task"], []).append(
+            {"question": row["question"].rsplit("\n", 4)[0], "answerKey": row["answer"], "type": "mcq-4-choices",
+             "choices": {"text": row["choices"], "label": ["A", "B", "C", "D"]}, "domain": "Chemistry",
+             "details": {"level": "L3", "task": row["task"], "subtask": row["subtask"]}, "answer": ""})
+    decoy = by_task["retrosynthesis"][0]
+    chemistry = [dict(decoy, domain="Biology"), dict(decoy, details=dict(decoy["details"], level="L2")),
+                 dict(decoy, type="filling", choices={"text": [], "label": []})]
+    for i in range(max(map(len, by_task.values()))):  # round robin over the tasks
+        chemistry += [rows[i] for rows in reversed(by_task.values()) if i < len(rows)]
+    served[("hicai-zju/SciKnowEval", "v2", "test")] = chemistry
+    return served
+
+
+@pytest.mark.parametrize("name, split", [("gsm8k", "test"), ("math", "train"), ("math", "test"),
+                                         ("chemistry", "train"), ("chemistry", "test")])
+def test_hub_and_local_files_give_identical_examples(data_dir, monkeypatch, tmp_path, name, split):
+    import datasets
+
+    served, calls = hub_shaped(data_dir), []
+
+    def fake_load(hub_id, config=None, split=None):
+        calls.append(hub_id)
+        return served[(hub_id, config, split)]
+
+    plain = SimpleNamespace(chat_template=None)  # rendering is not what this test is about: keep it fast
+    local = data.build_prompt_set(name, split, plain, data_dir=data_dir, one_shot=True)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    monkeypatch.delenv("PODS_DATA_DIR", raising=False)
+    monkeypatch.setattr(data, "DEFAULT_DATA_DIR", tmp_path / "no-such-folder")
+    assert data.default_data_dir() is None and not calls
+    hub = data.build_prompt_set(name, split, plain, one_shot=True)  # no local folder: the Hub is the default
+    assert set(calls) == {data.HUB_IDS[(name, split)]}
+    assert len(hub) == len(local) > 0 and hub == local
+
+
+def test_check_data_source_is_offline_and_names_what_is_missing(data_dir, monkeypatch, tmp_path):
+    import importlib.util
+
+    for name in ("gsm8k", "math", "chemistry", "arithmetic"):
+        data.check_data_source(name, data_dir)
+    data.check_data_source("arithmetic", tmp_path / "nowhere")  # synthetic: needs no files
+    with pytest.raises(ValueError, match=r"data file not found: .*nowhere/math/test500.jsonl, .*math/train.jsonl"):
+        data.check_data_source("math", tmp_path / "nowhere")
+    write(tmp_path, "gsm8k/train.jsonl", "{}")
+    data.check_data_source("gsm8k", tmp_path, splits=("train",))
+    with pytest.raises(ValueError, match="unknown dataset"):
+        data.check_data_source("gsm9k", data_dir)
+    monkeypatch.delenv("PODS_DATA_DIR", raising=False)
+    monkeypatch.setattr(data, "DEFAULT_DATA_DIR", tmp_path / "no-such-folder")
+    data.check_data_source("chemistry")  # no folder, `datasets` importable: the Hub will be tried
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else real_find_spec(n, *a))
+    with pytest.raises(ValueError, match="no local data folder for chemistry.*hicai-zju/SciKnowEval"):
+        data.check_data_source("chemistry")
+
+
+def test_build_prompt_set_renders_every_row_and_drops_only_with_a_limit(smollm2_tokenizer, caplog):
+    kwargs = dict(num_rows=30, one_shot=True, prefill_think=True)
+    examples = data.build_prompt_set("arithmetic", "test", smollm2_tokenizer, **kwargs)
+    rows = data.load_split("arithmetic", "test", num_rows=30, one_shot=True)
+    assert [e.answer for e in examples] == rows["answer"] and [e.prompt for e in examples] == rows["prompt"]
+    assert [e.text for e in examples] == data.render_prompts(smollm2_tokenizer, rows["prompt"], prefill_think=True)
+    lengths = [len(smollm2_tokenizer(e.text, add_special_tokens=False)["input_ids"]) for e in examples]
+    limit = max(lengths) - 1  # drops the prompts with two 2-digit numbers, keeps the others
+    with caplog.at_level(logging.WARNING, logger="data"):
+        short = data.build_prompt_set("arithmetic", "test", smollm2_tokenizer, max_prompt_tokens=limit, **kwargs)
+    assert short == [e for e, n in zip(examples, lengths) if n <= limit] and 0 < len(short) < 30
+    assert f"dropped {30 - len(short)} of 30" in caplog.text
+    with pytest.raises(ValueError, match="every arithmetic/test prompt is longer"):
+        data.build_prompt_set("arithmetic", "test", smollm2_tokenizer, max_prompt_tokens=1, **kwargs)
+
+
+def test_graded_completion_restores_the_think_prefill():
+    completion = "2 + 3 = 5\n</think>\n<answer>\n5\n</answer>"  # written after a "<think>\n" prefill
+    assert data.graded_completion(completion, prefill_think=False) == completion
+    graded = data.graded_completion(completion, prefill_think=True)
+    assert graded == rewards.THINK_PREFILL + completion and rewards.format_reward(graded) == 1.0

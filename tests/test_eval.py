@@ -1,11 +1,16 @@
-"""eval.py: evaluate() on a tiny random model end to end, its bookkeeping, and the command line."""
+"""eval.py: evaluate() on a tiny random model end to end, its bookkeeping, and the command line; reading a run
+folder (checkpoint.py's "Reading a run folder", which eval.py uses)."""
 
 import json
+import re
+import runpy
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
+import checkpoint
 import eval as eval_module
 import rewards
 
@@ -120,7 +125,7 @@ def test_cli_evaluates_every_checkpoint_and_appends(tmp_path, tiny_model, smollm
     eval_module.main(["--checkpoint", str(run_dir), *flags])
     out = run_dir / "eval_test.json"
     saved = json.loads(out.read_text())
-    assert saved["config"]["repeats"] == 2 and saved["config"]["max_new_tokens"] == 4
+    assert saved["config"]["repeats"] == 2 and saved["config"]["max_completion_tokens"] == 4
     assert sorted(saved["results"]) == ["step_000000", "step_000002"]
     entry = saved["results"]["step_000002"]
     assert entry["elapsed_s"] == 3.0 and entry["step"] == 2 and entry["num_samples"] == 4
@@ -167,3 +172,53 @@ def test_cli_rejects_a_folder_that_is_not_a_run(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(ValueError, match="no checkpoint"):
         eval_module.main(["--checkpoint", str(tmp_path)])
+
+
+def test_reading_a_run_folder(tmp_path):
+    run = tmp_path / "run"
+    config = {"model": "m", "max_completion_tokens": 8}
+    for step in (4, 2):
+        _add_checkpoint(run, step, tmp_path, config)
+    (run / "checkpoints" / "step_000006").mkdir()  # not a checkpoint (no adapter/, no config.json): ignored
+    found = checkpoint.find_checkpoints(run)
+    assert [p.name for p in found] == ["step_000002", "step_000004"]
+    assert checkpoint.find_checkpoints(found[0]) == [found[0]] and checkpoint.run_dir_of(found[1]) == run
+    assert checkpoint.run_dir_of(run) == run
+    assert checkpoint.checkpoint_progress(found[1]) == {"step": 4, "elapsed_s": 6.0}
+    assert checkpoint.checkpoint_progress(tmp_path) == {"step": None, "elapsed_s": None}
+    # A run folder without config.json reads its newest checkpoint's copy; an old run's max_new_tokens is
+    # folded into the one key.
+    (run / "checkpoints" / "step_000004" / "config.json").write_text(json.dumps({"model": "m", "max_new_tokens": 5}))
+    assert checkpoint.read_run_config(run) == {"model": "m", "max_completion_tokens": 5}
+    (run / "config.json").write_text(json.dumps({"max_completion_tokens": 7, "max_new_tokens": 7}))
+    assert checkpoint.read_run_config(run) == {"max_completion_tokens": 7}
+    assert checkpoint.read_run_config(found[0]) == config
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.find_checkpoints(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        checkpoint.read_run_config(tmp_path / "model")
+    (run / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="malformed JSON"):
+        checkpoint.read_run_config(run)
+
+
+def test_results_written_under_the_old_key_are_still_appended_to(tmp_path):
+    eval_config = {"model": "m", "max_completion_tokens": 4}
+    path = tmp_path / "eval_test.json"
+    path.write_text(json.dumps({"config": {"model": "m", "max_new_tokens": 4}, "results": {"step_000001": {}}}))
+    assert eval_module.load_results(path, eval_config)["results"] == {"step_000001": {}}
+    with pytest.raises(ValueError, match="other settings \\(max_completion_tokens\\)"):
+        eval_module.load_results(path, dict(eval_config, max_completion_tokens=8))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "{tmp}/missing"], "missing does not exist"),
+    (["--checkpoint", "{tmp}"], "neither a checkpoint"),
+    (["--model", "m", "--dataset", "math", "--data-dir", "{tmp}"], "data file not found: .*test500.jsonl"),
+])
+def test_cli_errors_are_one_line(tmp_path, monkeypatch, argv, message):
+    monkeypatch.setattr("sys.argv", ["eval.py", *(a.format(tmp=tmp_path) for a in argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(Path(eval_module.__file__)), run_name="__main__")
+    text = str(exit_info.value.code)
+    assert text.startswith("eval.py: error: ") and "\n" not in text and re.search(message, text)

@@ -55,3 +55,10 @@ def test_offline_demo_model_loads_and_saves_an_adapter(tmp_path):
     policy = models.load_policy(models.SMOLLM2_ALIAS, lora_rank=4)
     policy.save_pretrained(tmp_path)
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_compute_dtypes_keep_fp32_master_weights_for_full_fine_tuning():
+    assert models.compute_dtypes(False, 0) == (torch.float32, None)
+    assert models.compute_dtypes(False, 8) == (torch.float32, None)
+    assert models.compute_dtypes(True, 8) == (torch.bfloat16, None)  # LoRA: frozen bf16 base, fp32 adapter
+    assert models.compute_dtypes(True, 0) == (torch.float32, torch.bfloat16)  # fp32 weights, bf16 autocast

@@ -1,5 +1,7 @@
 """study.py: the rule study / n/m study plan, and the runner (train.py replaced by a fake script)."""
 
+import pytest
+
 import study
 
 FAKE_TRAIN = r'''
@@ -54,3 +56,52 @@ def test_run_study_trains_compares_and_resumes(tmp_path):
     study.run_study(out, [0, 1], 5, train_script=script)
     again = (out / "calls.txt").read_text().splitlines()[12:]
     assert [c.split()[0] for c in again] == ["random-n16-m4-s1"]
+
+
+# Flags whose value cannot change the recorded tables (or cannot be given on the command line: store_true
+# flags that are off), so the study leaves them to their defaults.
+UNPINNED_OK = {"baseline", "load_in_4bit", "prefill_think", "data_dir", "keep_checkpoints", "resume"}
+
+
+def test_every_setting_of_the_recorded_tables_is_pinned():
+    """Each train.py flag is given explicitly, so a later preset or default edit cannot change the study."""
+    import config
+
+    parser = config.build_parser()
+    unset = object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
+    runs, _ = study.study_plan([0])
+    for flags in runs.values():
+        args = parser.parse_args(study.train_flags("runs/x", flags, 120))
+        unpinned = {name for name, value in vars(args).items() if value is unset}
+        assert unpinned <= UNPINNED_OK, f"pin these in study.STUDY_TRAIN_ARGS: {sorted(unpinned - UNPINNED_OK)}"
+    assert args.eval_temperature == 0 and args.eval_samples == 20 and args.eval_interval == 3  # greedy, as recorded
+    assert args.prompts_per_step == 1 and args.max_completion_tokens == 32 and args.num_threads == 1
+    assert args.system_prompt == study.STUDY_SYSTEM_PROMPT and args.learning_rate == 5e-4
+
+
+def test_a_run_with_a_checkpoint_is_resumed(tmp_path, capsys):
+    import checkpoint
+
+    step = tmp_path / "grpo-n4-m4-s0" / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")
+    (step.parent / checkpoint.LATEST_FILE).write_text("step_000003\n")
+    study.run_study(tmp_path, [0], 5, nm_values=(4, 16), dry_run=True)
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(commands) == 5 and "grpo-n4-m4-s0 " in commands[0] and commands[0].endswith(" --resume")
+    assert not any(c.endswith("--resume") for c in commands[1:])
+    assert "--system-prompt 'Reason inside" in commands[0]  # printed ready to paste into a shell
+
+
+def test_cli_errors_are_one_line(tmp_path, monkeypatch):
+    import runpy
+
+    missing = ["compare", str(tmp_path / "missing")]
+    for argv, start, message in ((missing, "study.py: error: ", "missing does not exist"),
+                                 ([], "usage: python study.py", "study.py run --out")):
+        monkeypatch.setattr("sys.argv", ["study.py", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(study.__file__, run_name="__main__")
+        text = str(exit_info.value.code)
+        assert text.startswith(start) and message in text and "\n" not in text

@@ -1,5 +1,6 @@
-"""train.py: flags/presets/errors, one step end to end on a tiny random model (every rule, mu > 1, beta > 0,
-micro-batching = one batch), the metrics/config files, and exact resume after SIGKILL."""
+"""train.py: one step end to end on a tiny random model (every rule, mu > 1, beta > 0, micro-batching = one batch,
+the kept rows and their advantages), the metrics/config files, the non-finite guard, flags applied at resume,
+and exact resume after SIGKILL. (Flags and presets: test_config.py; the update itself: test_update.py.)"""
 
 import json
 import math
@@ -13,9 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import config
+import data
+import grpo_loss
 import models
+import pods
 import rewards
+import sampling
 import train
+import update
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = set(train.TIMING_KEYS) | {"eval/eval_s"}
@@ -51,64 +58,22 @@ def read_lines(run_dir, kind):
     return [line for line in lines if line["type"] == kind]
 
 
-# ---------------------------------------------------------------------------------- flags and presets
-
-@pytest.mark.filterwarnings("ignore:--bf16 on CPU")
-def test_presets_baseline_and_overrides():
-    a = train.parse_args(["--preset", "a"])
-    assert (a.model, a.dataset, a.num_rollouts, a.update_size, a.rule) == (
-        "Qwen/Qwen2.5-3B-Instruct", "gsm8k", 64, 16, "max_variance")
-    assert (a.learning_rate, a.kl_coef, a.lora_rank, a.lora_alpha, a.weight_decay, a.max_grad_norm) == (
-        5e-6, 0.0, 64, 64, 0.1, 1.0)
-    assert a.max_prompt_tokens + a.max_completion_tokens == 1024 and a.bf16 and a.gradient_checkpointing
-    base = train.parse_args(["--preset", "a", "--baseline"])
-    assert (base.num_rollouts, base.update_size, base.rule) == (16, 16, "none")
-    assert train.method_label(base) == "GRPO 16/16" and train.method_label(a) == "PODS max_variance 64/16"
-    paper_baselines = {p: train.parse_args(["--preset", p, "--baseline"]) for p in "bcd"}
-    assert {p: (x.num_rollouts, x.update_size) for p, x in paper_baselines.items()} == {
-        "b": (8, 8), "c": (16, 16), "d": (16, 16)}
-    b = train.parse_args(["--preset", "b", "--baseline", "--learning-rate", "1e-6", "-n", "16", "-m", "16"])
-    assert (b.kl_coef, b.learning_rate, b.num_rollouts, b.rule) == (0.04, 1e-6, 16, "none")  # explicit flags win
-    demo = train.parse_args([])
-    assert demo.preset == "demo" and demo.model == models.SMOLLM2_ALIAS and demo.dataset == "arithmetic"
-    assert demo.update_size < demo.num_rollouts and demo.max_time_s == 600
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["-n", "4", "-m", "8"], "must be <= --num-rollouts"),
-    (["--rule", "none", "-n", "8", "-m", "4"], "needs m == n"),
-    (["--lora-rank", "0", "--kl-coef", "0.1"], "incompatible flags"),
-    (["--load-in-4bit", "--device", "cpu"], "incompatible flags"),
-    (["--optimizer", "adamw8bit", "--device", "cpu"], "adamw8bit"),
-    (["--reward-weights", "accuracy=1,bogus=2"], "unknown reward function"),
-    (["--resume"], "--output-dir"),
-])
-def test_bad_flags_fail_before_loading(argv, message):
-    with pytest.raises(ValueError, match=message):
-        train.parse_args(argv)
-
-
-def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        train.parse_args(["--model", str(tmp_path / "nowhere")])
-    for flag, value in (("--rule", "min_variance"), ("--preset", "z"), ("--dataset", "imagenet")):
-        with pytest.raises(SystemExit):
-            train.parse_args([flag, value])
-        assert "invalid choice" in capsys.readouterr().err
-
-
 # ------------------------------------------------------------------------------------------ one step
 
 def step_args(**overrides):
-    args = train.parse_args(["--model", models.SMOLLM2_ALIAS, "-n", "4", "-m", "2", "--max-completion-tokens", "6",
+    args = config.parse_args(["--model", models.SMOLLM2_ALIAS, "-n", "4", "-m", "2", "--max-completion-tokens", "6",
                              "--micro-batch-size", "3", "--learning-rate", "0.05"])
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
 
 
-EXAMPLES = [{"text": "What is 2 + 3?", "prompt": [], "answer": "5"},
-            {"text": "Add 10 and 7, then say hi:", "prompt": [], "answer": "17"}]
+EXAMPLES = [data.Example(text="What is 2 + 3?", prompt=[], answer="5"),
+            data.Example(text="Add 10 and 7, then say hi:", prompt=[], answer="17")]
+
+
+def make_optimizer(model, args):
+    return update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
 
 
 @pytest.fixture
@@ -129,7 +94,7 @@ def varied_rewards_one_thread(monkeypatch):
 @pytest.mark.parametrize("rule", ["max_variance", "random", "percentile", "max_reward", "none"])
 def test_every_rule_runs_one_step(rule, lora_model, smollm2_tokenizer):
     args = step_args(rule=rule, update_size=4 if rule == "none" else 2)
-    optimizer = train.make_optimizer(lora_model, args)
+    optimizer = make_optimizer(lora_model, args)
     metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
     assert metrics["update_rows"] == 2 * args.update_size
     for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/char_sum/mean", "completions/mean_length",
@@ -153,7 +118,7 @@ def test_micro_batches_give_the_full_batch_gradient(lora_model, smollm2_tokenize
 
 def test_mu_above_one_uses_old_logprobs_and_kl_uses_adapter_off(lora_model, smollm2_tokenizer):
     args = step_args(updates_per_batch=3, kl_coef=0.05)
-    optimizer = train.make_optimizer(lora_model, args)
+    optimizer = make_optimizer(lora_model, args)
     lora_b = [p.detach().clone() for name, p in lora_model.named_parameters() if "lora_B" in name]
     metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
     # Update 1 has pi = pi_old = pi_ref (LoRA B starts at 0); updates 2-3 moved away from both.
@@ -165,9 +130,39 @@ def test_mu_above_one_uses_old_logprobs_and_kl_uses_adapter_off(lora_model, smol
 
 def test_grad_accum_rounds_use_every_round(lora_model, smollm2_tokenizer):
     args = step_args(grad_accum_steps=2)
-    optimizer = train.make_optimizer(lora_model, args)
+    optimizer = make_optimizer(lora_model, args)
     metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES, EXAMPLES[:1]], args, step=1)
     assert metrics["update_rows"] == 3 * args.update_size
+
+
+def test_step_trains_on_the_kept_rows_with_kept_subset_advantages(lora_model, smollm2_tokenizer, monkeypatch):
+    """Two prompts, n = 4, m = 2: the update gets rollout i*n + kept[i, j] of prompt i (not i*m + j), with
+    advantages normalised over the m kept rewards (paper §3.2), not over all n."""
+    seen = {}
+    real_generate, real_update = sampling.generate_rollouts, update.update_policy
+
+    def spy_generate(*args, **kwargs):
+        seen["rollouts"] = real_generate(*args, **kwargs)
+        return seen["rollouts"]
+
+    def spy_update(model, optimizer, batches, settings, **kwargs):
+        seen["batches"] = batches
+        return real_update(model, optimizer, batches, settings, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate_rollouts", spy_generate)
+    monkeypatch.setattr(update, "update_policy", spy_update)
+    args = step_args()
+    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, step=1)
+    rollouts, [batch] = seen["rollouts"], seen["batches"]
+    reward_matrix = fake_compute_rewards(None, rollouts.texts, None).total.view(2, 4)
+    kept = pods.max_variance_indices(reward_matrix, 2)
+    rows = [i * 4 + int(j) for i in range(2) for j in kept[i]]
+    assert torch.equal(batch.completion_ids, rollouts.completion_ids[rows])
+    assert torch.equal(batch.prompt_ids, rollouts.prompt_ids[[0, 0, 1, 1]])
+    expected = pods.group_advantages(reward_matrix.gather(1, kept)).flatten()
+    torch.testing.assert_close(batch.advantages, expected)
+    over_all_n = pods.group_advantages(reward_matrix).gather(1, kept).flatten()
+    assert (expected - over_all_n).abs().max() > 1e-3  # the two normalisations differ here
 
 
 # --------------------------------------------------------------------------------------- whole runs
@@ -189,6 +184,70 @@ def test_run_writes_metrics_config_and_loadable_adapter(tiny_dir, tmp_path):
     assert max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n) > 0  # LoRA moved
     with pytest.raises(ValueError, match="already holds a run"):
         train.main(tiny_argv(tiny_dir, run_dir))
+
+
+def test_resume_applies_the_new_learning_rate_and_weight_decay(tiny_dir, tmp_path, monkeypatch):
+    run_dir = train.main(tiny_argv(tiny_dir, tmp_path / "run", "--eval-samples", "0"))
+    groups = []
+    real_update = update.update_policy
+
+    def spy_update(model, optimizer, batches, settings, **kwargs):
+        groups.extend((g["lr"], g["weight_decay"]) for g in optimizer.param_groups)
+        return real_update(model, optimizer, batches, settings, **kwargs)
+
+    monkeypatch.setattr(update, "update_policy", spy_update)
+    train.main(["--output-dir", str(run_dir), "--resume", "--max-steps", "3", "--learning-rate", "0.5",
+                "--weight-decay", "0.01", "--no-progress"])
+    assert groups and set(groups) == {(0.5, 0.01)}  # not the 1e-2 / 0.0 in the saved optimizer state
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["learning_rate"], saved["weight_decay"], saved["max_steps"]) == (0.5, 0.01, 3)
+    assert read_lines(run_dir, "train")[-1]["learning_rate"] == 0.5
+
+
+def nan_loss_on(steps, monkeypatch):
+    """grpo_loss returns NaN during the training steps in `steps` (1-based)."""
+    current, real_loss, real_step = {"step": 0}, grpo_loss.grpo_loss, train.train_step
+
+    def step(model, tokenizer, optimizer, rounds, args, step):
+        current["step"] = step
+        return real_step(model, tokenizer, optimizer, rounds, args, step)
+
+    def loss(*args, **kwargs):
+        value, metrics = real_loss(*args, **kwargs)
+        return (value * math.nan if current["step"] in steps else value), metrics
+
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(grpo_loss, "grpo_loss", loss)
+
+
+def test_a_non_finite_step_is_skipped_and_counted(tiny_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    nan_loss_on({2}, monkeypatch)
+    run_dir = train.main(tiny_argv(tiny_dir, tmp_path / "run", "--max-steps", "3", "--eval-samples", "0"))
+    steps = read_lines(run_dir, "train")
+    assert [s["skipped_steps"] for s in steps] == [0, 1, 1] and math.isnan(steps[1]["loss"])
+    adapter = [load_file(run_dir / f"checkpoints/step_00000{i}/adapter/adapter_model.safetensors") for i in (1, 2, 3)]
+    assert all(torch.equal(adapter[0][k], adapter[1][k]) for k in adapter[0])  # step 2 changed nothing
+    assert any(not torch.equal(adapter[1][k], adapter[2][k]) for k in adapter[0])  # step 3 trained again
+
+
+def test_three_non_finite_steps_in_a_row_stop_the_run(tiny_dir, tmp_path, monkeypatch):
+    nan_loss_on({2, 3, 4}, monkeypatch)
+    with pytest.raises(update.TrainingError, match="3 steps in a row"):
+        train.main(tiny_argv(tiny_dir, tmp_path / "run", "--max-steps", "6", "--eval-samples", "0"))
+    steps = read_lines(tmp_path / "run", "train")
+    assert [s["skipped_steps"] for s in steps] == [0, 1, 2, 3]
+    assert (tmp_path / "run/checkpoints/latest.txt").read_text().strip() == "step_000003"  # finite weights only
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--reward-weights", "accuracy=1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "train.py: error: --reward-weights names no weight for ['format', 'tag_count']: give every reward function "
+        "a weight (0 logs it without training on it), e.g. accuracy=1,format=1,tag_count=1"]
 
 
 WRAPPER = """

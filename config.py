@@ -1,0 +1,242 @@
+"""What a training run is: presets (the paper's settings (a)-(d) and the CPU demo), their GRPO baselines, the
+command-line flags grouped by concern, and every check that can be made before a model or a dataset is loaded.
+
+Paper Appendix, hyper-parameter table, plus the authors' released single-GPU config (YixuanEvenXu/pods,
+config/train.yaml: 1 prompt per step, temperature 0.9, AdamW betas 0.9/0.99, checkpoints every 1800 s).
+Precedence: flags > the resumed run's config.json > --baseline > the preset (`parse_args`).
+
+Simplification: the learning rate is constant (the authors' code warms it up over 1% of the steps).
+"""
+
+import argparse
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import data
+import models
+import pods
+import rewards
+import update
+
+PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(models.DEFAULT_LORA_TARGETS),
+                    weight_decay=0.1, max_grad_norm=1.0, max_prompt_tokens=512, max_completion_tokens=512,
+                    bf16=True, gradient_checkpointing=True, optimizer="adamw", rule="max_variance",
+                    prompts_per_step=1, temperature=0.9, kl_coef=0.0, one_shot=False,
+                    checkpoint_interval_s=1800.0, max_time_s=6 * 3600.0, eval_interval=50, eval_samples=200,
+                    eval_temperature=0.9, rollout_batch_size=64, micro_batch_size=4)
+# Demo: a short system prompt (prompt tokens dominate CPU time) that spells out the format (base model:
+# 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step).
+DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"
+PRESETS = {
+    # One thread: on the shared 2-core machine two torch threads ran 1.5-5x slower (spinning OpenMP workers).
+    "demo": dict(model=models.SMOLLM2_ALIAS, dataset="arithmetic", one_shot=True, num_rollouts=16,
+                 update_size=4, rule="max_variance", prompts_per_step=4, learning_rate=5e-4, lora_rank=16,
+                 lora_alpha=32, system_prompt=DEMO_SYSTEM_PROMPT, temperature=1.0, max_prompt_tokens=256,
+                 max_completion_tokens=32, rollout_batch_size=64, micro_batch_size=16, eval_samples=100,
+                 eval_interval=5, eval_temperature=0.9, max_time_s=600.0, checkpoint_interval_s=120.0,
+                 num_threads=1),
+    "a": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", num_rollouts=64, update_size=16,
+              learning_rate=5e-6),
+    "b": dict(PAPER_COMMON, model="meta-llama/Llama-3.2-3B-Instruct", dataset="gsm8k", num_rollouts=64,
+              update_size=16, learning_rate=2e-6, kl_coef=0.04),
+    "c": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="math", num_rollouts=32, update_size=8,
+              learning_rate=5e-6),
+    "d": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="chemistry", num_rollouts=64,
+              update_size=16, learning_rate=5e-6),
+}
+# --baseline: the matching GRPO run, n = m, as in the paper's comparisons: (a) 16/16, (b) 8/8, (c) 16/16,
+# (d) 16/16. (The authors' scripts/plot.py also has GRPO 16/16 runs for (b) and 8/8 for (c): pass -n/-m.)
+BASELINES = {"demo": 4, "a": 16, "b": 8, "c": 16, "d": 16}
+DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
+POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
+                 "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size")
+NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
+                "num_threads", "weight_decay", "kl_coef", "lora_rank")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.")
+    add = parser.add_argument_group("preset").add_argument
+    add("--preset", choices=sorted(PRESETS), default="demo", help="paper setting (a)-(d) or the CPU demo")
+    add("--baseline", action="store_true", help="switch the preset to its GRPO baseline (n = m, rule none)")
+    add = parser.add_argument_group("model").add_argument
+    add("--model", help=f"Hub id, local folder/.gguf, or {models.SMOLLM2_ALIAS!r} (offline demo model)")
+    add("--lora-rank", type=int, default=0, help="0 = full fine-tuning")
+    add("--lora-alpha", type=int)
+    add("--lora-target-modules", default=",".join(models.DEFAULT_LORA_TARGETS), help="comma-separated")
+    add("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (QLoRA), CUDA only")
+    add("--bf16", action=argparse.BooleanOptionalAction, default=False,
+        help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast)")
+    add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add = parser.add_argument_group("data").add_argument
+    add("--dataset", choices=data.DATASETS)
+    add("--data-dir", help="folder with the dataset files (default: ../shared/data or $PODS_DATA_DIR)")
+    add("--num-train-rows", type=int, help="use this many training rows (arithmetic: the synthetic set size)")
+    add("--one-shot", action=argparse.BooleanOptionalAction, default=False, help="one worked example in the prompt")
+    add("--prefill-think", action="store_true", help="end the prompt with '<think>\\n' (scored as completion)")
+    add("--max-prompt-tokens", type=int, help="longer prompts are dropped")
+    add("--system-prompt", help="default: the paper's think/answer instruction (data.SYSTEM_PROMPT)")
+    add = parser.add_argument_group("PODS / GRPO").add_argument
+    add("--num-rollouts", "-n", type=int, help="rollouts generated per prompt (n)")
+    add("--update-size", "-m", type=int, help="rollouts per prompt kept for the update (m <= n)")
+    add("--rule", choices=pods.RULES, help="down-sampling rule; 'none' (m = n) is plain GRPO")
+    add("--advantage-normalization", choices=pods.NORMALIZE_MODES, default="selected",
+        help="selected: stats of the m kept rewards (paper); group: stats of all n")
+    add("--reward-weights", default=DEFAULT_REWARD_WEIGHTS,
+        help="name=weight for every reward function (paper: 1/1/1; weight 0 logs a reward without training on it)")
+    add("--prompts-per-step", type=int)
+    add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
+    add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
+    add("--clip-eps", type=float, default=0.2)
+    add("--kl-coef", type=float, default=0.0, help="KL beta (needs LoRA: the reference is the adapter switched off)")
+    add = parser.add_argument_group("optimizer").add_argument
+    add("--learning-rate", "--lr", type=float)
+    add("--weight-decay", type=float, default=0.0)
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (<= 0: off)")
+    add("--optimizer", choices=update.OPTIMIZERS, default="adamw")
+    add = parser.add_argument_group("generation").add_argument
+    add("--temperature", type=float)
+    add("--top-p", type=float, default=1.0)
+    add("--max-completion-tokens", type=int)
+    add("--rollout-batch-size", type=int, help="sequences per generate call (memory bound of generation)")
+    add("--micro-batch-size", type=int, help="sequences per forward/backward (memory bound of the update)")
+    add = parser.add_argument_group("run").add_argument
+    add("--seed", type=int, default=0)
+    add("--num-threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    add("--max-steps", type=int, default=0, help="0 = no step limit")
+    add("--max-time-s", type=float, default=0.0,
+        help="training wall-clock budget (evaluation excluded): no step starts that would likely end past it")
+    add("--checkpoint-interval-s", type=float, help="seconds of training between checkpoints; <0 = never")
+    add("--keep-checkpoints", type=int, default=0, help="keep only the newest K (0 = all)")
+    add("--eval-interval", type=int, help="held-out evaluation every K steps (also at step 0 and the end)")
+    add("--eval-samples", type=int, help="held-out prompts (fixed sample of the test split); 0 = no eval")
+    add("--eval-temperature", type=float, help="0 = greedy")
+    add("--output-dir", help="default: runs/<preset>-<method>-s<seed>-<time>")
+    add("--resume", action="store_true",
+        help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
+    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
+    return parser
+
+
+def parse_args(argv=None):
+    """Resolved, checked flags: flags > the resumed run's config > --baseline > the preset. Raises ValueError or
+    FileNotFoundError (one line each) for anything wrong, before any model or data is loaded."""
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    defaults = dict(PRESETS[first.preset])
+    if first.baseline:
+        defaults.update(num_rollouts=BASELINES[first.preset], update_size=BASELINES[first.preset], rule="none")
+    if first.resume:
+        if not first.output_dir or not (Path(first.output_dir) / "config.json").is_file():
+            raise ValueError("--resume needs --output-dir of an existing run (with config.json)")
+        saved = json.loads((Path(first.output_dir) / "config.json").read_text())
+        dests = {action.dest for action in parser._actions}
+        defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
+    parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Every error visible before loading anything: flag values and combinations, reward weights (parsed here,
+    once, into a dict), the run folder, the data and the model source."""
+    for name in POSITIVE_INTS:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in NON_NEGATIVE:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.update_size > args.num_rollouts:
+        raise ValueError(f"--update-size m = {args.update_size} must be <= --num-rollouts n = {args.num_rollouts}")
+    if args.rule == "none" and args.update_size != args.num_rollouts:
+        raise ValueError(f"rule 'none' (plain GRPO) trains on every rollout: needs m == n, got m = "
+                         f"{args.update_size}, n = {args.num_rollouts}; pick a PODS rule or set m = n")
+    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1:
+        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0 and 0 < --top-p <= 1")
+    if args.num_train_rows is not None and args.num_train_rows < 1:
+        raise ValueError(f"--num-train-rows must be >= 1, got {args.num_train_rows}")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    args.reward_weights = parse_reward_weights(args.reward_weights)
+    _check_device_flags(args)
+    _check_run_dir(args)
+    _check_data(args)
+    models.check_model_source(args.model)  # missing local path or demo package -> clear error, nothing loaded
+    if args.bf16 and not str(args.device).startswith("cuda"):
+        warnings.warn("--bf16 on CPU: allowed, but slow and less precise than float32 (--no-bf16)")
+
+
+def parse_reward_weights(spec):
+    """"accuracy=1,format=1,tag_count=1" (or the dict a config.json holds) -> {name: weight}, naming every
+    reward function and only those: a forgotten weight would silently change the objective."""
+    weights = {}
+    items = spec.items() if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
+    for name, value in items:
+        name = name.strip()
+        if name not in rewards.REWARD_FUNCS:
+            raise ValueError(f"unknown reward function {name!r} in --reward-weights; "
+                             f"expected names from {sorted(rewards.REWARD_FUNCS)}")
+        try:
+            weights[name] = float(value) if value != "" else 1.0
+        except (TypeError, ValueError):
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
+    missing = sorted(set(rewards.REWARD_FUNCS) - set(weights))
+    if missing:
+        raise ValueError(f"--reward-weights names no weight for {missing}: give every reward function a weight "
+                         f"(0 logs it without training on it), e.g. {DEFAULT_REWARD_WEIGHTS}")
+    return weights
+
+
+def _check_device_flags(args):
+    cuda = str(args.device).startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    if args.kl_coef > 0 and args.lora_rank <= 0:
+        raise ValueError("incompatible flags: --kl-coef > 0 needs a LoRA adapter (--lora-rank > 0), whose "
+                         "disabled state is the reference policy; without LoRA there is no reference model")
+    if args.load_in_4bit and (not cuda or args.lora_rank <= 0):
+        raise ValueError("incompatible flags: --load-in-4bit needs a CUDA device and --lora-rank > 0")
+    if args.optimizer == "adamw8bit" and (not cuda or importlib.util.find_spec("bitsandbytes") is None):
+        raise ValueError("--optimizer adamw8bit needs bitsandbytes and a CUDA device; use --optimizer adamw")
+
+
+def _check_run_dir(args):
+    if args.resume:
+        if args.output_dir is None:
+            raise ValueError("--resume needs --output-dir")
+        if checkpoint.latest_checkpoint(args.output_dir) is None:
+            raise ValueError(f"--resume: no complete checkpoint in {Path(args.output_dir) / 'checkpoints'}")
+    elif args.output_dir is not None:
+        metrics = Path(args.output_dir) / checkpoint.METRICS_FILE
+        if metrics.exists() and metrics.stat().st_size > 0:
+            raise ValueError(f"{args.output_dir} already holds a run: pass --resume to continue it or another "
+                             "--output-dir")
+
+
+def _check_data(args):
+    """The dataset can be read: synthetic, its files in the data folder (--data-dir, $PODS_DATA_DIR or
+    ../shared/data), or, with no data folder at all, its Hub source."""
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise FileNotFoundError(f"--data-dir {args.data_dir} is not a folder")
+    data.check_data_source(args.dataset, args.data_dir, splits=("train", "test") if args.eval_samples else ("train",))
+
+
+def method_label(args):
+    if args.rule == "none":
+        return f"GRPO{'-GA' if args.grad_accum_steps > 1 else ''} {args.num_rollouts}/{args.update_size}"
+    return f"PODS {args.rule} {args.num_rollouts}/{args.update_size}"
+
+
+def update_settings(args):
+    """The flags of the update phase as update.UpdateSettings."""
+    return update.UpdateSettings(
+        micro_batch_size=args.micro_batch_size, temperature=args.temperature, clip_eps=args.clip_eps,
+        kl_coef=args.kl_coef, updates_per_batch=args.updates_per_batch, max_grad_norm=args.max_grad_norm,
+        autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1])

@@ -1,0 +1,103 @@
+"""config.py: presets, --baseline, precedence (flags > resumed config > baseline > preset), reward weights parsed
+once, and every bad flag, path or combination failing in parse_args, before anything loads."""
+
+import json
+
+import pytest
+import torch
+
+import config
+import models
+import update
+
+
+@pytest.mark.filterwarnings("ignore:--bf16 on CPU")
+def test_presets_baseline_and_overrides():
+    a = config.parse_args(["--preset", "a"])
+    assert (a.model, a.dataset, a.num_rollouts, a.update_size, a.rule) == (
+        "Qwen/Qwen2.5-3B-Instruct", "gsm8k", 64, 16, "max_variance")
+    assert (a.learning_rate, a.kl_coef, a.lora_rank, a.lora_alpha, a.weight_decay, a.max_grad_norm) == (
+        5e-6, 0.0, 64, 64, 0.1, 1.0)
+    assert a.max_prompt_tokens + a.max_completion_tokens == 1024 and a.bf16 and a.gradient_checkpointing
+    base = config.parse_args(["--preset", "a", "--baseline"])
+    assert (base.num_rollouts, base.update_size, base.rule) == (16, 16, "none")
+    assert config.method_label(base) == "GRPO 16/16" and config.method_label(a) == "PODS max_variance 64/16"
+    paper_baselines = {p: config.parse_args(["--preset", p, "--baseline"]) for p in "bcd"}
+    assert {p: (x.num_rollouts, x.update_size) for p, x in paper_baselines.items()} == {
+        "b": (8, 8), "c": (16, 16), "d": (16, 16)}
+    b = config.parse_args(["--preset", "b", "--baseline", "--learning-rate", "1e-6", "-n", "16", "-m", "16"])
+    assert (b.kl_coef, b.learning_rate, b.num_rollouts, b.rule) == (0.04, 1e-6, 16, "none")  # explicit flags win
+    demo = config.parse_args([])
+    assert demo.preset == "demo" and demo.model == models.SMOLLM2_ALIAS and demo.dataset == "arithmetic"
+    assert demo.update_size < demo.num_rollouts and demo.max_time_s == 600
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "4", "-m", "8"], "must be <= --num-rollouts"),
+    (["--rule", "none", "-n", "8", "-m", "4"], "needs m == n"),
+    (["--lora-rank", "0", "--kl-coef", "0.1"], "incompatible flags"),
+    (["--load-in-4bit", "--device", "cpu"], "incompatible flags"),
+    (["--optimizer", "adamw8bit", "--device", "cpu"], "adamw8bit"),
+    (["--reward-weights", "accuracy=1,bogus=2"], "unknown reward function"),
+    (["--reward-weights", "accuracy=1"], r"no weight for \['format', 'tag_count'\]"),
+    (["--reward-weights", "accuracy=1,format=x,tag_count=1"], "not a number"),
+    (["--resume"], "--output-dir"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+    (["--eval-samples", "-1"], "--eval-samples must be >= 0"),
+    (["--top-p", "1.5"], "top-p"),
+    (["--num-train-rows", "0"], "--num-train-rows"),
+])
+def test_bad_flags_fail_before_loading(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config.parse_args(argv)
+
+
+def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        config.parse_args(["--model", str(tmp_path / "nowhere")])
+    for flag, value in (("--rule", "min_variance"), ("--preset", "z"), ("--dataset", "imagenet")):
+        with pytest.raises(SystemExit):
+            config.parse_args([flag, value])
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_reward_weights_are_parsed_once_into_a_dict():
+    args = config.parse_args(["--reward-weights", "accuracy=2,format=0,tag_count=0.5"])
+    assert args.reward_weights == {"accuracy": 2.0, "format": 0.0, "tag_count": 0.5}
+    assert config.parse_reward_weights(args.reward_weights) == args.reward_weights  # a config.json dict is accepted
+    assert config.parse_args([]).reward_weights == {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}
+
+
+@pytest.mark.filterwarnings("ignore:--bf16 on CPU")
+def test_data_is_checked_before_any_model_loads(tmp_path, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was touched before the data check")
+
+    monkeypatch.setattr(models, "check_model_source", no_model)
+    with pytest.raises(FileNotFoundError, match="--data-dir .*nonexistent is not a folder"):
+        config.parse_args(["--preset", "a", "--data-dir", str(tmp_path / "nonexistent")])
+    with pytest.raises((ValueError, FileNotFoundError), match="gsm8k"):
+        config.parse_args(["--preset", "a", "--data-dir", str(tmp_path)])  # a folder without the files
+
+
+def test_run_folder_is_checked_up_front(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"type": "train"}\n')
+    with pytest.raises(ValueError, match="already holds a run"):
+        config.parse_args(["--output-dir", str(tmp_path)])
+    (tmp_path / "config.json").write_text(json.dumps({"learning_rate": 0.1}))
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        config.parse_args(["--output-dir", str(tmp_path), "--resume"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_device_without_cuda_is_refused():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        config.parse_args(["--device", "cuda"])
+
+
+def test_update_settings_follow_the_flags():
+    args = config.parse_args(["--mu", "3", "--clip-eps", "0.3", "--micro-batch-size", "5", "--temperature", "0.7",
+                              "--max-grad-norm", "0"])
+    settings = config.update_settings(args)
+    assert settings == update.UpdateSettings(micro_batch_size=5, temperature=0.7, clip_eps=0.3, kl_coef=0.0,
+                                             updates_per_batch=3, max_grad_norm=0.0, autocast_dtype=None)

@@ -1,0 +1,179 @@
+"""update.py: kept-row mapping, micro-batch column trimming, the old/reference log-prob pass, the loss normaliser,
+dropout off during the update, the non-finite guard, fp32 master weights under bf16 autocast, and the benchmark
+path (synthetic batch -> update_policy)."""
+
+import math
+
+import pytest
+import torch
+
+import grpo_loss
+import models
+import sampling
+import update
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+VOCAB = 256
+
+
+def lora_model(dropout=0.0, checkpointing=False):
+    torch.manual_seed(0)
+    model = models.tiny_random_model("llama", vocab_size=VOCAB)
+    return models.prepare_for_training(model, lora_rank=4, lora_alpha=8, lora_dropout=dropout,
+                                       gradient_checkpointing=checkpointing)
+
+
+def trainable(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+
+def move_lora_b(model):
+    with torch.no_grad():  # LoRA B starts at 0 (policy = reference): move it so the two differ
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+
+
+def test_kept_batch_maps_prompt_i_column_j_to_row_i_times_n_plus_kept():
+    P, n = 2, 4
+    rollouts = sampling.Rollouts(
+        prompt_ids=torch.tensor([[0, 10], [20, 21]]), prompt_mask=torch.tensor([[0, 1], [1, 1]]),
+        completion_ids=torch.arange(P * n)[:, None].repeat(1, 3),
+        completion_mask=torch.ones(P * n, 3, dtype=torch.long),
+        texts=[str(i) for i in range(P * n)], lengths=torch.full((P * n,), 3),
+        truncated=torch.arange(P * n) % 3 == 0, prompt_index=torch.arange(P).repeat_interleave(n))
+    kept = torch.tensor([[3, 1], [0, 2]])
+    advantages = torch.tensor([[1.0, -1.0], [0.5, -0.5]], dtype=torch.float64)
+    batch = update.kept_batch(rollouts, kept, advantages)
+    assert batch.completion_ids[:, 0].tolist() == [3, 1, 4, 6]  # i*n + kept[i, j], not i*m + j
+    assert batch.prompt_ids.tolist() == [[0, 10], [0, 10], [20, 21], [20, 21]]
+    assert batch.truncated.tolist() == [True, False, False, True]
+    assert batch.advantages.dtype == torch.float32 and batch.advantages.tolist() == [1.0, -1.0, 0.5, -0.5]
+    with pytest.raises(ValueError, match=r"\[0, n = 4\)"):
+        update.kept_batch(rollouts, torch.tensor([[4, 1], [0, 2]]), advantages)
+
+
+def test_micro_batches_cut_padding_columns():
+    batch = update.UpdateBatch(
+        prompt_ids=torch.tensor([[2, 2, 5, 6], [2, 7, 8, 9], [2, 2, 2, 4]]),
+        prompt_mask=torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1]]),
+        completion_ids=torch.tensor([[11, 2, 2, 2], [12, 13, 2, 2], [14, 15, 16, 2]]),
+        completion_mask=torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]),
+        advantages=torch.tensor([1.0, -1.0, 0.0]), truncated=torch.zeros(3, dtype=torch.bool))
+    first, second = update.micro_batches(batch, 2, "cpu")
+    assert first.input_ids.tolist() == [[2, 5, 6, 11, 2], [7, 8, 9, 12, 13]] and first.width == 2
+    assert second.input_ids.tolist() == [[4, 14, 15, 16, 2]] and second.width == 4
+    assert second.attention_mask.tolist() == [[1, 1, 1, 1, 1]] and second.rows == slice(2, 4)
+
+
+def test_fill_logprobs_old_and_reference_only_when_needed():
+    model = lora_model()
+    move_lora_b(model)
+    batch = update.synthetic_batch(3, 4, 5, VOCAB, seed=1)
+    update.fill_logprobs(model, [batch], update.UpdateSettings(micro_batch_size=2))
+    assert batch.old_logprobs is None and batch.ref_logprobs is None  # mu = 1, beta = 0: nothing to compute
+    update.fill_logprobs(model, [batch], update.UpdateSettings(micro_batch_size=2, updates_per_batch=2, kl_coef=0.1,
+                                                               temperature=0.7))
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    with torch.no_grad():
+        policy = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), 5, 0.7)
+        with model.disable_adapter():
+            reference = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), 5, 0.7)
+    torch.testing.assert_close(batch.old_logprobs, policy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch.ref_logprobs, reference, rtol=1e-5, atol=1e-5)
+    assert (policy - reference).abs().max() > 1e-3
+
+
+def test_total_rows_is_the_normaliser():
+    model = lora_model()
+    move_lora_b(model)
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    batch = update.synthetic_batch(4, 3, 5, VOCAB)
+    settings = update.UpdateSettings(micro_batch_size=3, max_grad_norm=0)  # no clipping: the scale stays visible
+    local = update.update_policy(model, frozen, [batch], settings)
+    local_grads = grads(model)
+    update.update_policy(model, frozen, [batch], settings, total_rows=8)  # e.g. two processes of 4 rows
+    torch.testing.assert_close(grads(model), local_grads / 2)
+    assert local.rows == 4 and local.optimizer_steps == 1 and local.skipped_steps == 0
+
+
+def test_dropout_is_off_during_the_update_and_modes_are_restored():
+    model = lora_model(dropout=0.5, checkpointing=True)
+    model.train()
+    move_lora_b(model)
+    layer = model.base_model.model.model.layers[0]
+    dropout = layer.self_attn.q_proj.lora_dropout["default"]
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(("layer", module.training)))
+    dropout.register_forward_pre_hook(lambda module, args: seen.append(("dropout", module.training)))
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    batch, settings = update.synthetic_batch(4, 3, 5, VOCAB), update.UpdateSettings(micro_batch_size=4)
+    update.update_policy(model, frozen, [batch], settings)
+    first = grads(model)
+    update.update_policy(model, frozen, [batch], settings)
+    assert first.abs().max() > 0 and torch.equal(grads(model), first)  # no random dropout masks
+    assert ("dropout", False) in seen and ("dropout", True) not in seen
+    assert ("layer", True) in seen  # the checkpointed layer stays in training mode: checkpointing stays on
+    assert all(module.training for module in model.modules())  # every flag restored
+
+
+@pytest.mark.parametrize("poison", ["loss", "grad"])
+def test_non_finite_step_is_skipped(poison, monkeypatch):
+    model = lora_model()
+    move_lora_b(model)
+    optimizer = update.make_optimizer(model, 1e-2, weight_decay=0.1)  # decay alone would move the weights
+    if poison == "loss":
+        real = grpo_loss.grpo_loss
+
+        def nan_loss(*args, **kwargs):
+            loss, metrics = real(*args, **kwargs)
+            return loss * math.nan, metrics
+
+        monkeypatch.setattr(grpo_loss, "grpo_loss", nan_loss)
+    else:
+        next(p for p in model.parameters() if p.requires_grad).register_hook(lambda grad: grad * math.inf)
+    before = trainable(model)
+    batches, settings = [update.synthetic_batch(4, 3, 5, VOCAB)], update.UpdateSettings(micro_batch_size=2,
+                                                                                        updates_per_batch=2)
+    with pytest.raises(ValueError, match="call fill_logprobs"):
+        update.update_policy(model, optimizer, batches, settings)
+    update.fill_logprobs(model, batches, settings)
+    metrics = update.update_policy(model, optimizer, batches, settings)
+    assert metrics.skipped_steps == 2 and metrics.optimizer_steps == 0
+    assert not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
+    assert all(torch.equal(before[n], p) for n, p in trainable(model).items())
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+
+
+def test_full_fine_tuning_bf16_keeps_fp32_master_weights():
+    """lr 5e-6 moves fp32 weights; bf16 weights (spacing ~1e-4 at 0.02) would round every such step away."""
+    weights_dtype, autocast_dtype = models.compute_dtypes(bf16=True, lora_rank=0)
+    assert models.compute_dtypes(bf16=True, lora_rank=8) == (torch.bfloat16, None)  # LoRA: frozen bf16 base
+    model = models.tiny_random_model("llama", vocab_size=VOCAB).to(weights_dtype)
+    optimizer = update.make_optimizer(model, 5e-6)
+    before = trainable(model)
+    update.update_policy(model, optimizer, [update.synthetic_batch(4, 3, 5, VOCAB)],
+                         update.UpdateSettings(micro_batch_size=4, autocast_dtype=autocast_dtype))
+    layer = "model.layers.0.mlp.up_proj.weight"
+    changed = (model.get_parameter(layer).detach() != before[layer]).float().mean()
+    assert changed > 0.9
+
+
+def test_benchmark_path_synthetic_batch_to_update(tiny_model):
+    model = models.prepare_for_training(tiny_model, lora_rank=4)
+    optimizer = update.make_optimizer(model, 1e-3)
+    batch = update.synthetic_batch(6, 4, 8, tiny_model.config.vocab_size, seed=3)
+    assert batch.prompt_ids.shape == (6, 4) and batch.completion_mask.sum() == 48
+    metrics = update.update_policy(model, optimizer, [batch], update.UpdateSettings(micro_batch_size=4))
+    assert math.isfinite(metrics.loss) and metrics.grad_norm > 0 and metrics.rows == 6
+    assert set(metrics.token_means) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                                        "ratio_mean", "kl"}
+    assert update.peak_memory_gib("cpu") > 0
+    update.set_hyperparameters(optimizer, 0.5, 0.01)
+    assert all((g["lr"], g["weight_decay"]) == (0.5, 0.01) for g in optimizer.param_groups)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        update.make_optimizer(model, 1e-3, optimizer_name="sgd")

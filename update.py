@@ -1,0 +1,260 @@
+"""The update phase of GRPO-PODS (paper Algorithm 1, policy update on the m kept rollouts per prompt, §3.1-3.2):
+the one implementation train.py and the benchmarks both call.
+
+- `kept_batch` maps the down-sampled indices to rollout rows (row i*n + kept[i, j]) -> an `UpdateBatch`.
+- `fill_logprobs`: one no-grad pass for what the loss compares against: old log-probs (only mu > 1; with one
+  update per batch pi_old = pi and the ratio is 1) and reference log-probs (only KL beta > 0: the LoRA adapter
+  switched off is the reference policy, so no second model is held).
+- `update_policy`: mu optimizer steps, each accumulated over micro-batches whose padding columns are cut.
+  Every micro-batch's loss is a *sum* over its rows divided by one normaliser (the kept rows of the whole
+  step, or the global count a distributed caller passes), so the accumulated gradient equals the gradient of
+  one batch of all kept rows whatever the micro-batch size. Then gradient clipping and the optimizer step.
+
+Choices: dropout is off during the update (and the log-prob pass), as in TRL: the ratio and the KL compare
+deterministic policies. Full fine-tuning in bf16 keeps fp32 master weights and runs the forward passes under
+bf16 autocast (`UpdateSettings.autocast_dtype`, see models.compute_dtypes): bf16 weights cannot hold updates of
+lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is not taken (its
+gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
+"""
+
+import contextlib
+import math
+import resource
+from dataclasses import dataclass
+
+import torch
+
+import grpo_loss
+
+OPTIMIZERS = ("adamw", "adamw8bit")
+ADAM_BETAS = (0.9, 0.99)  # the authors' released config
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on for a reason the user can act on (train.py prints it as one line)."""
+
+
+@dataclass
+class UpdateBatch:
+    """Kept rollouts: prompt part (left padded) and completion part (right padded), plus what the loss needs."""
+    prompt_ids: torch.Tensor        # [B, Tp]
+    prompt_mask: torch.Tensor       # [B, Tp]
+    completion_ids: torch.Tensor    # [B, C]
+    completion_mask: torch.Tensor   # [B, C], 1 up to and including the first EOS
+    advantages: torch.Tensor        # [B] float
+    truncated: torch.Tensor         # [B] bool, no EOS within the completion budget
+    old_logprobs: torch.Tensor | None = None  # [B, C] (fill_logprobs, mu > 1)
+    ref_logprobs: torch.Tensor | None = None  # [B, C] (fill_logprobs, kl_coef > 0)
+
+
+@dataclass
+class UpdateSettings:
+    micro_batch_size: int = 4       # sequences per forward/backward
+    temperature: float = 1.0        # the sampling temperature: log-probs are of the policy that sampled
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0            # KL beta (k3 estimator against the adapter-off reference)
+    updates_per_batch: int = 1      # mu
+    max_grad_norm: float = 1.0      # <= 0: no clipping
+    autocast_dtype: torch.dtype | None = None  # bf16 compute over fp32 weights (full fine-tuning)
+
+
+@dataclass
+class UpdateMetrics:
+    loss: float                 # mean over the mu optimizer steps of the full-batch loss
+    grad_norm: float            # mean over the mu steps of the gradient norm before clipping
+    token_means: dict           # grpo_loss metrics (clip ratios, ratio_mean, kl), token-weighted over the batch
+    rows: int                   # kept rows trained on (this process)
+    optimizer_steps: int        # optimizer steps taken
+    skipped_steps: int          # optimizer steps not taken: non-finite loss or gradient norm
+
+
+@dataclass
+class MicroBatch:
+    """A slice of rows of an UpdateBatch on the device, without the padding columns no row of it needs."""
+    rows: slice
+    input_ids: torch.Tensor         # [b, Tp' + C']
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor   # [b, C']
+    advantages: torch.Tensor        # [b]
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+
+    @property
+    def width(self):
+        return self.completion_mask.shape[1]
+
+
+def kept_batch(rollouts, kept, advantages):
+    """The rollouts chosen by down-sampling: kept [P, m] indexes each prompt's n rollouts, so column j of prompt i
+    is rollout row i*n + kept[i, j] (sampling.Rollouts order); advantages [P, m] -> UpdateBatch of P*m rows."""
+    num_prompts = rollouts.prompt_ids.shape[0]
+    n = rollouts.completion_ids.shape[0] // max(num_prompts, 1)
+    if kept.dim() != 2 or kept.shape[0] != num_prompts or advantages.shape != kept.shape:
+        raise ValueError(f"kept {tuple(kept.shape)} and advantages {tuple(advantages.shape)} must both be "
+                         f"[P, m] with P = {num_prompts} prompts")
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= n):
+        raise ValueError(f"kept indices must lie in [0, n = {n})")
+    rows = (torch.arange(num_prompts)[:, None] * n + kept.cpu()).flatten()
+    prompt_rows = rollouts.prompt_index[rows]
+    return UpdateBatch(rollouts.prompt_ids[prompt_rows], rollouts.prompt_mask[prompt_rows],
+                       rollouts.completion_ids[rows], rollouts.completion_mask[rows],
+                       advantages.flatten().float().cpu(), rollouts.truncated[rows])
+
+
+def synthetic_batch(num_rows, prompt_tokens, completion_tokens, vocab_size, *, seed=0):
+    """Random prompts, full-length random completions and random advantages: an UpdateBatch of a given shape for
+    benchmarks (the update's cost depends on shapes, not on token values)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, vocab_size, (num_rows, prompt_tokens), generator=generator)
+    completion_ids = torch.randint(3, vocab_size, (num_rows, completion_tokens), generator=generator)
+    return UpdateBatch(prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids),
+                       torch.randn(num_rows, generator=generator), torch.ones(num_rows, dtype=torch.bool))
+
+
+def micro_batches(batch, size, device):
+    """MicroBatches of at most `size` rows, padding columns no row of the slice needs cut off (left of the
+    prompts, right of the completions): a short micro-batch costs what its own longest row costs."""
+    for start in range(0, len(batch.advantages), size):
+        rows = slice(start, start + size)
+        prompt_width = int(batch.prompt_mask[rows].sum(1).max())
+        width = max(1, int(batch.completion_mask[rows].sum(1).max()))
+        input_ids = torch.cat([batch.prompt_ids[rows, -prompt_width:], batch.completion_ids[rows, :width]], 1)
+        attention_mask = torch.cat([batch.prompt_mask[rows, -prompt_width:], batch.completion_mask[rows, :width]], 1)
+        old, ref = (None if logprobs is None else logprobs[rows, :width].to(device)
+                    for logprobs in (batch.old_logprobs, batch.ref_logprobs))
+        yield MicroBatch(rows, input_ids.to(device), attention_mask.to(device),
+                         batch.completion_mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref)
+
+
+@contextlib.contextmanager
+def dropout_off(model):
+    """Every module in eval mode (dropout off, gradients still on) except gradient-checkpointed layers: their own
+    `training` flag is what switches checkpointing on (transformers), and they hold no dropout of their own.
+    Each module's flag is restored afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    for module, training in modes:
+        if getattr(module, "gradient_checkpointing", False) is True:
+            module.training = training
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _compute(settings, device):
+    if settings.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=settings.autocast_dtype)
+
+
+def _logprobs(model, micro, settings, device):
+    with _compute(settings, device):
+        return grpo_loss.token_logprobs(model, micro.input_ids, micro.attention_mask, micro.width,
+                                        settings.temperature)
+
+
+def fill_logprobs(model, batches, settings):
+    """Set each batch's old_logprobs (only mu > 1) and ref_logprobs (only kl_coef > 0; LoRA adapter disabled =
+    the reference policy), in one no-grad pass with the update's micro-batches; None where not needed."""
+    need_old, need_ref = settings.updates_per_batch > 1, settings.kl_coef > 0
+    if need_ref and not hasattr(model, "disable_adapter"):
+        raise ValueError("kl_coef > 0 needs a LoRA model: the adapter switched off is the reference policy")
+    device = next(model.parameters()).device
+    with torch.no_grad(), dropout_off(model):
+        for batch in batches:
+            shape = batch.completion_ids.shape
+            old = torch.zeros(shape, device=device) if need_old else None
+            ref = torch.zeros(shape, device=device) if need_ref else None
+            for micro in micro_batches(batch, settings.micro_batch_size, device):
+                if need_ref:
+                    with model.disable_adapter():
+                        ref[micro.rows, :micro.width] = _logprobs(model, micro, settings, device)
+                if need_old:
+                    old[micro.rows, :micro.width] = _logprobs(model, micro, settings, device)
+            batch.old_logprobs, batch.ref_logprobs = old, ref
+
+
+def micro_batch_loss(logprobs, micro, settings):
+    """(sum over the micro-batch's rows of each row's loss, grpo_loss metrics). mu == 1 and no old log-probs:
+    pi_old = pi, so the ratio is 1 with no extra forward pass."""
+    old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+    loss, metrics = grpo_loss.grpo_loss(logprobs, old, micro.advantages, micro.completion_mask, settings.clip_eps,
+                                        micro.ref_logprobs, settings.kl_coef)
+    return loss * logprobs.shape[0], metrics
+
+
+def loss_normaliser(batches, settings, total_rows=None):
+    """What the summed loss is divided by: the kept rows of the step (the mean over rows of each row's token
+    mean, paper §3.1), or `total_rows` over every process when the caller passes it."""
+    return total_rows if total_rows is not None else sum(len(batch.advantages) for batch in batches)
+
+
+def update_policy(model, optimizer, batches, settings, *, total_rows=None):
+    """mu = settings.updates_per_batch optimizer steps on `batches` (fill_logprobs first when mu > 1 or
+    kl_coef > 0) -> UpdateMetrics. A step whose loss or gradient norm is not finite is skipped (no optimizer step,
+    gradients dropped). Gradients of the last step stay on the parameters."""
+    for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.kl_coef > 0)):
+        if needed and any(getattr(batch, name) is None for batch in batches):
+            raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
+    device = next(model.parameters()).device
+    normaliser = loss_normaliser(batches, settings, total_rows)
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
+    losses, grad_norms, token_sums, token_count, skipped = [], [], {}, 0, 0
+    with dropout_off(model):
+        for _ in range(settings.updates_per_batch):
+            optimizer.zero_grad(set_to_none=True)
+            loss = 0.0
+            for batch in batches:
+                for micro in micro_batches(batch, settings.micro_batch_size, device):
+                    loss_sum, metrics = micro_batch_loss(_logprobs(model, micro, settings, device), micro, settings)
+                    scaled = loss_sum / normaliser
+                    scaled.backward()
+                    loss += scaled.item()
+                    count = int(micro.completion_mask.sum())
+                    token_count += count
+                    for key, value in metrics.items():  # token means -> token-weighted over micro-batches
+                        token_sums[key] = token_sums.get(key, 0.0) + value * count
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                optimizer.step()
+            else:  # one bad batch must not write NaN into the weights (and every later checkpoint)
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+            losses.append(loss)
+            grad_norms.append(grad_norm)
+    mu = settings.updates_per_batch
+    return UpdateMetrics(loss=sum(losses) / mu, grad_norm=sum(grad_norms) / mu,
+                         token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
+                         rows=sum(len(batch.advantages) for batch in batches), optimizer_steps=mu - skipped,
+                         skipped_steps=skipped)
+
+
+def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw"):
+    """AdamW (or bitsandbytes' 8-bit AdamW) over the trainable parameters, the authors' betas."""
+    if optimizer_name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer_name!r}; expected one of {OPTIMIZERS}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(lr=learning_rate, betas=ADAM_BETAS, weight_decay=weight_decay)
+    if optimizer_name == "adamw8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def set_hyperparameters(optimizer, learning_rate, weight_decay):
+    """The given learning rate and weight decay in every parameter group: a resumed optimizer state carries the
+    old run's values, and the flags of the resumed run must win."""
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = learning_rate, weight_decay
+
+
+def peak_memory_gib(device, reserved=False):
+    """CUDA: peak allocated (or reserved) memory since the last reset; CPU: the process's peak RSS."""
+    if torch.device(device).type == "cuda":
+        peak = torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
