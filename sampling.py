@@ -2,21 +2,28 @@
 
 PODS (Xu et al., "Not All Rollouts are Useful", §3) generates many rollouts (n) per prompt because
 inference is embarrassingly parallel, then trains on a subset (m). This module is the inference half:
-batched Hugging Face `generate` over the P*n rows, in chunks of at most `rollout_batch_size` sequences
-(the memory bound of one generation call), with the completion mask cut after the first EOS.
+the P*n rows in chunks of at most `rollout_batch_size` sequences (the memory bound of one generation call),
+each chunk seeded on its own, with the completion mask cut after the first EOS.
 
-Speed: on CUDA the default is a static KV cache, which makes transformers compile the decode step
-(`torch.compile(mode="reduce-overhead")`, i.e. CUDA graphs); elsewhere the plain dynamic cache.
-Simplifications: no vLLM/paged attention, no continuous batching (a chunk runs until its longest row ends).
+Two backends: "engine" (default; engine.py: prefill once per distinct prompt, a bucketed static KV cache,
+one compiled / CUDA-graph decode step, finished rows dropped) for Llama-family models, and "hf", plain
+Hugging Face `generate` (the reference; every other architecture falls back to it with a warning).
+Only our flags shape the distribution on both: the model's own generation_config is never consulted.
+Simplifications: no vLLM/paged attention, no continuous batching across chunks.
 """
 
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import GenerationConfig
 
+import engine
+
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+BACKENDS = (None, "engine", "hf")
 
 
 @dataclass
@@ -64,8 +71,9 @@ def completion_mask_after_eos(completion_ids, eos_ids):
 
 
 def resolve_cache_implementation(model, cache_implementation):
-    """None -> 'static' on CUDA (transformers then compiles the decode step) unless the weights are
-    bitsandbytes-quantized (not compilable, and a static cache without compile is no faster), else 'dynamic'."""
+    """HF backend's KV cache. None -> 'static' on CUDA (transformers then compiles the decode step) unless the
+    weights are bitsandbytes-quantized (not compilable, and a static cache without compile is no faster), else
+    'dynamic'."""
     if cache_implementation not in CACHE_IMPLEMENTATIONS:
         raise ValueError(f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {cache_implementation!r}")
     if cache_implementation is not None:
@@ -73,6 +81,26 @@ def resolve_cache_implementation(model, cache_implementation):
     device = next(model.parameters()).device
     quantized = getattr(model.config, "quantization_config", None) is not None
     return "static" if device.type == "cuda" and not quantized else "dynamic"
+
+
+_WARNED = set()
+
+
+def resolve_backend(model, backend, cache_implementation=None, cache_len=0):
+    """None -> 'hf' if an HF cache_implementation is named (the reference path, as benchmarks ask for it), else
+    'engine'. A model the engine cannot decode goes to 'hf' with a one-line warning (once per reason)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    resolve_cache_implementation(model, cache_implementation)  # fail on a bad value early
+    if backend == "hf" or (backend is None and cache_implementation is not None):
+        return "hf"
+    reason = engine.unsupported_reason(model, cache_len)
+    if reason is not None:
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(f"decode engine: {reason}; generating with Hugging Face generate() instead")
+        return "hf"
+    return "engine"
 
 
 def _check_args(n, max_new_tokens, temperature, top_p, rollout_batch_size):
@@ -87,12 +115,11 @@ def _check_args(n, max_new_tokens, temperature, top_p, rollout_batch_size):
 
 def generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id, cache_implementation,
                           max_cache_len=None, ignore_eos=False):
-    """The GenerationConfig every generation here runs under (bench_gpu.py reuses it for its logit checks)."""
+    """The GenerationConfig every HF-backend generation runs under (bench_gpu.py reuses it for its logit checks):
+    our flags, neutral values spelled out (top_k=0 = off, not the library's 50). Run it inside
+    `neutral_generation_config`, so nothing of the model's own generation_config is merged in."""
     sampling = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0) \
         if temperature > 0 else dict(do_sample=False)
-    # generate() fills every unset (None) field from model.generation_config, and instruct checkpoints ship
-    # top_k / repetition_penalty / EOS defaults (Qwen2.5: top_k=20, repetition_penalty=1.05) that would
-    # silently change the sampling distribution; so the neutral values are spelled out (top_k=0 = off).
     # eos_token_id=[] (not None, which would be filled in) is how ignore_eos disables stopping.
     return GenerationConfig(
         max_new_tokens=max_new_tokens, min_new_tokens=0, use_cache=True, num_beams=1, repetition_penalty=1.0,
@@ -103,9 +130,24 @@ def generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id, c
         max_cache_len=max_cache_len if cache_implementation == "static" else None, **sampling)
 
 
+@contextmanager
+def neutral_generation_config(model):
+    """generate() fills every field our config leaves unset (e.g. min_p) from the model's generation_config and,
+    on transformers 4.50-4.57, even overrides fields equal to the library default (Qwen2.5-Instruct: top_k=20,
+    repetition_penalty=1.05, ...): the rollouts would come from another policy than the one the loss scores.
+    For the call, the model's generation_config is a blank one."""
+    hf = engine.hf_model(model)
+    saved = hf.generation_config
+    hf.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        hf.generation_config = saved
+
+
 def shared_prefill_cache(model, ids, mask, rows):
-    """KV cache of every row's prompt but its last token, computed once per *distinct* prompt and copied
-    to that prompt's rows (rows[i] = prompt of chunk row i).
+    """HF backend: KV cache of every row's prompt but its last token, computed once per *distinct* prompt and
+    copied to that prompt's rows (rows[i] = prompt of chunk row i).
 
     generate() would prefill each of the n copies of a prompt separately: n times the prompt's compute.
     On a CPU that prefill dominates (SmolLM2 demo: 31 s of a 40 s generate call at n = 16). generate()
@@ -124,30 +166,45 @@ def shared_prefill_cache(model, ids, mask, rows):
     return cache
 
 
+def _hf_chunk(model, ids, mask, rows, seed, configs, share_prefill, device):
+    """One chunk through HF generate: (completion ids [R, <= max_new_tokens])."""
+    config, shared = configs["plain"], {}
+    if share_prefill and configs["cache"] == "dynamic" and ids.shape[1] > 1:
+        # generate() refuses a cache object next to a cache_implementation; ours *is* dynamic.
+        config, shared = configs["shared"], {"past_key_values": shared_prefill_cache(model, ids, mask, rows)}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), neutral_generation_config(model):
+        torch.manual_seed(seed)
+        output = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **shared)
+    return output[:, ids.shape[1]:]
+
+
 def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, temperature=1.0,
                        top_p=1.0, rollout_batch_size=64, seed=0, cache_implementation=None, ignore_eos=False,
-                       share_prefill=True):
+                       share_prefill=True, backend=None, forced_lengths=None, generation_copy=None):
     """Tensor core of generate_rollouts: left-padded prompt ids [P, Tp] -> (completion_ids, completion_mask,
     truncated) for the P*n rows (row i*n + j = rollout j of prompt i), on the CPU.
 
-    Chunk c (rows c*B .. c*B+B-1, B = rollout_batch_size) is sampled under torch.manual_seed(chunk_seed(seed, c))
-    inside a forked RNG, so the caller's RNG is untouched and a chunk's rollouts depend only on (seed, c, its
-    own prompts): same seed + same B -> same rollouts. temperature=0 is greedy. With the dynamic cache each
-    distinct prompt is prefilled once (shared_prefill_cache; share_prefill=False turns that off, as a
-    reference for tests and benchmarks). ignore_eos=True (benchmarks)
-    generates exactly max_new_tokens per row and treats EOS as an ordinary token: masks are all ones and
-    every row counts as truncated."""
+    Chunk c (rows c*B .. c*B+B-1, B = rollout_batch_size) is sampled with seed chunk_seed(seed, c), so the caller's
+    RNG is untouched and a chunk's rollouts depend only on (seed, c, its own prompts): same seed + same B -> same
+    rollouts. temperature=0 is greedy. Each distinct prompt is prefilled once (share_prefill=False: once per row,
+    a reference for tests and benchmarks; HF backend: dynamic cache only). backend: see resolve_backend;
+    cache_implementation picks the HF backend's cache. ignore_eos=True (benchmarks) generates exactly
+    max_new_tokens per row and treats EOS as an ordinary token: masks are all ones and every row counts as
+    truncated. forced_lengths [P*n] (engine, benchmarks): row r ends with EOS after exactly forced_lengths[r]
+    tokens (if it has not ended before). generation_copy: engine.engine_for (LoRA / 4-bit weight copy)."""
     _check_args(n, max_new_tokens, temperature, top_p, rollout_batch_size)
     if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape or prompt_ids.shape[0] == 0:
         raise ValueError(f"prompt_ids and prompt_mask must both be [P, Tp] with P > 0, got "
                          f"{tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
-    cache_implementation = resolve_cache_implementation(model, cache_implementation)
+    backend = resolve_backend(model, backend, cache_implementation, prompt_ids.shape[1] - 1 + max_new_tokens)
+    if forced_lengths is not None and (backend != "engine" or ignore_eos or len(forced_lengths) != len(prompt_ids) * n):
+        raise ValueError("forced_lengths needs the engine backend, EOS (no ignore_eos) and one length per row")
+    cache = resolve_cache_implementation(model, cache_implementation)
     device = next(model.parameters()).device
     prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
-    generation_config = generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id,
-                                              cache_implementation, prompt_ids.shape[1] + max_new_tokens, ignore_eos)
-    shared_config = generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id, None,
-                                          ignore_eos=ignore_eos)
+    configs = dict(cache=cache, plain=generation_config_for(
+        max_new_tokens, temperature, top_p, eos_ids, pad_id, cache, prompt_ids.shape[1] + max_new_tokens, ignore_eos),
+        shared=generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id, None, ignore_eos=ignore_eos))
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # dropout off while sampling; every module's own flag is restored below
     chunks = []
@@ -155,17 +212,19 @@ def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_id
         with torch.no_grad():
             for chunk_index, start in enumerate(range(0, len(prompt_index), rollout_batch_size)):
                 rows = prompt_index[start:start + rollout_batch_size]
-                ids, mask = prompt_ids[rows], prompt_mask[rows]
-                keep = int(mask.sum(1).max())  # drop padding columns no row of this chunk needs
-                ids, mask = ids[:, -keep:].to(device), mask[:, -keep:].to(device)
-                config, shared = generation_config, {}
-                if share_prefill and cache_implementation == "dynamic" and keep > 1:
-                    # generate() refuses a cache object next to a cache_implementation; ours *is* dynamic.
-                    config, shared = shared_config, {"past_key_values": shared_prefill_cache(model, ids, mask, rows)}
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    torch.manual_seed(chunk_seed(seed, chunk_index))
-                    output = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **shared)
-                chunks.append(output[:, keep:].cpu())
+                keep = int(prompt_mask[rows].sum(1).max())  # drop padding columns no row of this chunk needs
+                if backend == "hf":
+                    chunks.append(_hf_chunk(model, prompt_ids[rows, -keep:].to(device), prompt_mask[rows, -keep:].to(
+                        device), rows, chunk_seed(seed, chunk_index), configs, share_prefill, device).cpu())
+                    continue
+                distinct, row_prompt = torch.unique(rows, return_inverse=True) if share_prefill else \
+                    (rows, torch.arange(len(rows)))
+                chunks.append(engine.generate(
+                    model, prompt_ids[distinct, -keep:].to(device), prompt_mask[distinct, -keep:].to(device),
+                    row_prompt, max_new_tokens, [] if ignore_eos else eos_ids,
+                    pad_id, temperature=temperature, top_p=top_p, seed=chunk_seed(seed, chunk_index),
+                    max_rows=rollout_batch_size, generation_copy=generation_copy, refresh_weights=chunk_index == 0,
+                    forced_lengths=None if forced_lengths is None else forced_lengths[start:start + len(rows)]).cpu())
     finally:
         for module, training in modes:
             module.training = training
@@ -177,17 +236,21 @@ def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_id
         truncated = torch.ones(len(completion_ids), dtype=torch.bool)
     else:
         completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
+        # The engine runs up to check_every steps past the last EOS; generate() stops at it: same width for both.
+        width = int(completion_mask.sum(1).max())
+        completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
     return completion_ids.masked_fill(completion_mask == 0, pad_id), completion_mask, truncated
 
 
 def generate_rollouts(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0,
-                      rollout_batch_size=64, seed=0, cache_implementation=None, ignore_eos=False, share_prefill=True):
-    """Sample n completions for each prompt (rendered text) -> Rollouts. Seeding, chunking and ignore_eos
-    as in sample_completions."""
+                      rollout_batch_size=64, seed=0, cache_implementation=None, ignore_eos=False, share_prefill=True,
+                      backend=None, generation_copy=None):
+    """Sample n completions for each prompt (rendered text) -> Rollouts. Seeding, chunking, ignore_eos and the
+    backend as in sample_completions."""
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a non-empty list of strings")
     _check_args(n, max_new_tokens, temperature, top_p, rollout_batch_size)
-    resolve_cache_implementation(model, cache_implementation)  # fail on a bad value before tokenizing
+    resolve_backend(model, backend, cache_implementation)  # fail on a bad value before tokenizing
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     # Prompts are fully rendered (chat template included), so no extra BOS is added; tokenized once.
@@ -199,7 +262,7 @@ def generate_rollouts(model, tokenizer, prompts, n, max_new_tokens, temperature=
     completion_ids, completion_mask, truncated = sample_completions(
         model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, temperature=temperature, top_p=top_p,
         rollout_batch_size=rollout_batch_size, seed=seed, cache_implementation=cache_implementation,
-        ignore_eos=ignore_eos, share_prefill=share_prefill)
+        ignore_eos=ignore_eos, share_prefill=share_prefill, backend=backend, generation_copy=generation_copy)
     lengths = completion_mask.sum(1)
     texts = tokenizer.batch_decode([row[:length].tolist() for row, length in zip(completion_ids, lengths)],
                                    skip_special_tokens=True)

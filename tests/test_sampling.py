@@ -136,8 +136,8 @@ def test_chunks_padded_to_common_width(tiny_model, smollm2_tokenizer):
 def test_eval_no_grad_inside_and_modes_restored(tiny_model, smollm2_tokenizer):
     tiny_model.train()
     tiny_model.model.layers[1].eval()  # a module deliberately in eval mode must stay so
-    seen = []
-    handle = tiny_model.model.register_forward_pre_hook(
+    seen = []  # embed_tokens: called by both backends (the engine never calls tiny_model.model itself)
+    handle = tiny_model.model.embed_tokens.register_forward_pre_hook(
         lambda module, args: seen.append((module.training, torch.is_grad_enabled())))
     out = generate_rollouts(tiny_model, smollm2_tokenizer, ["a"], n=2, max_new_tokens=3, temperature=1.0)
     handle.remove()

@@ -1,0 +1,305 @@
+"""Decode engine: the fast path of rollout generation (paper Algorithm 1, line 1) for Llama-family models.
+
+PODS (§1, §3) rests on inference being cheap next to the update; HF `generate` is not (small kernel launches
+per token, a recompile per prompt width, an unmerged LoRA adapter on every projection). So this module decodes
+by hand over the model's own modules, with one idea: every shape comes from a few buckets, so a decode step is
+one fixed-shape function, recorded as a CUDA graph (optionally compiled first) once per bucket and process, and
+replayed per token.
+
+- Prefill: each distinct prompt (all but its last token) runs once; its K/V is copied to its n rows.
+- Decode: a preallocated cache [rows, kv_heads, cache_len, head_dim] per layer (cache_len = prompt width - 1 +
+  max_new_tokens rounded up to CACHE_BUCKET_TOKENS, rows = the next of `row_buckets`). A step embeds the last
+  tokens, writes their K/V, attends over the valid positions, samples (inverse CDF with one uniform per row hashed
+  from (seed, row, step): no RNG state to capture, and a row's tokens do not depend on its batch) and records the
+  token, in place. Every `check_every` steps the host checks the rows left; when they fit a smaller bucket they
+  are gathered into it, so a chunk costs about the sum of its rows' lengths, not rows x the longest.
+- Weights: LoRA is merged into a separate copy of the adapted projections, refreshed at every call (Qwen2.5-3B:
+  2.77 B params, 5.5 GB in bf16). The training weights are never touched (peft's in-place merge_adapter() /
+  unmerge_adapter() would leave a bf16 rounding error in the frozen base weights at every step). 4-bit models:
+  the copy (dequantized + merged, bf16: the same 5.5 GB next to ~1.4 GB of 4-bit projections) is opt-in with
+  generation_copy=True; without it the bitsandbytes modules run eagerly.
+Simplifications: batch-synchronous (no continuous batching, no paged attention); attention reads the whole
+bucketed cache under a mask; other architectures go through Hugging Face generate (sampling.py).
+"""
+
+import functools
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+
+import decode_step
+import models
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+CACHE_BUCKET_TOKENS = 256   # cache lengths are multiples of this: a few graphs cover every prompt width
+CHECK_EVERY = 16            # decode steps between host checks for finished rows
+EOS_SLOTS = 8               # EOS ids padded to this many (-1 = none): the step's shapes never change
+# Backend when none is passed: False = the step runs eagerly, recorded as CUDA graphs on CUDA (warm-up: seconds).
+# "inductor" fuses its small kernels too, but compiles once per bucket (the whole model: ~1 min each on a GPU).
+DEFAULT_COMPILE_BACKEND = False
+NEVER = 2 ** 62
+
+
+@dataclass
+class DecodeStats:
+    """Process totals in STATS (copy with dataclasses.replace before a call, subtract after). decode_s includes
+    host checks and compaction; row_steps sums the bucket's rows over step launches (the work done)."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    row_steps: int = 0
+    warmup_s: float = 0.0       # compilation + CUDA-graph recording
+    compiled_graphs: int = 0    # graphs handed to the compile backend
+    captured_graphs: int = 0    # CUDA graphs recorded
+
+
+STATS = DecodeStats()
+
+
+@dataclass
+class Engine:
+    """One model's decode-time callables (layers: per layer (input_norm, q, k, v, o, post_norm, gate, up, down,
+    act); projections are modules or F.linear over merged copies), cached per model and process with the weight
+    copies [(module, merged weight)], the step (compiled or not), and the buffers (cache_len -> (rows, tensors))
+    and states ((rows, cache_len, sample, nucleus) -> (State, CUDA graph or None)) of each bucket."""
+    embed: object
+    layers: list
+    norm: object
+    lm_head: object
+    rotary: object
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    signature: tuple
+    copies: list
+    step: object
+    capture: bool             # record / replay CUDA graphs
+    buffers: dict = field(default_factory=dict)
+    states: dict = field(default_factory=dict)
+
+
+@dataclass
+class State:
+    """One bucket of rows. Per-row tensors are views of buffers shared by all buckets of a cache length."""
+    keys: list                # [rows, kv_heads, cache_len, head_dim] per layer
+    values: list
+    valid: torch.Tensor       # [rows, cache_len] bool: positions a row may attend to
+    tokens: torch.Tensor      # [rows] the next step's input token; positions: its position id
+    positions: torch.Tensor
+    done: torch.Tensor        # [rows] bool: emitted EOS (emits pad from then on)
+    stop_at: torch.Tensor     # [rows] step at which EOS is forced (benchmarks), NEVER otherwise
+    row_keys: torch.Tensor    # [rows] 32-bit noise key
+    out: torch.Tensor         # [rows, cache_len] generated tokens, column = step
+    scalars: dict             # shared: slot, step [1]; temperature, top_p, pad []; eos [EOS_SLOTS]
+    sample: bool              # temperature > 0 (else greedy)
+    nucleus: bool             # top_p < 1
+
+
+ROW_FIELDS = ("valid", "tokens", "positions", "done", "stop_at", "row_keys", "out")
+
+
+_ENGINES = weakref.WeakKeyDictionary()
+
+
+def hf_model(model):
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def unsupported_reason(model, cache_len=0):
+    """None if the engine can decode this model, else why not (sampling.py then uses HF generate)."""
+    hf = hf_model(model)
+    config, inner = hf.config, getattr(hf, "model", None)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return "peft prompt learning adds virtual tokens"
+    if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "unexpected module layout (no model.embed_tokens / layers / norm / rotary_emb)"
+    if getattr(inner.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+        return "RoPE frequencies that change with the sequence length"
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and window < cache_len:
+        return f"sliding-window attention ({window}) shorter than the cache ({cache_len})"
+    return None
+
+
+def engine_for(model, generation_copy=None, compile_backend=None, refresh_weights=True):
+    """The cached Engine of `model`, rebuilt when its signature changed. refresh_weights: recompute the merged
+    copies (the adapter changes at every optimizer step). generation_copy None: merged copies unless 4-bit.
+    compile_backend None: DEFAULT_COMPILE_BACKEND; False: no compilation; a dynamo backend name or callable:
+    torch.compile the step with it (tests count graphs on CPU this way). CUDA graphs are recorded on CUDA
+    unless bitsandbytes modules run in the step."""
+    hf = hf_model(model)
+    quantized = getattr(hf.config, "quantization_config", None) is not None
+    copy = not quantized if generation_copy is None else bool(generation_copy)
+    backend = DEFAULT_COMPILE_BACKEND if compile_backend is None else compile_backend
+    key = (copy, backend if isinstance(backend, (str, bool)) else id(backend))
+    engine, signature = _ENGINES.setdefault(model, {}).get(key), models.model_signature(model)
+    fresh = engine is None or engine.signature != signature
+    if fresh:
+        inner, copies = hf.model, []
+        layers = [(layer.input_layernorm, *(models.projection(m, copy, copies) for m in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj)),
+            layer.post_attention_layernorm, *(models.projection(m, copy, copies) for m in (
+                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)), layer.mlp.act_fn)
+            for layer in inner.layers]
+        capture = inner.embed_tokens.weight.device.type == "cuda" and (copy or not quantized)  # not bnb kernels
+        attention = inner.layers[0].self_attn
+        engine = _ENGINES[model][key] = Engine(
+            inner.embed_tokens, layers, inner.norm, hf.lm_head, inner.rotary_emb, hf.config.num_key_value_heads,
+            attention.head_dim, attention.scaling, signature, copies,
+            compiled(decode_step.decode_step, backend) if backend else decode_step.decode_step, capture)
+    if refresh_weights or fresh:
+        models.refresh_copies(engine.copies)
+    return engine
+
+
+def release(model=None):
+    """Free the cached buffers, weight copies and graphs of `model` (of every model if None)."""
+    _ENGINES.clear() if model is None else _ENGINES.pop(model, None)
+
+
+def compiled(function, backend):
+    """torch.compile with static shapes and a backend wrapper counting graphs (STATS.compiled_graphs)."""
+    def counting_backend(graph_module, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        STATS.compiled_graphs += 1
+        return (lookup_backend(backend) if isinstance(backend, str) else backend)(graph_module, example_inputs)
+
+    # One code object serves every bucket: dynamo's default of 8 graphs per code object is too few.
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 256))
+    return torch.compile(function, backend=counting_backend, dynamic=False)
+
+
+def row_buckets(max_rows):
+    """Batch sizes a chunk of at most max_rows rows runs at: powers of two below max_rows, and max_rows."""
+    return sorted({2 ** i for i in range(max_rows.bit_length()) if 2 ** i < max_rows} | {max_rows})
+
+
+def bucket_for(rows, max_rows):
+    return next(size for size in row_buckets(max_rows) if size >= rows)
+
+
+def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
+    """The State of a bucket, its CUDA graph recorded on first use. Recording runs the step on whatever the
+    buffers hold (the running chunk's step/slot counters are restored), so callers fill the State after this."""
+    dec, (allocated, buffers) = engine, engine.buffers.get(cache_len, (0, None))
+    if allocated < max_rows:  # (re)allocate; zeros keep never-written cache entries finite under the mask
+        engine.states = {key: value for key, value in engine.states.items() if key[1] != cache_len}
+        zeros = functools.partial(torch.zeros, device=dec.embed.weight.device)
+        kv = [zeros(max_rows, dec.num_kv_heads, cache_len, dec.head_dim, dtype=dec.embed.weight.dtype)
+              for _ in range(2 * len(dec.layers))]
+        buffers = dict(keys=kv[::2], values=kv[1::2], valid=zeros(max_rows, cache_len, dtype=torch.bool),
+                       done=zeros(max_rows, dtype=torch.bool), out=zeros(max_rows, cache_len, dtype=torch.long),
+                       **{name: zeros(max_rows, dtype=torch.long) for name in ("tokens", "positions", "stop_at",
+                                                                               "row_keys")},
+                       scalars=dict(slot=zeros(1, dtype=torch.long), step=zeros(1, dtype=torch.long),
+                                    pad=zeros((), dtype=torch.long), eos=zeros(EOS_SLOTS, dtype=torch.long),
+                                    temperature=zeros(()), top_p=zeros(())))
+        engine.buffers[cache_len] = (max_rows, buffers)
+    key = (rows, cache_len, sample, nucleus)
+    if key not in engine.states:
+        views = {name: value if name == "scalars" else [t[:rows] for t in value] if isinstance(value, list)
+                 else value[:rows] for name, value in buffers.items()}
+        state = State(**views, sample=sample, nucleus=nucleus)
+        engine.states[key] = (state, record_graph(engine, state) if engine.capture else None)
+    return engine.states[key]
+
+
+def record_graph(engine, state):
+    """Warm up (compiles) on a side stream, then record one decode step as a CUDA graph."""
+    start, saved = time.perf_counter(), [state.scalars[name].clone() for name in ("slot", "step")]
+    state.scalars["slot"].zero_(), state.scalars["step"].zero_()  # warm-up writes columns 0..2: inside the cache
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            engine.step(engine, state)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        engine.step(engine, state)
+    state.scalars["slot"].copy_(saved[0]), state.scalars["step"].copy_(saved[1])
+    torch.cuda.synchronize()
+    STATS.warmup_s += time.perf_counter() - start
+    STATS.captured_graphs += 1
+    return graph
+
+
+def timed(device, start, name):
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    setattr(STATS, name, getattr(STATS, name) + time.perf_counter() - start)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids, pad_id, *, temperature=1.0,
+             top_p=1.0, seed=0, max_rows=None, forced_lengths=None, check_every=CHECK_EVERY, generation_copy=None,
+             compile_backend=None, refresh_weights=True):
+    """Completions [R, max_new_tokens] (pad after the first EOS) of R rows; row r continues prompt row_prompt[r]
+    of the D distinct left-padded prompts prompt_ids / prompt_mask [D, W] (each prefilled once).
+
+    temperature 0 = greedy. seed: the chunk's noise seed (row r's tokens depend on (seed, r, its prompt) only).
+    max_rows: the largest chunk of the process (its row buckets, e.g. rollout_batch_size). forced_lengths [R]
+    (benchmarks' synthetic lengths): row r emits eos_ids[0] as token number forced_lengths[r] unless it ended
+    before. eos_ids=[]: no row ends. generation_copy, compile_backend, refresh_weights: see engine_for (a caller
+    running several chunks of one policy refreshes once). The caller sets the model's mode (eval(): no dropout)."""
+    rows, width = len(row_prompt), prompt_ids.shape[1]
+    cache_len = -(-(width - 1 + max_new_tokens) // CACHE_BUCKET_TOKENS) * CACHE_BUCKET_TOKENS
+    if (reason := unsupported_reason(model, cache_len)) is not None:
+        raise ValueError(f"the decode engine cannot run this model: {reason}")
+    if not bool(prompt_mask[:, -1].all()):
+        raise ValueError("prompts must be left padded (the last column real for every prompt)")
+    if len(eos_ids) > EOS_SLOTS or (forced_lengths is not None and not eos_ids):
+        raise ValueError(f"need 1..{EOS_SLOTS} EOS ids with forced_lengths, at most {EOS_SLOTS} otherwise")
+    engine, device = engine_for(model, generation_copy, compile_backend, refresh_weights), prompt_ids.device
+    max_rows = max(max_rows or rows, rows)
+    start = time.perf_counter()
+    prefix_keys, prefix_values = decode_step.prefill(engine, prompt_ids, prompt_mask)
+    timed(device, start, "prefill_s")
+    start, size, flags = time.perf_counter(), bucket_for(rows, max_rows), (temperature > 0, top_p < 1)
+    state, graph = state_for(engine, size, cache_len, max_rows, *flags)
+    row_prompt = row_prompt.to(device)
+    for cache, prefix in zip(state.keys + state.values, prefix_keys + prefix_values):
+        cache[:rows, :, :width - 1] = prefix[row_prompt]
+    real = torch.arange(size, device=device) < rows   # rows past `rows` only pad the bucket
+    state.valid.zero_()[:rows, :width - 1] = prompt_mask[row_prompt, :width - 1].bool()
+    state.tokens.fill_(pad_id)[:rows] = prompt_ids[row_prompt, -1]
+    state.positions.zero_()[:rows] = prompt_mask[row_prompt].sum(1) - 1
+    state.done.copy_(~real)
+    state.stop_at.fill_(NEVER)
+    if forced_lengths is not None:
+        state.stop_at[:rows] = torch.as_tensor(forced_lengths).to(device) - 1
+    state.row_keys.copy_(decode_step.row_noise_keys(seed, size))
+    for name, value in dict(slot=width - 1, step=0, temperature=max(temperature, 1e-6), top_p=top_p,
+                            pad=pad_id).items():
+        state.scalars[name].fill_(value)
+    state.scalars["eos"].copy_(torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids))))
+    result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
+    for step in range(max_new_tokens):
+        graph.replay() if graph is not None else engine.step(engine, state)
+        STATS.decode_steps, STATS.row_steps = STATS.decode_steps + 1, STATS.row_steps + size
+        if (step + 1) % check_every and step + 1 < max_new_tokens:
+            continue
+        alive = (~state.done).nonzero().flatten()   # the loop's only host synchronisation
+        if len(alive) == 0 or step + 1 == max_new_tokens:
+            break
+        if bucket_for(len(alive), max_rows) < size:   # drop finished rows: gather the live ones into a smaller bucket
+            result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
+            size = bucket_for(len(alive), max_rows)
+            index = torch.cat([alive, alive[:1].expand(size - len(alive))])   # extra rows: copies, marked done
+            kept = [getattr(state, name)[index] for name in ROW_FIELDS] + [t[index] for t in state.keys + state.values]
+            row_ids = row_ids[index].masked_fill(torch.arange(size, device=device) >= len(alive), -1)
+            state, graph = state_for(engine, size, cache_len, max_rows, *flags)
+            for target, value in zip([getattr(state, name) for name in ROW_FIELDS] + state.keys + state.values, kept):
+                target.copy_(value)
+            state.done[len(alive):] = True
+    result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
+    timed(device, start, "decode_s")
+    return result

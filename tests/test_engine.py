@@ -1,0 +1,219 @@
+"""engine.py: greedy equality with HF generate (left padding, n > 1, EOS mid-batch, finished rows dropped), the
+sampled distribution (chi-square, and a wrong temperature is rejected), no generation_config leak on either
+backend, forced lengths, merged-LoRA copies, the compile count over varying prompt widths, the fallback."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import engine
+import models
+from sampling import sample_completions
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+VOCAB, EOS = 16, 2   # a tiny vocabulary: EOS comes up by itself, and 4096 draws pin a distribution down
+
+
+def eos_model(arch, seed=4, logit_scale=1.0, **overrides):
+    """Untied, tiny-vocabulary random model; seed 4 ends some greedy rows early and not others (asserted)."""
+    model = models.tiny_random_model(arch, vocab_size=VOCAB, seed=seed, tie_word_embeddings=False, **overrides)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model.eval()
+
+
+def left_padded_prompts(widths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (len(widths), max(widths)), generator=generator)
+    mask = (torch.arange(max(widths)) >= max(widths) - torch.tensor(widths)[:, None]).long()
+    return ids.masked_fill(mask == 0, EOS), mask
+
+
+def run(model, ids, mask, n, max_new_tokens, **kw):
+    return sample_completions(model, ids, mask, n, max_new_tokens, [EOS], EOS, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_hf_generate_with_eos_mid_batch(arch):
+    model = eos_model(arch)
+    ids, mask = left_padded_prompts([4, 7, 2, 5])
+    before = engine.STATS.row_steps, engine.STATS.decode_steps
+    fast = run(model, ids, mask, 2, 40, temperature=0.0, rollout_batch_size=8)
+    steps = engine.STATS.row_steps - before[0], engine.STATS.decode_steps - before[1]
+    reference = run(model, ids, mask, 2, 40, temperature=0.0, rollout_batch_size=8, backend="hf")
+    for a, b in zip(fast, reference):
+        assert torch.equal(a, b)
+    lengths = fast[1].sum(1)
+    assert lengths.min() < 16 and lengths.max() == 40 and fast[2].any() and not fast[2].all()  # EOS mid-batch
+    assert steps[0] < 8 * steps[1]  # finished rows were dropped: fewer row-steps than 8 rows x every step
+
+
+def test_compaction_and_forced_lengths_change_no_token():
+    """Forced EOS at given lengths (the benchmarks' synthetic lengths): exact lengths, and dropping finished rows
+    (check every 4 steps) gives every row the tokens it gets without dropping (check never), greedy and sampled."""
+    model = eos_model("llama", seed=1)
+    ids, mask = left_padded_prompts([3, 6, 5])
+    forced = torch.tensor([3, 5, 40, 9, 17, 2])
+    for temperature in (0.0, 1.0):
+        outs, work = [], []
+        for check_every in (4, 1000):
+            before = engine.STATS.row_steps
+            outs.append(engine.generate(model, ids, mask, torch.arange(3).repeat_interleave(2), 30, [EOS], EOS,
+                                        temperature=temperature, seed=5, forced_lengths=forced, max_rows=8,
+                                        check_every=check_every))
+            work.append(engine.STATS.row_steps - before)
+        assert torch.equal(outs[0], outs[1]) and work[0] < work[1]
+    ids_out, completion_mask, truncated = run(model, ids, mask, 2, 30, temperature=1.0, forced_lengths=forced)
+    natural = run(model, ids, mask, 2, 30, temperature=1.0)[1].sum(1)
+    assert completion_mask.sum(1).tolist() == torch.minimum(natural, forced.clamp(max=30)).tolist()
+    assert truncated.tolist() == (completion_mask.sum(1) == 30).tolist()
+
+
+def first_token_counts(model, temperature, top_p, draws=4096, **kw):
+    ids, mask = torch.tensor([[5, 7, 9, 3]]), torch.ones(1, 4, dtype=torch.long)
+    out = run(model, ids, mask, draws, 1, temperature=temperature, top_p=top_p, rollout_batch_size=512, seed=3, **kw)
+    return torch.bincount(out[0][:, 0], minlength=VOCAB).double()
+
+
+def expected_probs(model, temperature, top_p):
+    """softmax(logits / T) restricted to the top-p nucleus, from a plain forward pass."""
+    with torch.no_grad():
+        probs = (model(torch.tensor([[5, 7, 9, 3]])).logits[0, -1].double() / temperature).softmax(-1)
+    ordered, order = probs.sort(descending=True)
+    kept = order[(ordered.cumsum(0) - ordered) < top_p]
+    restricted = torch.zeros_like(probs)
+    restricted[kept] = probs[kept]
+    return restricted / restricted.sum()
+
+
+def chi_square_p_value(counts, probs):
+    if counts[probs == 0].sum() > 0:
+        return 0.0  # a token outside the support was drawn
+    support = probs > 0
+    expected = probs[support] * counts.sum()
+    statistic = ((counts[support] - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc((support.sum() - 1) / 2.0, statistic / 2.0))
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (1.5, 0.6)])
+def test_sampling_follows_softmax_over_temperature_in_the_nucleus(temperature, top_p):
+    model = eos_model("llama", logit_scale=6.0)
+    counts = first_token_counts(model, temperature, top_p)
+    assert (expected_probs(model, temperature, top_p) > 0.01).sum() >= 4  # a distribution worth testing
+    assert chi_square_p_value(counts, expected_probs(model, temperature, top_p)) > 1e-3
+    assert chi_square_p_value(counts, expected_probs(model, temperature * 1.3, top_p)) < 1e-6  # the test has power
+
+
+@pytest.mark.parametrize("backend", ["engine", "hf"])
+def test_model_generation_config_does_not_shape_the_rollouts(backend):
+    model = eos_model("llama", logit_scale=6.0)
+    ids, mask = left_padded_prompts([4, 6])
+    greedy = run(model, ids, mask, 1, 12, temperature=0.0, backend=backend)[0]
+    model.generation_config.update(do_sample=True, temperature=0.3, top_k=2, top_p=0.5, min_p=0.3,
+                                   repetition_penalty=5.0)
+    with torch.no_grad():  # the leak would be visible: generate() honouring these values differs
+        honoured = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=EOS)[:, 6:]
+    assert not torch.equal(honoured[:, :greedy.shape[1]], greedy)
+    assert torch.equal(run(model, ids, mask, 1, 12, temperature=0.0, backend=backend)[0], greedy)
+    counts = first_token_counts(model, 1.0, 1.0, backend=backend)
+    assert chi_square_p_value(counts, expected_probs(model, 1.0, 1.0)) > 1e-3
+    assert (counts > 0).sum() > 2  # top_k=2 did not leak
+
+
+def lora_model(seed=0):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(eos_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=list(
+        models.DEFAULT_LORA_TARGETS)))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # peft initialises B = 0 (a no-op adapter); make it matter
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def test_merged_lora_copy_equals_unmerged_and_leaves_the_adapter_alone():
+    model = lora_model()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids, mask = left_padded_prompts([4, 6, 3])
+    captured = []
+    hook = model.get_base_model().lm_head.register_forward_hook(lambda m, i, o: captured.append(o[:, -1].clone()))
+    fast = run(model, ids, mask, 1, 10, temperature=0.0)
+    hook.remove()
+    unmerged = run(model, ids, mask, 1, 10, temperature=0.0, backend="hf")
+    assert torch.equal(fast[0], unmerged[0])
+    assert torch.equal(run(model, ids, mask, 1, 10, temperature=0.0, generation_copy=False)[0], fast[0])
+    # Engine logits of step t = the unmerged model's logits at prompt + t tokens.
+    with torch.no_grad():
+        full = model(input_ids=torch.cat([ids, fast[0]], 1), attention_mask=torch.cat([mask, fast[1]], 1)).logits
+    for step, logits in enumerate(captured):
+        torch.testing.assert_close(logits[:3], full[:, ids.shape[1] - 1 + step], rtol=1e-4, atol=1e-4)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    # An optimizer step changes the adapter in place: the next call must use the new weights.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(-1.0)
+    assert torch.equal(run(model, ids, mask, 1, 10, temperature=0.0)[0],
+                       run(model, ids, mask, 1, 10, temperature=0.0, backend="hf")[0])
+    with model.disable_adapter():  # the reference policy: base weights only
+        assert torch.equal(run(model, ids, mask, 1, 10, temperature=0.0)[0],
+                           run(model, ids, mask, 1, 10, temperature=0.0, backend="hf")[0])
+
+
+def test_compile_count_is_bounded_over_varying_prompt_widths():
+    """20 calls, prompt widths 2..250, 3-4 rows, finished rows dropped every 2 steps: every graph comes from the
+    bucket set (rows in {4, 2, 1} x cache length {256} x sampling on) -> at most 3 graphs, none after the first
+    calls; the compiled step gives the eager step's tokens."""
+    model = eos_model("llama", num_hidden_layers=1)
+    eager_model = copy.deepcopy(model)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    generator = torch.Generator().manual_seed(0)
+    counts = []
+    for call in range(20):
+        width, rows = int(torch.randint(2, 251, (1,), generator=generator)), int(torch.randint(3, 5, (1,)))
+        ids, mask = left_padded_prompts([width], seed=call)
+        kw = dict(temperature=1.0, seed=call, max_rows=4, check_every=2,
+                  forced_lengths=torch.randint(1, 7, (rows,), generator=generator))
+        out = engine.generate(model, ids, mask, torch.zeros(rows, dtype=torch.long), 6, [EOS], EOS,
+                              compile_backend=counting_backend, **kw)
+        assert torch.equal(out, engine.generate(eager_model, ids, mask, torch.zeros(rows, dtype=torch.long), 6,
+                                                [EOS], EOS, **kw))
+        counts.append(len(graphs))
+    bound = len(engine.row_buckets(4)) * 1 * 1
+    buckets_used = {key for runtime in engine._ENGINES[model].values() for key in runtime.states}
+    assert 1 <= counts[-1] == len(buckets_used) <= bound == 3 and counts[9] == counts[-1]  # one graph per bucket
+
+
+def test_unsupported_architecture_falls_back_to_hf_with_a_warning():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64)).eval()
+    ids, mask = left_padded_prompts([3, 5])
+    with pytest.warns(UserWarning, match="generating with Hugging Face generate"):
+        out = run(model, ids, mask, 2, 6, temperature=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per reason, not per call
+        assert torch.equal(out[0], run(model, ids, mask, 2, 6, temperature=0.0, backend="hf")[0])
+    assert engine.unsupported_reason(model) is not None and engine.unsupported_reason(eos_model("qwen2")) is None
+
+
+def test_bad_inputs_raise():
+    model = eos_model("llama")
+    ids, mask = left_padded_prompts([3, 5])
+    with pytest.raises(ValueError, match="left padded"):
+        engine.generate(model, ids, mask.flip(1), torch.arange(2), 4, [EOS], EOS)
+    with pytest.raises(ValueError, match="forced_lengths"):
+        run(model, ids, mask, 1, 4, backend="hf", forced_lengths=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="backend"):
+        run(model, ids, mask, 1, 4, backend="vllm")
