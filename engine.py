@@ -8,7 +8,7 @@ replayed per token.
 
 - Prefill: each distinct prompt (all but its last token) runs once; its K/V is copied to its n rows.
 - Decode: a preallocated cache [rows, kv_heads, cache_len, head_dim] per layer (cache_len = prompt width - 1 +
-  max_new_tokens rounded up to CACHE_BUCKET_TOKENS, rows = the next of `row_buckets`). A step embeds the last
+  max_new_tokens, or the caller's cache_tokens if larger, rounded up to CACHE_BUCKET_TOKENS, rows = the next of `row_buckets`). A step embeds the last
   tokens, writes their K/V, attends over the valid positions, samples (inverse CDF with one uniform per row hashed
   from (seed, row, step): no RNG state to capture, and a row's tokens do not depend on its batch) and records the
   token, in place. Every `check_every` steps the host checks the rows left; when they fit a smaller bucket they
@@ -188,8 +188,10 @@ def bucket_for(rows, max_rows):
 
 
 def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
-    """The State of a bucket, its CUDA graph recorded on first use. Recording runs the step on whatever the
-    buffers hold (the running chunk's step/slot counters are restored), so callers fill the State after this."""
+    """The State of a bucket. With CUDA graphs, the first use of a (cache length, sampling mode) records the graphs
+    of every row bucket at once, so the rows dropped later in this or any later call never record one mid-run.
+    Recording runs the step on whatever the buffers hold (the running chunk's step/slot counters are restored),
+    so callers fill the State after this."""
     dec, (allocated, buffers) = engine, engine.buffers.get(cache_len, (0, None))
     if allocated < max_rows:  # (re)allocate; zeros keep never-written cache entries finite under the mask
         engine.states = {key: value for key, value in engine.states.items() if key[1] != cache_len}
@@ -204,12 +206,15 @@ def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
                                     pad=zeros((), dtype=torch.long), eos=zeros(EOS_SLOTS, dtype=torch.long),
                                     temperature=zeros(()), top_p=zeros(())))
         engine.buffers[cache_len] = (max_rows, buffers)
+    for size in row_buckets(max_rows) if engine.capture and (rows, cache_len, sample, nucleus) not in engine.states \
+            else [rows]:
+        if (size, cache_len, sample, nucleus) not in engine.states:
+            views = {name: value if name == "scalars" else [t[:size] for t in value] if isinstance(value, list)
+                     else value[:size] for name, value in buffers.items()}
+            state = State(**views, sample=sample, nucleus=nucleus)
+            engine.states[size, cache_len, sample, nucleus] = (state, record_graph(engine, state) if engine.capture
+                                                               else None)
     key = (rows, cache_len, sample, nucleus)
-    if key not in engine.states:
-        views = {name: value if name == "scalars" else [t[:rows] for t in value] if isinstance(value, list)
-                 else value[:rows] for name, value in buffers.items()}
-        state = State(**views, sample=sample, nucleus=nucleus)
-        engine.states[key] = (state, record_graph(engine, state) if engine.capture else None)
     return engine.states[key]
 
 
@@ -245,17 +250,20 @@ def timed(device, start, name):
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids, pad_id, *, temperature=1.0,
              top_p=1.0, seed=0, max_rows=None, forced_lengths=None, check_every=CHECK_EVERY, generation_copy=None,
-             compile_backend=None, refresh_weights=True):
+             compile_backend=None, refresh_weights=True, cache_tokens=0):
     """Completions [R, max_new_tokens] (pad after the first EOS) of R rows; row r continues prompt row_prompt[r]
     of the D distinct left-padded prompts prompt_ids / prompt_mask [D, W] (each prefilled once).
 
     temperature 0 = greedy. seed: the chunk's noise seed (row r's tokens depend on (seed, r, its prompt) only).
-    max_rows: the largest chunk of the process (its row buckets, e.g. rollout_batch_size). forced_lengths [R]
+    max_rows: the largest chunk of the process (its row buckets, e.g. rollout_batch_size). cache_tokens: a floor
+    on the cache length (a run passes its longest prompt + max_new_tokens, so every call shares one length and
+    one set of graphs). forced_lengths [R]
     (benchmarks' synthetic lengths): row r emits eos_ids[0] as token number forced_lengths[r] unless it ended
     before. eos_ids=[]: no row ends. generation_copy, compile_backend, refresh_weights: see engine_for (a caller
     running several chunks of one policy refreshes once). The caller sets the model's mode (eval(): no dropout)."""
     rows, width = len(row_prompt), prompt_ids.shape[1]
-    cache_len = -(-(width - 1 + max_new_tokens) // CACHE_BUCKET_TOKENS) * CACHE_BUCKET_TOKENS
+    needed = max(width - 1 + max_new_tokens, cache_tokens)
+    cache_len = -(-needed // CACHE_BUCKET_TOKENS) * CACHE_BUCKET_TOKENS
     if (reason := unsupported_reason(model, cache_len)) is not None:
         raise ValueError(f"the decode engine cannot run this model: {reason}")
     if not bool(prompt_mask[:, -1].all()):

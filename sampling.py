@@ -180,7 +180,7 @@ def _hf_chunk(model, ids, mask, rows, seed, configs, share_prefill, device):
 
 def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, temperature=1.0,
                        top_p=1.0, rollout_batch_size=64, seed=0, cache_implementation=None, ignore_eos=False,
-                       share_prefill=True, backend=None, forced_lengths=None, generation_copy=None):
+                       share_prefill=True, backend=None, forced_lengths=None, generation_copy=None, cache_tokens=0):
     """Tensor core of generate_rollouts: left-padded prompt ids [P, Tp] -> (completion_ids, completion_mask,
     truncated) for the P*n rows (row i*n + j = rollout j of prompt i), on the CPU.
 
@@ -224,6 +224,7 @@ def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_id
                     row_prompt, max_new_tokens, [] if ignore_eos else eos_ids,
                     pad_id, temperature=temperature, top_p=top_p, seed=chunk_seed(seed, chunk_index),
                     max_rows=rollout_batch_size, generation_copy=generation_copy, refresh_weights=chunk_index == 0,
+                    cache_tokens=cache_tokens,
                     forced_lengths=None if forced_lengths is None else forced_lengths[start:start + len(rows)]).cpu())
     finally:
         for module, training in modes:
@@ -244,9 +245,10 @@ def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_id
 
 def generate_rollouts(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0,
                       rollout_batch_size=64, seed=0, cache_implementation=None, ignore_eos=False, share_prefill=True,
-                      backend=None, generation_copy=None):
+                      backend=None, generation_copy=None, cache_tokens=0):
     """Sample n completions for each prompt (rendered text) -> Rollouts. Seeding, chunking, ignore_eos and the
-    backend as in sample_completions."""
+    backend as in sample_completions; cache_tokens: engine.generate's floor on the KV-cache length (a run passes
+    max prompt + completion tokens, so its every call shares one set of recorded graphs)."""
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a non-empty list of strings")
     _check_args(n, max_new_tokens, temperature, top_p, rollout_batch_size)
@@ -262,7 +264,8 @@ def generate_rollouts(model, tokenizer, prompts, n, max_new_tokens, temperature=
     completion_ids, completion_mask, truncated = sample_completions(
         model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, temperature=temperature, top_p=top_p,
         rollout_batch_size=rollout_batch_size, seed=seed, cache_implementation=cache_implementation,
-        ignore_eos=ignore_eos, share_prefill=share_prefill, backend=backend, generation_copy=generation_copy)
+        ignore_eos=ignore_eos, share_prefill=share_prefill, backend=backend, generation_copy=generation_copy,
+        cache_tokens=cache_tokens)
     lengths = completion_mask.sum(1)
     texts = tokenizer.batch_decode([row[:length].tolist() for row, length in zip(completion_ids, lengths)],
                                    skip_special_tokens=True)

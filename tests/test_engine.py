@@ -194,6 +194,42 @@ def test_compile_count_is_bounded_over_varying_prompt_widths():
     assert 1 <= counts[-1] == len(buckets_used) <= bound == 3 and counts[9] == counts[-1]  # one graph per bucket
 
 
+def test_recorded_graphs_cover_every_bucket_on_first_use_and_replay_the_step(monkeypatch):
+    """The CUDA-graph path on CPU, with a stand-in graph whose replay() runs the recorded step in place (what a
+    CUDA graph does): the first call records every row bucket of its cache length at once, so 20 later calls with
+    varying prompt widths (one cache length through cache_tokens) and rows dropped at varying steps record none;
+    tokens equal the plain eager loop."""
+    recorded = []
+
+    class ReplayStep:
+        def __init__(self, runtime, state):
+            self.runtime, self.state = runtime, state
+
+        def replay(self):
+            self.runtime.step(self.runtime, self.state)
+
+    def fake_record(runtime, state):
+        recorded.append((len(state.tokens), state.keys[0].shape[2]))
+        return ReplayStep(runtime, state)
+
+    model, eager_model = eos_model("llama", seed=1), eos_model("llama", seed=1)
+    engine.engine_for(model).capture = True   # what engine_for sets on a CUDA device
+    monkeypatch.setattr(engine, "record_graph", fake_record)
+    generator = torch.Generator().manual_seed(0)
+    counts = []
+    for call in range(21):
+        width = int(torch.randint(2, 400, (1,), generator=generator))   # needs 256 or 512 cache tokens alone
+        ids, mask = left_padded_prompts([width, max(1, width // 2)], seed=call)
+        kw = dict(temperature=1.0, seed=call, max_rows=8, check_every=2, cache_tokens=400 + 12,
+                  forced_lengths=torch.randint(1, 12, (8,), generator=generator))
+        out = engine.generate(model, ids, mask, torch.arange(2).repeat_interleave(4), 12, [EOS], EOS, **kw)
+        assert torch.equal(out, engine.generate(eager_model, ids, mask, torch.arange(2).repeat_interleave(4), 12,
+                                                [EOS], EOS, **kw))
+        counts.append(len(recorded))
+    assert sorted(recorded) == [(rows, 512) for rows in engine.row_buckets(8)]   # 1, 2, 4, 8 rows; one length
+    assert counts[0] == counts[-1] == 4
+
+
 def test_unsupported_architecture_falls_back_to_hf_with_a_warning():
     from transformers import GPT2Config, GPT2LMHeadModel
 
