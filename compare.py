@@ -261,7 +261,9 @@ def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
 
 # Config keys that legitimately differ between the runs of one comparison (method, seed, bookkeeping).
 PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
-                "baseline", "grad_accum_steps", "updates_per_batch", "advantage_normalization"}
+                "baseline", "grad_accum_steps", "updates_per_batch", "advantage_normalization", "loss_aggregation",
+                "clip_eps_high", "scale_rewards", "selection_scope", "mask_truncated", "drop_zero_variance",
+                "report_to"}
 
 
 def config_differences(runs):

@@ -18,8 +18,10 @@ import torch
 
 import checkpoint
 import data
+import grpo_loss
 import models
 import pods
+import report
 import rewards
 import update
 
@@ -88,12 +90,26 @@ def build_parser():
     add("--rule", choices=pods.RULES, help="down-sampling rule; 'none' (m = n) is plain GRPO")
     add("--advantage-normalization", choices=pods.NORMALIZE_MODES, default="selected",
         help="selected: stats of the m kept rewards (paper); group: stats of all n")
+    add("--scale-rewards", choices=pods.SCALE_MODES, default="group",
+        help="divide advantages by the group std (paper), the batch std (TRL 'batch') or nothing (Dr. GRPO)")
+    add("--selection-scope", choices=pods.SELECTION_SCOPES, default="prompt",
+        help="prompt: m per prompt (paper); batch: m x P from the whole step, balanced across prompts "
+             "(max_variance only, pods.select_across_prompts)")
+    add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
+        help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
     add("--reward-weights", default=DEFAULT_REWARD_WEIGHTS,
         help="name=weight for every reward function (paper: 1/1/1; weight 0 logs a reward without training on it)")
     add("--prompts-per-step", type=int)
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
     add("--clip-eps", type=float, default=0.2)
+    add("--clip-eps-high", type=float, help="upper clip of the ratio, 1 + this (DAPO clip-higher; default "
+        "--clip-eps; acts only with --updates-per-batch > 1, where the ratio differs from 1)")
+    add("--loss-aggregation", choices=grpo_loss.LOSS_AGGREGATIONS, default="sequence",
+        help="sequence: mean over rows of each row's token mean (paper); token: over all kept tokens (DAPO); "
+             "fixed: sum / (rows x --max-completion-tokens) (Dr. GRPO)")
+    add("--mask-truncated", action=argparse.BooleanOptionalAction, default=False,
+        help="completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
     add("--kl-coef", type=float, default=0.0, help="KL beta (needs LoRA: the reference is the adapter switched off)")
     add = parser.add_argument_group("optimizer").add_argument
     add("--learning-rate", "--lr", type=float)
@@ -121,6 +137,8 @@ def build_parser():
     add("--resume", action="store_true",
         help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
+    add("--report-to", choices=report.REPORT_TO, default="none",
+        help="also send the metrics.jsonl lines, same names, to TensorBoard (<out>/tensorboard) or Weights & Biases")
     return parser
 
 
@@ -164,6 +182,7 @@ def check_args(args):
         raise ValueError(f"--num-train-rows must be >= 1, got {args.num_train_rows}")
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    _check_variant_flags(args)
     args.reward_weights = parse_reward_weights(args.reward_weights)
     _check_device_flags(args)
     _check_run_dir(args)
@@ -207,6 +226,15 @@ def _check_device_flags(args):
         raise ValueError("--optimizer adamw8bit needs bitsandbytes and a CUDA device; use --optimizer adamw")
 
 
+def _check_variant_flags(args):
+    if args.clip_eps_high is not None and not args.clip_eps_high > 0:
+        raise ValueError(f"--clip-eps-high must be > 0, got {args.clip_eps_high}")
+    if args.selection_scope == "batch" and args.rule != "max_variance":
+        raise ValueError(f"incompatible flags: --selection-scope batch is the max-variance rule across prompts; "
+                         f"it needs --rule max_variance, got --rule {args.rule}")
+    report.check_report_to(args.report_to)
+
+
 def _check_run_dir(args):
     if args.resume:
         if args.output_dir is None:
@@ -229,9 +257,18 @@ def _check_data(args):
 
 
 def method_label(args):
+    """"PODS max_variance 16/4", plus every variant flag that differs from the paper (compare.py groups runs by
+    this label): e.g. "PODS max_variance 16/4 + token loss, clip-high 0.28"."""
     if args.rule == "none":
-        return f"GRPO{'-GA' if args.grad_accum_steps > 1 else ''} {args.num_rollouts}/{args.update_size}"
-    return f"PODS {args.rule} {args.num_rollouts}/{args.update_size}"
+        label = f"GRPO{'-GA' if args.grad_accum_steps > 1 else ''} {args.num_rollouts}/{args.update_size}"
+    else:
+        label = f"PODS {args.rule} {args.num_rollouts}/{args.update_size}"
+    variants = [f"{args.loss_aggregation} loss", f"{args.scale_rewards} std", f"{args.selection_scope} scope",
+                f"clip-high {args.clip_eps_high:g}" if args.clip_eps_high not in (None, args.clip_eps) else "",
+                "truncated masked" if args.mask_truncated else "",
+                "zero-variance dropped" if args.drop_zero_variance else ""]
+    variants = [v for v in variants if v not in ("", "sequence loss", "group std", "prompt scope")]  # the paper's
+    return label + (" + " + ", ".join(variants) if variants else "")
 
 
 def update_settings(args):
@@ -239,4 +276,6 @@ def update_settings(args):
     return update.UpdateSettings(
         micro_batch_size=args.micro_batch_size, temperature=args.temperature, clip_eps=args.clip_eps,
         kl_coef=args.kl_coef, updates_per_batch=args.updates_per_batch, max_grad_norm=args.max_grad_norm,
-        autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1])
+        autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1], clip_eps_high=args.clip_eps_high,
+        loss_aggregation=args.loss_aggregation, max_completion_tokens=args.max_completion_tokens,
+        mask_truncated=args.mask_truncated)

@@ -1,11 +1,16 @@
-"""The paper's down-sampling-rule study (Fig. 5) and an n/m study, at demo scale on CPU.
+"""The paper's down-sampling-rule study (Fig. 5), an n/m study and a loss-variant study, at demo scale on CPU.
 
-Trains train.py's demo preset (SmolLM2-135M on synthetic addition) with each rule (max_variance, random,
+`run`: trains train.py's demo preset (SmolLM2-135M on synthetic addition) with each rule (max_variance, random,
 max_reward, percentile) at n/m = 16/4 and the GRPO baseline (n = m = 4), and max_variance with m = 4 and
 n in {4, 8, 16}, for every seed, one subprocess at a time; then compares them with compare.py (accuracy vs
 wall-clock with 1.96 SE bands, speed-up ratio of paper Appendix A.4) into plots and markdown tables.
+`variants`: PODS max_variance 16/4 with the paper's objective, with DAPO's token-level loss aggregation
+(--loss-aggregation token) and with DAPO's clip-higher (--clip-eps-high 0.28), compared the same way against
+the paper's objective (variants.png, variants.md). All three take 2 optimizer steps per rollout batch
+(--updates-per-batch 2): with one, the ratio pi/pi_old is 1 and clip-higher could not change anything.
 
     python study.py run --out runs/study --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
+    python study.py variants --out runs/variants --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
     python study.py compare RUN_DIR...            (an alias of python compare.py)
 
 Every setting the recorded tables depend on is passed explicitly (`STUDY_TRAIN_ARGS`), evaluation
@@ -43,6 +48,8 @@ STUDY_TRAIN_ARGS = (
     "--system-prompt", STUDY_SYSTEM_PROMPT, "--max-prompt-tokens", "256", "--advantage-normalization", "selected",
     "--reward-weights", "accuracy=1,format=1,tag_count=1", "--prompts-per-step", "1", "--grad-accum-steps", "1",
     "--updates-per-batch", "1", "--clip-eps", "0.2", "--kl-coef", "0", "--learning-rate", "5e-4",
+    "--scale-rewards", "group", "--selection-scope", "prompt", "--no-drop-zero-variance", "--clip-eps-high", "0.2",
+    "--loss-aggregation", "sequence", "--no-mask-truncated", "--report-to", "none",
     "--weight-decay", "0", "--max-grad-norm", "1.0", "--optimizer", "adamw", "--temperature", "1.0",
     "--top-p", "1.0", "--max-completion-tokens", "32", "--rollout-batch-size", "64", "--micro-batch-size", "16",
     "--eval-samples", "20", "--eval-interval", "3", "--eval-temperature", "0", "--checkpoint-interval-s", "100000")
@@ -74,6 +81,21 @@ def study_plan(seeds, rules=STUDY_RULES, num_rollouts=16, update_size=4, nm_valu
     return runs, studies
 
 
+# The variant study: {name: flags on top of the paper's objective}; every arm takes VARIANT_UPDATES_PER_BATCH
+# optimizer steps per rollout batch (module docstring).
+VARIANTS = {"paper": [], "token": ["--loss-aggregation", "token"], "cliphigh": ["--clip-eps-high", "0.28"]}
+VARIANT_UPDATES_PER_BATCH = 2
+
+
+def variants_plan(seeds, num_rollouts=16, update_size=4):
+    """({run name: train.py method flags}, the baseline's label): each of VARIANTS with max_variance n/m, per seed."""
+    runs = {f"{name}-n{num_rollouts}-m{update_size}-s{seed}": [
+        "--rule", "max_variance", "--num-rollouts", str(num_rollouts), "--update-size", str(update_size), "--seed",
+        str(seed), "--updates-per-batch", str(VARIANT_UPDATES_PER_BATCH), *flags]
+        for seed in seeds for name, flags in VARIANTS.items()}  # seed-major: a study cut short has whole seeds
+    return runs, f"PODS max_variance {num_rollouts}/{update_size}"
+
+
 def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=()):
     """train.py's flags for one run of the study: the pinned settings, the run's method, then the user's."""
     return ["--preset", "demo", "--output-dir", str(run_dir), "--max-time-s", str(max_time_s), "--no-progress",
@@ -81,14 +103,12 @@ def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=())
             *method_flags, *train_args]
 
 
-def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), dry_run=False, num_threads=1,
-              train_script=Path(__file__).with_name("train.py")):
-    """Train every planned run (sequentially, one subprocess each), then compare each study.
-
-    Resumable: a run with <out>/<name>/study_done.json is skipped; an interrupted one continues from its
-    latest checkpoint (train.py --resume) or, without one, starts over."""
+def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_threads=1,
+               train_script=Path(__file__).with_name("train.py")):
+    """Train every run of {name: method flags} (sequentially, one subprocess each) into <out>/<name>; returns the
+    names that failed. Resumable: a run with <out>/<name>/study_done.json is skipped; an interrupted one continues
+    from its latest checkpoint (train.py --resume) or, without one, starts over."""
     out_dir = Path(out_dir)
-    runs, studies = study_plan(seeds, nm_values=nm_values)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     failed = []
     for index, (name, flags) in enumerate(runs.items(), start=1):
@@ -112,10 +132,12 @@ def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), d
             continue
         done = {"command": command, "wall_s": time.perf_counter() - start}
         (run_dir / "study_done.json").write_text(json.dumps(done))
-    if dry_run:
-        return {}
-    tables = {}
-    titles = {"rules": "Down-sampling rules (demo scale, paper Fig. 5)", "nm": "n/m study (demo scale)"}
+    return failed
+
+
+def compare_studies(out_dir, studies, titles, baseline_label=None):
+    """<out>/<study>{,_both}.png and .md for each {study: [run names]} (compare.py); returns {file stem: table}."""
+    out_dir, tables = Path(out_dir), {}
     # accuracy is the paper's metric; both_accuracy (correct *and* formatted) also shows format learning,
     # which dominates the first minutes of the demo.
     for (study_name, names), (metric, suffix) in itertools.product(studies.items(), METRIC_FILES):
@@ -126,10 +148,36 @@ def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), d
         # Every run has the same time budget, so seeds end within one step of each other: keep the curve
         # only while all seeds have data (a mean over a changing subset of seeds jumps at the end).
         _, table = compare(present, plot=out_dir / f"{name}.png", title=titles[study_name], metric=metric,
-                           min_seeds=0)
+                           min_seeds=0, baseline_label=baseline_label)
         tables[name] = table
         (out_dir / f"{name}.md").write_text(table + "\n")
         print(f"\n## {titles[study_name]}\n\n{table}\nplot: {out_dir / (name + '.png')}", flush=True)
+    return tables
+
+
+def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), dry_run=False, num_threads=1,
+              train_script=Path(__file__).with_name("train.py")):
+    """The rule study and the n/m study: train every planned run (`train_runs`), then compare each study."""
+    runs, studies = study_plan(seeds, nm_values=nm_values)
+    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script)
+    if dry_run:
+        return {}
+    titles = {"rules": "Down-sampling rules (demo scale, paper Fig. 5)", "nm": "n/m study (demo scale)"}
+    tables = compare_studies(out_dir, studies, titles)
+    if failed:
+        print(f"\nfailed runs: {', '.join(failed)}")
+    return tables
+
+
+def run_variants(out_dir, seeds, max_time_s, train_args=(), dry_run=False, num_threads=1,
+                 train_script=Path(__file__).with_name("train.py")):
+    """The loss-variant study (module docstring): train its runs, then compare them against the paper's objective."""
+    runs, baseline = variants_plan(seeds)
+    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script)
+    if dry_run:
+        return {}
+    title = f"Loss variants of {baseline} (demo scale, mu = {VARIANT_UPDATES_PER_BATCH})"
+    tables = compare_studies(out_dir, {"variants": list(runs)}, {"variants": title}, baseline_label=baseline)
     if failed:
         print(f"\nfailed runs: {', '.join(failed)}")
     return tables
@@ -141,20 +189,26 @@ def main(argv=None):
         import compare as compare_module
 
         return compare_module.main(argv[1:])
-    if argv[:1] != ["run"]:
-        sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...]")
+    if argv[:1] not in (["run"], ["variants"]):
+        sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...] | "
+                 "python study.py variants --out DIR [...]")
+    command = argv[0]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[1:argv.index("--")] if "--" in argv else argv[1:]
-    parser = argparse.ArgumentParser(prog="study.py run", description="rule study + n/m study at demo scale; "
+    description = ("rule study + n/m study" if command == "run" else "loss variants (paper, token, clip-higher)")
+    parser = argparse.ArgumentParser(prog=f"study.py {command}", description=f"{description} at demo scale; "
                                      "arguments after -- go to every train.py run")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-time-s", type=float, default=120.0, help="training wall-clock per run")
-    parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
+    if command == "run":
+        parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
     parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads per run: on a shared "
                         "machine one thread avoids OpenMP spin-waits (here 2 threads were ~7x slower)")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     args = parser.parse_args(argv)
+    if command == "variants":
+        return run_variants(args.out, args.seeds, args.max_time_s, train_args, args.dry_run, args.num_threads)
     return run_study(args.out, args.seeds, args.max_time_s, train_args, tuple(args.nm_values), args.dry_run,
                      args.num_threads)
 

@@ -9,9 +9,13 @@ config.py; the run folder (checkpoints, metrics.jsonl, config.json): checkpoint.
     python train.py --baseline               # the same with its GRPO baseline (n = m)
     python train.py --preset a [--baseline]  # paper setting (a): Qwen2.5-3B-Instruct, GSM8K, n=64, m=16
 
-Logging: <out>/metrics.jsonl (TRL names; held-out accuracy against training time, the paper's plots);
-checkpoints every --checkpoint-interval-s s of training, resumable exactly (--resume). A step whose update is
-not finite is skipped and counted (`skipped_steps`); NONFINITE_STOP such steps in a row stop the run.
+Variants (flags, default = the paper): --loss-aggregation, --scale-rewards, --clip-eps-high, --mask-truncated,
+--drop-zero-variance, --selection-scope batch (cross-prompt max-variance); see config.py, `select`, update.py.
+
+Logging: <out>/metrics.jsonl (TRL names; held-out accuracy against training time, the paper's plots), and with
+--report-to the same lines in TensorBoard or W&B (report.py); checkpoints every --checkpoint-interval-s s of
+training, resumable exactly (--resume). A step whose update is not finite is skipped and counted
+(`skipped_steps`); NONFINITE_STOP such steps in a row stop the run.
 
 Simplifications: one device, Hugging Face generate (no vLLM), constant learning rate, no reward-model rewards.
 --grad-accum-steps G (GRPO-GA) accumulates G rollout batches of --prompts-per-step prompts into one update.
@@ -33,11 +37,11 @@ import data
 import eval as heldout
 import models
 import pods
+import report
 import rewards
 import sampling
 import update
 
-TIMING_KEYS = ("elapsed_s", "generate_s", "reward_s", "select_s", "update_s", "step_s", "peak_mem_gib")
 NONFINITE_STOP = 3  # consecutive steps whose update was skipped
 
 
@@ -47,7 +51,8 @@ class ScoredRound:
     rollouts: sampling.Rollouts  # P prompts x n rollouts (row i*n + j: rollout j of prompt i)
     rewards: torch.Tensor        # [P, n] weighted total
     per_func: dict               # reward function -> [P*n] (NaN: not applicable)
-    kept_rewards: torch.Tensor   # [P, m]
+    kept_rows: torch.Tensor      # [R] rollout rows trained on (m per prompt, or fewer/more: update.kept_rows)
+    zero_variance_dropped: int   # prompts left out by --drop-zero-variance
 
 
 @contextlib.contextmanager
@@ -80,6 +85,33 @@ def score(rollouts, examples, args):
     return result.total.view(len(examples), -1), result.per_func
 
 
+def select(rewards, m, rule, *, normalize="selected", scale_rewards="group", scope="prompt", drop_zero_variance=False,
+           generator=None):
+    """What to train on among rewards [P, n]: (kept, advantages, number of prompts dropped), for update.kept_batch.
+
+    The paper (scope "prompt", nothing dropped): kept [P, m] indices by `rule`, advantages [P, m]. Otherwise a
+    bool mask [P, n] and advantages [P, n] (0 where not kept): with drop_zero_variance the prompts whose n rewards
+    are all equal are left out first (zero advantages under any subset), then the others get m each by `rule`
+    (scope "prompt") or share m x (their number) slots (scope "batch": pods.select_across_prompts)."""
+    if scope not in pods.SELECTION_SCOPES or (scope == "batch" and rule != "max_variance"):
+        raise ValueError(f"selection scope {scope!r} with rule {rule!r}: expected one of {pods.SELECTION_SCOPES}, "
+                         "'batch' only with max_variance")
+    if scope == "prompt" and not drop_zero_variance:
+        kept = pods.downsample(rewards, m, rule, generator=generator)
+        return kept, pods.selected_advantages(rewards, kept, normalize, scale_rewards=scale_rewards), 0
+    prompts = ~pods.zero_variance_prompts(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
+    keep, advantages = torch.zeros(rewards.shape, dtype=torch.bool), torch.zeros(rewards.shape)
+    if prompts.any():
+        group = rewards[prompts]
+        if scope == "batch":
+            group_keep = pods.select_across_prompts(group, m)
+        else:
+            group_keep = keep[prompts].scatter(-1, pods.downsample(group, m, rule, generator=generator), True)
+        keep[prompts] = group_keep
+        advantages[prompts] = pods.masked_advantages(group, group_keep, normalize, scale_rewards)
+    return keep, advantages, int((~prompts).sum())
+
+
 def train_step(model, tokenizer, optimizer, rounds, args, step):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each
     generated, scored and down-sampled, then one update (mu optimizer steps) on every kept rollout."""
@@ -94,36 +126,18 @@ def train_step(model, tokenizer, optimizer, rounds, args, step):
         with timed(times, "reward_s"):
             reward_matrix, per_func = score(rollouts, examples, args)
         with timed(times, "select_s"):  # PODS: keep m of n; advantages over the kept subset (paper §3.2)
-            kept = pods.downsample(reward_matrix, args.update_size, args.rule,
-                                   generator=torch.Generator().manual_seed(seed))
-            advantages = pods.selected_advantages(reward_matrix, kept, normalize=args.advantage_normalization)
+            kept, advantages, dropped = select(
+                reward_matrix, args.update_size, args.rule, normalize=args.advantage_normalization,
+                scale_rewards=args.scale_rewards, scope=args.selection_scope,
+                drop_zero_variance=args.drop_zero_variance, generator=torch.Generator().manual_seed(seed))
             batches.append(update.kept_batch(rollouts, kept, advantages))
-        scored.append(ScoredRound(rollouts, reward_matrix, per_func, reward_matrix.gather(1, kept)))
+        kept_rows = update.kept_rows(kept, args.num_rollouts)
+        scored.append(ScoredRound(rollouts, reward_matrix, per_func, kept_rows, dropped))
     settings = config.update_settings(args)
     with timed(times, "update_s"), cuda_oom_hint(args, "the update"):
         update.fill_logprobs(model, batches, settings)
         result = update.update_policy(model, optimizer, batches, settings)
-    return step_metrics(scored, result, optimizer, times)
-
-
-def step_metrics(scored, result, optimizer, times):
-    """TRL-named metrics over all n rollouts per prompt; "reward_selected" over the kept ones."""
-    rewards_all = torch.cat([s.rewards for s in scored])
-    lengths = torch.cat([s.rollouts.lengths for s in scored]).float()
-    metrics = {"reward": float(rewards_all.mean()), "reward_std": float(rewards_all.std(dim=1).mean()),
-               "reward_selected": float(torch.cat([s.kept_rewards.flatten() for s in scored]).mean()),
-               "frac_reward_zero_std": float((rewards_all.std(dim=1) == 0).float().mean())}
-    for name in scored[0].per_func:
-        metrics[f"rewards/{name}/mean"] = float(torch.cat([s.per_func[name] for s in scored]).nanmean())
-    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
-                    float(torch.cat([s.rollouts.truncated for s in scored]).float().mean())})
-    metrics.update(result.token_means)
-    step_tokens = sum(int(s.rollouts.prompt_mask.sum()) * s.rewards.shape[1] + int(s.rollouts.lengths.sum())
-                      for s in scored)
-    metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
-                   step_tokens=step_tokens, update_rows=result.rows, step_skipped=result.skipped_steps, **times)
-    return metrics
+    return report.step_metrics(scored, result, optimizer, times, args.mask_truncated)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -147,14 +161,14 @@ def load(args):
     return tokenizer, train_set, eval_set, model, optimizer
 
 
-def evaluate_heldout(model, tokenizer, eval_set, args, state, log):
+def evaluate_heldout(model, tokenizer, eval_set, args, state, write):
     """Held-out accuracy of the current policy, logged (fixed sample and seed: runs are compared paired)."""
     with cuda_oom_hint(args, "evaluation"):
         result = heldout.evaluate(model, tokenizer, [e.text for e in eval_set], [e.answer for e in eval_set],
                                   temperature=args.eval_temperature, max_new_tokens=args.max_completion_tokens,
                                   batch_size=args.rollout_batch_size, seed=0)
     state.evaluated_step = state.step
-    checkpoint.append_metrics(log, {
+    write({
         "type": "eval", "step": state.step, "elapsed_s": state.elapsed_s, "eval/accuracy": result.accuracy,
         "eval/format_accuracy": result.format_accuracy, "eval/both_accuracy": result.both_accuracy,
         "eval/mean_completion_length": result.mean_completion_length, "eval/num_samples": result.num_samples,
@@ -166,19 +180,6 @@ def save(run_dir, model, optimizer, state, log, run_config, args):
     state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
     checkpoint.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config,
                                keep_last=args.keep_checkpoints)
-
-
-def record_step(state, metrics, step_s, device):
-    """Advance the TrainerState by one finished step; returns its metrics line."""
-    skipped = metrics.pop("step_skipped")
-    state.step += 1
-    state.elapsed_s += step_s
-    state.num_tokens += metrics.pop("step_tokens")
-    state.skipped_steps += skipped
-    state.nonfinite_streak = state.nonfinite_streak + 1 if skipped else 0
-    return {"type": "train", "step": state.step, "elapsed_s": state.elapsed_s, **metrics,
-            "num_tokens": state.num_tokens, "skipped_steps": state.skipped_steps, "step_s": step_s,
-            "peak_mem_gib": update.peak_memory_gib(device)}
 
 
 def train(args):
@@ -199,9 +200,10 @@ def train(args):
         update.set_hyperparameters(optimizer, args.learning_rate, args.weight_decay)  # this run's flags win
         print(f"resumed {path} (step {state.step}, {state.elapsed_s:.0f} s of training)")
     last_checkpoint_s, step_s, accuracy = state.elapsed_s, 0.0, None
-    with checkpoint.open_metrics_log(run_dir, state.metrics_bytes if args.resume else 0) as log:
+    with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
+                             first_step=state.step + 1 if args.resume else 0, run_config=run_config) as (log, write):
         if eval_set and state.step == 0:
-            accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, log)
+            accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write)
         bar = tqdm(total=args.max_steps or None, initial=state.step, disable=not args.progress,
                    desc=config.method_label(args))
         # A step is not started when it would probably end past --max-time-s.
@@ -217,13 +219,13 @@ def train(args):
                 rounds.append([train_set[i] for i in indices])
             metrics = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1)
             step_s = time.perf_counter() - step_start
-            checkpoint.append_metrics(log, record_step(state, metrics, step_s, args.device))
+            write(report.record_step(state, metrics, step_s, args.device))
             if state.nonfinite_streak >= NONFINITE_STOP:
                 raise update.TrainingError(
                     f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
                     "norm; none of them changed the weights. Stopping: lower --learning-rate or --max-grad-norm.")
             if eval_set and args.eval_interval and state.step % args.eval_interval == 0:
-                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, log)
+                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write)
             if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:
                 save(run_dir, model, optimizer, state, log, run_config, args)
                 last_checkpoint_s = state.elapsed_s
@@ -232,7 +234,7 @@ def train(args):
                             t=f"{state.elapsed_s:.0f}s")
         bar.close()
         if eval_set and state.evaluated_step != state.step:
-            evaluate_heldout(model, tokenizer, eval_set, args, state, log)
+            evaluate_heldout(model, tokenizer, eval_set, args, state, write)
         if args.checkpoint_interval_s >= 0 and log.tell() != state.metrics_bytes:
             save(run_dir, model, optimizer, state, log, run_config, args)  # the final state, unless already saved
     print(f"done: {state.step} steps, {state.elapsed_s:.0f} s of training -> {run_dir}")

@@ -1,14 +1,17 @@
 """The update phase of GRPO-PODS (paper Algorithm 1, policy update on the m kept rollouts per prompt, §3.1-3.2):
 the one implementation train.py and the benchmarks both call.
 
-- `kept_batch` maps the down-sampled indices to rollout rows (row i*n + kept[i, j]) -> an `UpdateBatch`.
+- `kept_batch` maps a selection (pods.py: [P, m] indices, a [P, n] mask, or rows) to rollout rows (row
+  i*n + kept[i, j]) -> an `UpdateBatch`.
 - `fill_logprobs`: one no-grad pass for what the loss compares against: old log-probs (only mu > 1; with one
   update per batch pi_old = pi and the ratio is 1) and reference log-probs (only KL beta > 0: the LoRA adapter
   switched off is the reference policy, so no second model is held).
 - `update_policy`: mu optimizer steps, each accumulated over micro-batches whose padding columns are cut.
-  Every micro-batch's loss is a *sum* over its rows divided by one normaliser (the kept rows of the whole
-  step, or the global count a distributed caller passes), so the accumulated gradient equals the gradient of
-  one batch of all kept rows whatever the micro-batch size. Then gradient clipping and the optimizer step.
+  Every micro-batch's loss is a *sum* (grpo_loss.grpo_loss_sum) divided by one normaliser of the whole step
+  (`loss_normaliser`: its rows, kept tokens or rows x max tokens by the loss aggregation, or the global value a
+  distributed caller passes), so the accumulated gradient equals the gradient of one batch of all kept rows
+  whatever the micro-batch size. Then gradient clipping and the optimizer step. An update with no rows (every
+  prompt dropped) takes no optimizer step.
 
 Choices: dropout is off during the update (and the log-prob pass), as in TRL: the ratio and the KL compare
 deterministic policies. Full fine-tuning in bf16 keeps fp32 master weights and runs the forward passes under
@@ -56,6 +59,10 @@ class UpdateSettings:
     updates_per_batch: int = 1      # mu
     max_grad_norm: float = 1.0      # <= 0: no clipping
     autocast_dtype: torch.dtype | None = None  # bf16 compute over fp32 weights (full fine-tuning)
+    clip_eps_high: float | None = None  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (None: clip_eps)
+    loss_aggregation: str = "sequence"  # grpo_loss.LOSS_AGGREGATIONS; "sequence" is the paper's
+    max_completion_tokens: int | None = None  # the generation limit: the "fixed" aggregation's denominator
+    mask_truncated: bool = False        # rows that hit the length limit contribute no loss
 
 
 @dataclass
@@ -74,7 +81,7 @@ class MicroBatch:
     rows: slice
     input_ids: torch.Tensor         # [b, Tp' + C']
     attention_mask: torch.Tensor
-    completion_mask: torch.Tensor   # [b, C']
+    completion_mask: torch.Tensor   # [b, C'], the loss mask (truncated rows zeroed with mask_truncated)
     advantages: torch.Tensor        # [b]
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
@@ -84,17 +91,32 @@ class MicroBatch:
         return self.completion_mask.shape[1]
 
 
+def kept_rows(kept, n):
+    """Rollout rows (sampling.Rollouts order: row i*n + j is rollout j of prompt i) of a selection: kept [P, m]
+    indices into each prompt's n rollouts (row i*n + kept[i, j]), a bool mask [P, n], or already a row list [R]."""
+    if kept.dtype == torch.bool and kept.dim() == 2 and kept.shape[1] == n:
+        return kept.cpu().flatten().nonzero().squeeze(1)
+    if kept.dtype == torch.bool or kept.dim() not in (1, 2):
+        raise ValueError(f"kept must be [P, m] indices, a [P, n = {n}] bool mask or a row list [R]; got "
+                         f"{kept.dtype} {tuple(kept.shape)}")
+    if kept.dim() == 2 and kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= n):
+        raise ValueError(f"kept indices must lie in [0, n = {n})")
+    return kept.cpu() if kept.dim() == 1 else (torch.arange(kept.shape[0])[:, None] * n + kept.cpu()).flatten()
+
+
 def kept_batch(rollouts, kept, advantages):
-    """The rollouts chosen by down-sampling: kept [P, m] indexes each prompt's n rollouts, so column j of prompt i
-    is rollout row i*n + kept[i, j] (sampling.Rollouts order); advantages [P, m] -> UpdateBatch of P*m rows."""
+    """UpdateBatch of the selected rollouts (`kept_rows`). advantages: one per kept rollout in that order ([P, m]
+    or [R]), or [P, n] with a mask (read at the mask)."""
     num_prompts = rollouts.prompt_ids.shape[0]
     n = rollouts.completion_ids.shape[0] // max(num_prompts, 1)
-    if kept.dim() != 2 or kept.shape[0] != num_prompts or advantages.shape != kept.shape:
-        raise ValueError(f"kept {tuple(kept.shape)} and advantages {tuple(advantages.shape)} must both be "
-                         f"[P, m] with P = {num_prompts} prompts")
-    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= n):
-        raise ValueError(f"kept indices must lie in [0, n = {n})")
-    rows = (torch.arange(num_prompts)[:, None] * n + kept.cpu()).flatten()
+    rows = kept_rows(kept, n)
+    if kept.dtype == torch.bool and advantages.shape == kept.shape:
+        advantages = advantages[kept]
+    if (kept.dim() == 2 and kept.shape[0] != num_prompts) or advantages.numel() != len(rows):
+        raise ValueError(f"kept {tuple(kept.shape)} and advantages {tuple(advantages.shape)} do not match "
+                         f"P = {num_prompts} prompts and each other")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_prompts * n):
+        raise ValueError(f"kept rows must lie in [0, P*n = {num_prompts * n})")
     prompt_rows = rollouts.prompt_index[rows]
     return UpdateBatch(rollouts.prompt_ids[prompt_rows], rollouts.prompt_mask[prompt_rows],
                        rollouts.completion_ids[rows], rollouts.completion_mask[rows],
@@ -111,9 +133,16 @@ def synthetic_batch(num_rows, prompt_tokens, completion_tokens, vocab_size, *, s
                        torch.randn(num_rows, generator=generator), torch.ones(num_rows, dtype=torch.bool))
 
 
-def micro_batches(batch, size, device):
+def loss_mask(batch, mask_truncated=False):
+    """The completion tokens that count in the loss: completion_mask, truncated rows zeroed with mask_truncated."""
+    return grpo_loss.mask_truncated(batch.completion_mask, batch.truncated) if mask_truncated else batch.completion_mask
+
+
+def micro_batches(batch, size, device, mask_truncated=False):
     """MicroBatches of at most `size` rows, padding columns no row of the slice needs cut off (left of the
-    prompts, right of the completions): a short micro-batch costs what its own longest row costs."""
+    prompts, right of the completions): a short micro-batch costs what its own longest row costs. Their
+    completion_mask is the loss mask (`loss_mask`); the attention still sees every generated token."""
+    mask = loss_mask(batch, mask_truncated)
     for start in range(0, len(batch.advantages), size):
         rows = slice(start, start + size)
         prompt_width = int(batch.prompt_mask[rows].sum(1).max())
@@ -123,7 +152,7 @@ def micro_batches(batch, size, device):
         old, ref = (None if logprobs is None else logprobs[rows, :width].to(device)
                     for logprobs in (batch.old_logprobs, batch.ref_logprobs))
         yield MicroBatch(rows, input_ids.to(device), attention_mask.to(device),
-                         batch.completion_mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref)
+                         mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref)
 
 
 @contextlib.contextmanager
@@ -177,29 +206,42 @@ def fill_logprobs(model, batches, settings):
 
 
 def micro_batch_loss(logprobs, micro, settings):
-    """(sum over the micro-batch's rows of each row's loss, grpo_loss metrics). mu == 1 and no old log-probs:
-    pi_old = pi, so the ratio is 1 with no extra forward pass."""
+    """(the micro-batch's loss numerator, grpo_loss metrics): divided by `loss_normaliser` it adds up to the
+    step's loss. mu == 1 and no old log-probs: pi_old = pi, so the ratio is 1 with no extra forward pass."""
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-    loss, metrics = grpo_loss.grpo_loss(logprobs, old, micro.advantages, micro.completion_mask, settings.clip_eps,
-                                        micro.ref_logprobs, settings.kl_coef)
-    return loss * logprobs.shape[0], metrics
+    return grpo_loss.grpo_loss_sum(logprobs, old, micro.advantages, micro.completion_mask, settings.clip_eps,
+                                   micro.ref_logprobs, settings.kl_coef, clip_eps_high=settings.clip_eps_high,
+                                   aggregation=settings.loss_aggregation)
 
 
-def loss_normaliser(batches, settings, total_rows=None):
-    """What the summed loss is divided by: the kept rows of the step (the mean over rows of each row's token
-    mean, paper §3.1), or `total_rows` over every process when the caller passes it."""
-    return total_rows if total_rows is not None else sum(len(batch.advantages) for batch in batches)
+def loss_denominator(batches, settings):
+    """This process's share of the normaliser (grpo_loss.loss_denominator over every batch's loss mask): kept rows
+    ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"). A sum over rows:
+    a distributed caller sums it over processes and passes the total to update_policy."""
+    return grpo_loss.loss_denominator([loss_mask(batch, settings.mask_truncated) for batch in batches],
+                                      settings.loss_aggregation, settings.max_completion_tokens)
 
 
-def update_policy(model, optimizer, batches, settings, *, total_rows=None):
+def loss_normaliser(batches, settings, global_denominator=None):
+    """What every micro-batch's loss numerator is divided by: `global_denominator` (the sum over processes) when
+    given, else this process's `loss_denominator`; at least 1 (no kept token: the numerators are 0 too)."""
+    return max(global_denominator if global_denominator is not None else loss_denominator(batches, settings), 1)
+
+
+def update_policy(model, optimizer, batches, settings, *, global_denominator=None):
     """mu = settings.updates_per_batch optimizer steps on `batches` (fill_logprobs first when mu > 1 or
     kl_coef > 0) -> UpdateMetrics. A step whose loss or gradient norm is not finite is skipped (no optimizer step,
-    gradients dropped). Gradients of the last step stay on the parameters."""
+    gradients dropped). Gradients of the last step stay on the parameters. No rows and no global_denominator
+    (every prompt dropped): nothing to train on, no optimizer step (optimizer_steps = 0, loss 0)."""
+    rows = sum(len(batch.advantages) for batch in batches)
+    if rows == 0 and global_denominator is None:
+        optimizer.zero_grad(set_to_none=True)
+        return UpdateMetrics(loss=0.0, grad_norm=0.0, token_means={}, rows=0, optimizer_steps=0, skipped_steps=0)
     for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
     device = next(model.parameters()).device
-    normaliser = loss_normaliser(batches, settings, total_rows)
+    normaliser = loss_normaliser(batches, settings, global_denominator)
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped = [], [], {}, 0, 0
@@ -208,7 +250,7 @@ def update_policy(model, optimizer, batches, settings, *, total_rows=None):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
             for batch in batches:
-                for micro in micro_batches(batch, settings.micro_batch_size, device):
+                for micro in micro_batches(batch, settings.micro_batch_size, device, settings.mask_truncated):
                     loss_sum, metrics = micro_batch_loss(_logprobs(model, micro, settings, device), micro, settings)
                     scaled = loss_sum / normaliser
                     scaled.backward()
@@ -228,7 +270,7 @@ def update_policy(model, optimizer, batches, settings, *, total_rows=None):
     mu = settings.updates_per_batch
     return UpdateMetrics(loss=sum(losses) / mu, grad_norm=sum(grad_norms) / mu,
                          token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
-                         rows=sum(len(batch.advantages) for batch in batches), optimizer_steps=mu - skipped,
+                         rows=rows, optimizer_steps=mu - skipped,
                          skipped_steps=skipped)
 
 

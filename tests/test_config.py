@@ -46,6 +46,8 @@ def test_presets_baseline_and_overrides():
     (["--eval-samples", "-1"], "--eval-samples must be >= 0"),
     (["--top-p", "1.5"], "top-p"),
     (["--num-train-rows", "0"], "--num-train-rows"),
+    (["--selection-scope", "batch", "--rule", "random"], "--selection-scope batch .* needs --rule max_variance"),
+    (["--clip-eps-high", "0"], "--clip-eps-high must be > 0"),
 ])
 def test_bad_flags_fail_before_loading(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -100,4 +102,31 @@ def test_update_settings_follow_the_flags():
                               "--max-grad-norm", "0"])
     settings = config.update_settings(args)
     assert settings == update.UpdateSettings(micro_batch_size=5, temperature=0.7, clip_eps=0.3, kl_coef=0.0,
-                                             updates_per_batch=3, max_grad_norm=0.0, autocast_dtype=None)
+                                             updates_per_batch=3, max_grad_norm=0.0, autocast_dtype=None,
+                                             max_completion_tokens=32)
+
+
+def test_variant_flags_reach_the_update_settings_and_the_label():
+    paper = config.parse_args([])
+    assert (paper.loss_aggregation, paper.scale_rewards, paper.selection_scope, paper.clip_eps_high) == (
+        "sequence", "group", "prompt", None) and not paper.mask_truncated and not paper.drop_zero_variance
+    args = config.parse_args(["--loss-aggregation", "fixed", "--clip-eps-high", "0.28", "--mask-truncated",
+                              "--scale-rewards", "none", "--selection-scope", "batch", "--drop-zero-variance"])
+    settings = config.update_settings(args)
+    assert (settings.loss_aggregation, settings.clip_eps_high, settings.mask_truncated) == ("fixed", 0.28, True)
+    assert settings.max_completion_tokens == args.max_completion_tokens == 32
+    assert config.method_label(args) == ("PODS max_variance 16/4 + fixed loss, none std, batch scope, clip-high 0.28, "
+                                         "truncated masked, zero-variance dropped")
+    same_clip = config.parse_args(["--clip-eps-high", "0.2"])  # = --clip-eps: the paper's objective, same label
+    assert config.method_label(same_clip) == config.method_label(paper) == "PODS max_variance 16/4"
+
+
+@pytest.mark.parametrize("sink", ["tensorboard", "wandb"])
+def test_report_to_without_its_package_fails_before_loading(sink, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == sink else real_find_spec(name, *args))
+    with pytest.raises(ValueError, match=f"--report-to {sink} needs the '{sink}' package"):
+        config.parse_args(["--report-to", sink])

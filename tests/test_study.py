@@ -1,4 +1,5 @@
-"""study.py: the rule study / n/m study plan, and the runner (train.py replaced by a fake script)."""
+"""study.py: the rule study / n/m study and loss-variant study plans, and the runner (train.py replaced by a fake
+script; one slow test runs the variant study with the real train.py and a tiny model)."""
 
 import pytest
 
@@ -7,7 +8,8 @@ import study
 FAKE_TRAIN = r'''
 import argparse, json, pathlib, sys
 parser = argparse.ArgumentParser()
-for flag in ("--preset", "--output-dir", "--max-time-s", "--rule", "--num-rollouts", "--update-size", "--seed"):
+for flag in ("--preset", "--output-dir", "--max-time-s", "--rule", "--num-rollouts", "--update-size", "--seed",
+             "--loss-aggregation", "--clip-eps-high", "--updates-per-batch"):
     parser.add_argument(flag)
 parser.add_argument("--no-progress", action="store_true")
 parser.add_argument("--num-threads")
@@ -15,14 +17,16 @@ parser.add_argument("--resume", action="store_true")
 args, extra = parser.parse_known_args()
 out = pathlib.Path(args.output_dir)
 with open(out.parent / "calls.txt", "a") as calls:
-    calls.write(f"{out.name} resume={args.resume} extra={extra}\n")
+    calls.write(f"{out.name} resume={args.resume} mu={args.updates_per_batch} extra={extra}\n")
 if args.rule == "random" and args.seed == "1":
     sys.exit(3)  # one failing run
 out.mkdir(parents=True, exist_ok=True)
 n, m = int(args.num_rollouts), int(args.update_size)
 label = f"GRPO {n}/{m}" if args.rule == "none" else f"PODS {args.rule} {n}/{m}"
+variants = {"token loss": args.loss_aggregation == "token", "clip-high 0.28": args.clip_eps_high == "0.28"}
+label += "".join(f" + {name}" for name, on in variants.items() if on)
 (out / "config.json").write_text(json.dumps({"label": label, "seed": int(args.seed)}))
-speed = n / m  # more rollouts per kept one -> faster learning in this fake
+speed = n / m * (2 if args.loss_aggregation == "token" else 1)  # n/m: more rollouts per kept one learn faster
 lines = [{"type": "eval", "step": s, "elapsed_s": float(s), "eval/accuracy": 0.5 * min(1.0, speed * s / 100),
           "eval/both_accuracy": 0.1} for s in range(101)]  # linear ramp: 0.99*peak is crossed at t = 99 / speed
 (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -71,7 +75,7 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     unset = object()
     parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
     runs, _ = study.study_plan([0])
-    for flags in runs.values():
+    for flags in [*runs.values(), *study.variants_plan([0])[0].values()]:
         args = parser.parse_args(study.train_flags("runs/x", flags, 120))
         unpinned = {name for name, value in vars(args).items() if value is unset}
         assert unpinned <= UNPINNED_OK, f"pin these in study.STUDY_TRAIN_ARGS: {sorted(unpinned - UNPINNED_OK)}"
@@ -105,3 +109,46 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch):
             runpy.run_path(study.__file__, run_name="__main__")
         text = str(exit_info.value.code)
         assert text.startswith(start) and message in text and "\n" not in text
+
+
+def test_variant_study_plan_trains_three_objectives_at_mu_two(tmp_path, capsys):
+    runs, baseline = study.variants_plan([0, 1, 2])
+    assert len(runs) == 9 and baseline == "PODS max_variance 16/4"
+    assert runs["token-n16-m4-s1"][-2:] == ["--loss-aggregation", "token"]
+    assert runs["cliphigh-n16-m4-s2"][-2:] == ["--clip-eps-high", "0.28"]
+    assert all(flags[flags.index("--updates-per-batch") + 1] == "2" for flags in runs.values())
+    study.main(["variants", "--out", str(tmp_path), "--seeds", "0", "1", "2", "--max-time-s", "120", "--dry-run"])
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(commands) == 9 and commands[0].startswith("[1/9]") and "paper-n16-m4-s0" in commands[0]
+    assert "--max-time-s 120.0" in commands[0] and commands[2].endswith("--clip-eps-high 0.28")
+
+
+def test_run_variants_compares_against_the_paper_objective(tmp_path):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    out = tmp_path / "variants"
+    tables = study.run_variants(out, [0, 1], 5, train_script=script)
+    calls = (out / "calls.txt").read_text().splitlines()
+    assert len(calls) == 6 and all(" mu=2 " in c for c in calls)
+    assert (out / "variants.png").is_file() and (out / "variants.md").read_text().strip() == tables["variants"]
+    table = tables["variants"]
+    assert "Baseline: PODS max_variance 16/4" in table and "| PODS max_variance 16/4 + clip-high 0.28 | 2 |" in table
+    token_row = next(line for line in table.splitlines() if line.startswith("| PODS max_variance 16/4 + token loss |"))
+    assert "| 2 |" in token_row and "| 1.94x |" in token_row  # the fake's token arm learns 2x as fast
+    study.run_variants(out, [0, 1], 5, train_script=script)  # everything done: nothing trained again
+    assert len((out / "calls.txt").read_text().splitlines()) == 6
+
+
+@pytest.mark.slow
+def test_variant_study_end_to_end_with_a_tiny_model(tmp_path, smollm2_tokenizer):
+    import models
+
+    model_dir = tmp_path / "tiny"
+    models.tiny_random_model("llama").save_pretrained(model_dir)
+    smollm2_tokenizer.save_pretrained(model_dir)
+    tiny = ["--model", str(model_dir), "--max-steps", "1", "--max-completion-tokens", "4", "--eval-samples", "2",
+            "--eval-interval", "1", "--checkpoint-interval-s", "0"]
+    tables = study.run_variants(tmp_path / "out", [0], 0, train_args=tiny)
+    assert (tmp_path / "out" / "variants.png").is_file()
+    assert all(f"| {label} | 1 |" in tables["variants"] for label in (
+        "PODS max_variance 16/4", "PODS max_variance 16/4 + token loss", "PODS max_variance 16/4 + clip-high 0.28"))

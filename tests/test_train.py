@@ -1,7 +1,9 @@
 """train.py: one step end to end on a tiny random model (every rule, mu > 1, beta > 0, micro-batching = one batch,
-the kept rows and their advantages), the metrics/config files, the non-finite guard, flags applied at resume,
+the kept rows and their advantages, the selection variants: zero-variance prompts dropped, batch scope, an empty
+update), the metrics/config files, the non-finite guard, flags applied at resume,
 and exact resume after SIGKILL. (Flags and presets: test_config.py; the update itself: test_update.py.)"""
 
+import importlib.util
 import json
 import math
 import os
@@ -19,13 +21,14 @@ import data
 import grpo_loss
 import models
 import pods
+import report
 import rewards
 import sampling
 import train
 import update
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = set(train.TIMING_KEYS) | {"eval/eval_s"}
+TIMING = set(report.TIMING_KEYS) | {"eval/eval_s"}
 
 
 def fake_compute_rewards(prompts, completions, answers, **kwargs):
@@ -165,6 +168,68 @@ def test_step_trains_on_the_kept_rows_with_kept_subset_advantages(lora_model, sm
     assert (expected - over_all_n).abs().max() > 1e-3  # the two normalisations differ here
 
 
+def test_select_paper_default_drop_and_batch_scope():
+    rewards_matrix = torch.tensor([[0.0, 1.0, 1.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 3.0, 1.0]])
+    kept, advantages, dropped = train.select(rewards_matrix, 2, "max_variance")
+    assert torch.equal(kept, pods.max_variance_indices(rewards_matrix, 2)) and dropped == 0  # the paper, [P, m]
+    torch.testing.assert_close(advantages, pods.selected_advantages(rewards_matrix, kept))
+    keep, advantages, dropped = train.select(rewards_matrix, 2, "max_variance", drop_zero_variance=True,
+                                             scale_rewards="none")
+    assert dropped == 1 and keep.sum(1).tolist() == [2, 0, 2]  # prompt 1 (all rewards equal) left out
+    assert update.kept_rows(keep, 4).tolist() == [i * 4 + int(j) for i in (0, 2) for j in sorted(kept[i].tolist())]
+    assert advantages[keep].tolist() == [-0.5, 0.5, -1.5, 1.5]  # centred only
+    keep, advantages, _ = train.select(rewards_matrix, 2, "max_variance", scope="batch")
+    assert torch.equal(keep, pods.select_across_prompts(rewards_matrix, 2)) and keep.sum() == 6  # m x P slots
+    torch.testing.assert_close(advantages, pods.masked_advantages(rewards_matrix, keep))
+    with pytest.raises(ValueError, match="'batch' only with max_variance"):
+        train.select(rewards_matrix, 2, "random", scope="batch")
+
+
+def rewards_constant_for_answer(answer):
+    """fake_compute_rewards, but every rollout of the prompts whose answer is `answer` gets 0.5 (zero variance)."""
+    def compute(prompts, completions, answers, **kwargs):
+        result = fake_compute_rewards(prompts, completions, answers)
+        total = torch.where(torch.tensor([a == answer for a in answers]), 0.5, result.total)
+        return rewards.RewardResult(total=total, per_func={"char_sum": total})
+    return compute
+
+
+def test_batch_scope_trains_on_the_rows_of_the_cross_prompt_mask(lora_model, smollm2_tokenizer, monkeypatch):
+    """P = 2, n = 4, m = 2, prompt 0 with all-equal rewards: batch scope gives its 2 slots to prompt 1, whose
+    rollouts are rows 4..7 (i*n + j); advantages are prompt 1's over its kept rewards."""
+    seen = {}
+    real_generate, real_update = sampling.generate_rollouts, update.update_policy
+    monkeypatch.setattr(rewards, "compute_rewards", rewards_constant_for_answer("5"))
+    monkeypatch.setattr(sampling, "generate_rollouts",
+                        lambda *args, **kwargs: seen.setdefault("rollouts", real_generate(*args, **kwargs)))
+
+    def spy_update(model, optimizer, batches, settings, **kwargs):
+        seen["batches"] = batches
+        return real_update(model, optimizer, batches, settings, **kwargs)
+
+    monkeypatch.setattr(update, "update_policy", spy_update)
+    args = step_args(selection_scope="batch", scale_rewards="batch")
+    metrics = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, 1)
+    rollouts, [batch] = seen["rollouts"], seen["batches"]
+    reward_matrix = rewards_constant_for_answer("5")(None, rollouts.texts, ["5"] * 4 + ["17"] * 4).total.view(2, 4)
+    keep = pods.select_across_prompts(reward_matrix, 2)
+    assert keep.sum(1).tolist() == [0, 4] and metrics["update_rows"] == 4 and metrics["num_zero_variance_dropped"] == 0
+    assert torch.equal(batch.completion_ids, rollouts.completion_ids[4:8])
+    expected = pods.masked_advantages(reward_matrix, keep, scale_rewards="batch")[keep]
+    torch.testing.assert_close(batch.advantages, expected)
+
+
+def test_a_step_whose_prompts_are_all_dropped_takes_no_optimizer_step(lora_model, smollm2_tokenizer, monkeypatch):
+    monkeypatch.setattr(rewards, "compute_rewards", lambda prompts, completions, answers, **kwargs:
+                        rewards.RewardResult(total=torch.ones(len(completions)), per_func={}))
+    args = step_args(drop_zero_variance=True, loss_aggregation="token", weight_decay=0.1)
+    optimizer = make_optimizer(lora_model, args)
+    metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
+    assert (metrics["num_zero_variance_dropped"], metrics["update_rows"], metrics["optimizer_steps"]) == (2, 0, 0)
+    assert "reward_selected" not in metrics and all(math.isfinite(v) for v in metrics.values())
+    assert not optimizer.state and metrics["frac_reward_zero_std"] == 1.0
+
+
 # --------------------------------------------------------------------------------------- whole runs
 
 def test_run_writes_metrics_config_and_loadable_adapter(tiny_dir, tmp_path):
@@ -186,6 +251,25 @@ def test_run_writes_metrics_config_and_loadable_adapter(tiny_dir, tmp_path):
         train.main(tiny_argv(tiny_dir, run_dir))
 
 
+def test_run_with_every_variant_flag_logs_the_new_counters(tiny_dir, tmp_path):
+    report_to = "tensorboard" if importlib.util.find_spec("tensorboard") else "none"
+    run_dir = train.main(tiny_argv(tiny_dir, tmp_path / "run", "--loss-aggregation", "token", "--scale-rewards",
+                                   "batch", "--clip-eps-high", "0.28", "--mask-truncated", "--drop-zero-variance",
+                                   "--selection-scope", "batch", "--mu", "2", "--report-to", report_to))
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["label"] == ("PODS max_variance 4/2 + token loss, batch std, batch scope, clip-high 0.28, "
+                              "truncated masked, zero-variance dropped")
+    steps = read_lines(run_dir, "train")
+    assert [s["step"] for s in steps] == [1, 2]
+    for line in steps:
+        assert all(isinstance(line[k], int) and line[k] >= 0 for k in ("num_zero_variance_dropped",
+                                                                        "num_truncated_masked", "optimizer_steps"))
+        assert line["update_rows"] <= 4 and math.isfinite(line["loss"]) and "clip_ratio/high_mean" in line
+    assert sum(s["num_truncated_masked"] for s in steps) > 0  # 8 tokens: a random model rarely stops earlier
+    if report_to == "tensorboard":
+        assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_resume_applies_the_new_learning_rate_and_weight_decay(tiny_dir, tmp_path, monkeypatch):
     run_dir = train.main(tiny_argv(tiny_dir, tmp_path / "run", "--eval-samples", "0"))
     groups = []
@@ -205,8 +289,8 @@ def test_resume_applies_the_new_learning_rate_and_weight_decay(tiny_dir, tmp_pat
 
 
 def nan_loss_on(steps, monkeypatch):
-    """grpo_loss returns NaN during the training steps in `steps` (1-based)."""
-    current, real_loss, real_step = {"step": 0}, grpo_loss.grpo_loss, train.train_step
+    """grpo_loss_sum returns NaN during the training steps in `steps` (1-based)."""
+    current, real_loss, real_step = {"step": 0}, grpo_loss.grpo_loss_sum, train.train_step
 
     def step(model, tokenizer, optimizer, rounds, args, step):
         current["step"] = step
@@ -217,7 +301,7 @@ def nan_loss_on(steps, monkeypatch):
         return (value * math.nan if current["step"] in steps else value), metrics
 
     monkeypatch.setattr(train, "train_step", step)
-    monkeypatch.setattr(grpo_loss, "grpo_loss", loss)
+    monkeypatch.setattr(grpo_loss, "grpo_loss_sum", loss)
 
 
 def test_a_non_finite_step_is_skipped_and_counted(tiny_dir, tmp_path, monkeypatch):

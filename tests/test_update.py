@@ -1,6 +1,7 @@
-"""update.py: kept-row mapping, micro-batch column trimming, the old/reference log-prob pass, the loss normaliser,
-dropout off during the update, the non-finite guard, fp32 master weights under bf16 autocast, and the benchmark
-path (synthetic batch -> update_policy)."""
+"""update.py: kept-row mapping (indices, masks, rows), micro-batch column trimming, the old/reference log-prob pass,
+the loss normaliser of every aggregation (micro-batches = one batch), the empty update, dropout off during the
+update, the non-finite guard, fp32 master weights under bf16 autocast, and the benchmark path (synthetic batch ->
+update_policy)."""
 
 import math
 
@@ -88,7 +89,7 @@ def test_fill_logprobs_old_and_reference_only_when_needed():
     assert (policy - reference).abs().max() > 1e-3
 
 
-def test_total_rows_is_the_normaliser():
+def test_global_denominator_is_the_normaliser():
     model = lora_model()
     move_lora_b(model)
     frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
@@ -96,7 +97,7 @@ def test_total_rows_is_the_normaliser():
     settings = update.UpdateSettings(micro_batch_size=3, max_grad_norm=0)  # no clipping: the scale stays visible
     local = update.update_policy(model, frozen, [batch], settings)
     local_grads = grads(model)
-    update.update_policy(model, frozen, [batch], settings, total_rows=8)  # e.g. two processes of 4 rows
+    update.update_policy(model, frozen, [batch], settings, global_denominator=8)  # e.g. two processes of 4 rows
     torch.testing.assert_close(grads(model), local_grads / 2)
     assert local.rows == 4 and local.optimizer_steps == 1 and local.skipped_steps == 0
 
@@ -127,13 +128,13 @@ def test_non_finite_step_is_skipped(poison, monkeypatch):
     move_lora_b(model)
     optimizer = update.make_optimizer(model, 1e-2, weight_decay=0.1)  # decay alone would move the weights
     if poison == "loss":
-        real = grpo_loss.grpo_loss
+        real = grpo_loss.grpo_loss_sum
 
         def nan_loss(*args, **kwargs):
             loss, metrics = real(*args, **kwargs)
             return loss * math.nan, metrics
 
-        monkeypatch.setattr(grpo_loss, "grpo_loss", nan_loss)
+        monkeypatch.setattr(grpo_loss, "grpo_loss_sum", nan_loss)
     else:
         next(p for p in model.parameters() if p.requires_grad).register_hook(lambda grad: grad * math.inf)
     before = trainable(model)
@@ -177,3 +178,91 @@ def test_benchmark_path_synthetic_batch_to_update(tiny_model):
     assert all((g["lr"], g["weight_decay"]) == (0.5, 0.01) for g in optimizer.param_groups)
     with pytest.raises(ValueError, match="unknown optimizer"):
         update.make_optimizer(model, 1e-3, optimizer_name="sgd")
+
+
+def varied_batch(num_rows, seed):
+    """A synthetic batch with completions of different lengths (one empty) and some truncated rows."""
+    batch = update.synthetic_batch(num_rows, 3, 6, VOCAB, seed=seed)
+    lengths = torch.tensor([6, 2, 0, 4, 6, 1])[:num_rows]
+    batch.completion_mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+    batch.truncated = lengths == 6
+    return batch
+
+
+@pytest.mark.parametrize("aggregation, mask_truncated", [("sequence", False), ("token", False), ("fixed", False),
+                                                         ("token", True), ("fixed", True)])
+def test_micro_batches_accumulate_to_the_full_batch_loss_gradient(aggregation, mask_truncated):
+    """Two rollout batches cut into micro-batches of 1, 2 and 4 rows give the gradient of grpo_loss over all rows at
+    once (one denominator for the whole step: rows, kept tokens or rows x max tokens)."""
+    model = lora_model()
+    move_lora_b(model)
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    batches = [varied_batch(6, seed=1), varied_batch(3, seed=2)]
+    all_rows = {name: torch.cat([getattr(b, name) for b in batches]) for name in
+                ("prompt_ids", "completion_ids", "completion_mask", "advantages", "truncated")}
+    ids = torch.cat([all_rows["prompt_ids"], all_rows["completion_ids"]], 1)
+    attention = torch.cat([torch.ones_like(all_rows["prompt_ids"]), all_rows["completion_mask"]], 1)
+    mask = all_rows["completion_mask"]
+    if mask_truncated:
+        mask = grpo_loss.mask_truncated(mask, all_rows["truncated"])
+    frozen.zero_grad()
+    logprobs = grpo_loss.token_logprobs(model, ids, attention, 6)
+    expected_loss, _ = grpo_loss.grpo_loss(logprobs, logprobs.detach(), all_rows["advantages"], mask,
+                                           aggregation=aggregation, max_completion_tokens=8)
+    expected_loss.backward()
+    expected = grads(model)
+    assert expected.abs().max() > 0
+    for micro in (1, 2, 4):
+        settings = update.UpdateSettings(micro_batch_size=micro, max_grad_norm=0, loss_aggregation=aggregation,
+                                         max_completion_tokens=8, mask_truncated=mask_truncated)
+        metrics = update.update_policy(model, frozen, batches, settings)
+        torch.testing.assert_close(grads(model), expected, rtol=1e-4, atol=1e-6)
+        assert metrics.loss == pytest.approx(expected_loss.item(), rel=1e-4, abs=1e-6)
+    denominator = update.loss_denominator(batches, settings)
+    assert denominator == {"sequence": 9, "token": int(mask.sum()), "fixed": 9 * 8}[aggregation]
+
+
+def test_global_denominator_replaces_the_local_one_for_every_aggregation():
+    batches = [varied_batch(6, seed=1)]
+    settings = update.UpdateSettings(loss_aggregation="token")
+    assert update.loss_normaliser(batches, settings) == 19 and update.loss_normaliser(batches, settings, 50) == 50
+    empty = update.UpdateSettings(loss_aggregation="token", mask_truncated=True)
+    assert update.loss_denominator([varied_batch(3, seed=1)], empty) == 2  # rows 0 (truncated) masked: 2 + 0
+    assert update.loss_normaliser([varied_batch(1, seed=1)], empty) == 1  # no token left: never a division by 0
+
+
+def test_kept_batch_takes_indices_a_mask_or_rows_alike():
+    P, n = 2, 3
+    rollouts = sampling.Rollouts(
+        prompt_ids=torch.tensor([[5], [6]]), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+        completion_ids=torch.arange(P * n)[:, None], completion_mask=torch.ones(P * n, 1, dtype=torch.long),
+        texts=[""] * 6, lengths=torch.ones(6), truncated=torch.zeros(6, dtype=torch.bool),
+        prompt_index=torch.arange(P).repeat_interleave(n))
+    mask = torch.tensor([[False, True, True], [True, False, False]])
+    full_advantages = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    by_mask = update.kept_batch(rollouts, mask, full_advantages)
+    by_rows = update.kept_batch(rollouts, torch.tensor([1, 2, 3]), torch.tensor([1.0, 2.0, 3.0]))
+    for batch in (by_mask, by_rows):
+        assert batch.completion_ids.flatten().tolist() == [1, 2, 3] and batch.prompt_ids.flatten().tolist() == [5, 5, 6]
+        assert batch.advantages.tolist() == [1.0, 2.0, 3.0]
+    assert update.kept_rows(torch.tensor([[2, 1], [0, 2]]), n).tolist() == [2, 1, 3, 5]  # i*n + kept[i, j], in order
+    with pytest.raises(ValueError, match="do not match"):
+        update.kept_batch(rollouts, mask, torch.ones(2))
+    with pytest.raises(ValueError, match=r"\[0, P\*n = 6\)"):
+        update.kept_batch(rollouts, torch.tensor([1, 6]), torch.ones(2))
+    with pytest.raises(ValueError, match="bool mask"):
+        update.kept_rows(torch.ones(2, 4, dtype=torch.bool), n)
+    empty = update.kept_batch(rollouts, torch.zeros(P, n, dtype=torch.bool), torch.zeros(P, n))
+    assert empty.completion_ids.shape == (0, 1) and empty.advantages.shape == (0,)
+
+
+def test_an_update_with_no_rows_takes_no_step():
+    model = lora_model()
+    optimizer = update.make_optimizer(model, 1e-2, weight_decay=0.1)  # decay alone would move the weights
+    before = trainable(model)
+    empty = update.synthetic_batch(0, 3, 5, VOCAB)
+    settings = update.UpdateSettings(updates_per_batch=2, loss_aggregation="token")
+    update.fill_logprobs(model, [empty], settings)
+    metrics = update.update_policy(model, optimizer, [empty], settings)
+    assert (metrics.rows, metrics.optimizer_steps, metrics.skipped_steps, metrics.loss) == (0, 0, 0, 0.0)
+    assert all(torch.equal(before[n], p) for n, p in trainable(model).items()) and not optimizer.state

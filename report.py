@@ -1,0 +1,132 @@
+"""What a training run logs and where it goes.
+
+`step_metrics` / `record_step`: one training step's metrics line, under TRL's names (reward, reward_std,
+frac_reward_zero_std, completions/..., clip_ratio/..., loss, grad_norm), plus this trainer's counters
+(update_rows, optimizer_steps, num_zero_variance_dropped, num_truncated_masked, skipped_steps) and timings.
+`open_metrics`: every line goes to <out>/metrics.jsonl (checkpoint.py), and with --report-to also to TensorBoard
+or Weights & Biases under the same names, so runs can be browsed with the tools researchers already use.
+
+Every numeric field of a metrics line is sent as a scalar at the line's "step" (train lines and held-out "eval/..."
+lines share the step axis, as in the jsonl). metrics.jsonl stays the record compare.py reads; the other sinks are
+views of it. Simplification: a resumed run re-sends the steps after its checkpoint (TensorBoard: the events past
+that step are purged; W&B: a new run in the same project).
+"""
+
+import contextlib
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import update
+
+TIMING_KEYS = ("elapsed_s", "generate_s", "reward_s", "select_s", "update_s", "step_s", "peak_mem_gib")
+REPORT_TO = ("none", "tensorboard", "wandb")
+TENSORBOARD_DIR = "tensorboard"
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def step_metrics(scored, result, optimizer, times, mask_truncated=False):
+    """Metrics over all n rollouts per prompt of every train.ScoredRound; "reward_selected" over the kept ones
+    (absent when nothing was kept); num_truncated_masked: kept rows whose loss --mask-truncated zeroed."""
+    rewards_all = torch.cat([s.rewards for s in scored])
+    kept_rewards = torch.cat([s.rewards.flatten()[s.kept_rows] for s in scored])
+    lengths = torch.cat([s.rollouts.lengths for s in scored]).float()
+    metrics = {"reward": float(rewards_all.mean()), "reward_std": float(rewards_all.std(dim=1).mean()),
+               **({"reward_selected": float(kept_rewards.mean())} if len(kept_rewards) else {}),
+               "frac_reward_zero_std": float((rewards_all.std(dim=1) == 0).float().mean())}
+    for name in scored[0].per_func:
+        metrics[f"rewards/{name}/mean"] = float(torch.cat([s.per_func[name] for s in scored]).nanmean())
+    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
+                    float(torch.cat([s.rollouts.truncated for s in scored]).float().mean())})
+    metrics.update(result.token_means)
+    step_tokens = sum(int(s.rollouts.prompt_mask.sum()) * s.rewards.shape[1] + int(s.rollouts.lengths.sum())
+                      for s in scored)
+    masked = sum(int(s.rollouts.truncated[s.kept_rows].sum()) for s in scored) if mask_truncated else 0
+    metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
+                   step_tokens=step_tokens, update_rows=result.rows, optimizer_steps=result.optimizer_steps,
+                   num_zero_variance_dropped=sum(s.zero_variance_dropped for s in scored), num_truncated_masked=masked,
+                   step_skipped=result.skipped_steps, **times)
+    return metrics
+
+
+def record_step(state, metrics, step_s, device):
+    """Advance the checkpoint.TrainerState by one finished step; returns its metrics line."""
+    skipped = metrics.pop("step_skipped")
+    state.step += 1
+    state.elapsed_s += step_s
+    state.num_tokens += metrics.pop("step_tokens")
+    state.skipped_steps += skipped
+    state.nonfinite_streak = state.nonfinite_streak + 1 if skipped else 0
+    return {"type": "train", "step": state.step, "elapsed_s": state.elapsed_s, **metrics,
+            "num_tokens": state.num_tokens, "skipped_steps": state.skipped_steps, "step_s": step_s,
+            "peak_mem_gib": update.peak_memory_gib(device)}
+
+
+def check_report_to(report_to):
+    """ValueError (one line) when the sink is unknown or its package is not installed: checked before loading."""
+    if report_to not in REPORT_TO:
+        raise ValueError(f"--report-to must be one of {REPORT_TO}, got {report_to!r}")
+    package = _PACKAGES.get(report_to)
+    if package and importlib.util.find_spec(package) is None:
+        raise ValueError(f"--report-to {report_to} needs the {package!r} package: pip install {package} "
+                         "(or --report-to none)")
+
+
+def scalars(record):
+    """The numeric fields of a metrics line, without its bookkeeping ("type", "step") and non-finite values."""
+    return {key: float(value) for key, value in record.items()
+            if key not in ("type", "step") and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)}
+
+
+def _tensorboard_sink(run_dir, first_step):
+    from torch.utils.tensorboard import SummaryWriter
+
+    # purge_step: events from first_step on were written after the resumed checkpoint: dropped.
+    writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=first_step or None)
+
+    def write(record):
+        for key, value in scalars(record).items():
+            writer.add_scalar(key, value, global_step=record["step"])
+        writer.flush()  # a killed run keeps what was written, as metrics.jsonl does
+
+    return write, writer.close
+
+
+def _wandb_sink(run_dir, run_config):
+    import wandb
+
+    run = wandb.init(dir=str(run_dir), name=Path(run_dir).name, config=run_config)
+
+    def write(record):
+        run.log(scalars(record), step=record["step"])
+
+    return write, run.finish
+
+
+@contextlib.contextmanager
+def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_config=None):
+    """(metrics.jsonl handle, write(record)): `write` appends the line to metrics.jsonl (checkpoint.append_metrics)
+    and sends it to the --report-to sink. keep_bytes: see checkpoint.open_metrics_log; first_step: the step a
+    resumed run writes (its
+    earlier TensorBoard events are kept, later ones purged; 0: a new run)."""
+    check_report_to(report_to)
+    with checkpoint.open_metrics_log(run_dir, keep_bytes) as log:
+        send, close = (lambda record: None), (lambda: None)
+        if report_to == "tensorboard":
+            send, close = _tensorboard_sink(run_dir, first_step)
+        elif report_to == "wandb":
+            send, close = _wandb_sink(run_dir, run_config or {})
+
+        def write(record):
+            checkpoint.append_metrics(log, record)
+            send(record)
+
+        try:
+            yield log, write
+        finally:
+            close()
