@@ -5,9 +5,13 @@ tests. Measured numbers, with the command that made them, are recorded in BENCHM
 
   selector   max-variance down-sampling vs torch.sort and the authors' loop (paper §3.3, Lemma 1)
   rewards    grading throughput of the three reward functions (paper Appendix A.1)
-  asymmetry  generation vs update time over rollouts per step (paper Fig. 1)   -> bench_gpu.py
-  decode     decode step time vs the memory-bandwidth bound                    -> bench_gpu.py
-  memory     peak memory per phase of a setting-(a) PODS step                  -> bench_gpu.py
+  asymmetry  generation vs update time over rollouts per step (paper Fig. 1)   -> bench_phases.py
+  memory     peak memory per phase of a setting-(a) PODS step                  -> bench_phases.py
+  decode     decode step time vs the memory-bandwidth bound and generate()     -> bench_decode.py
+  step       the real train_step, GRPO-PODS 64/16 vs GRPO 16/16                -> bench_step.py
+  save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine
+
+The GPU commands (and what each times) are listed in bench_gpu.py's docstring.
 """
 
 import sys
@@ -229,13 +233,13 @@ def bench_rewards(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     local = {"selector": bench_selector, "rewards": bench_rewards}
-    gpu = ("asymmetry", "decode", "memory")
+    gpu = ("asymmetry", "decode", "memory", "step", "save-tokenizer")
     if not argv or argv[0] not in (*local, *gpu):
         sys.exit(f"usage: python bench.py {{{','.join((*local, *gpu))}}} [options]")
     name, rest = argv[0], argv[1:]
     if name in local:
         return local[name](rest)
-    import bench_gpu  # heavy model-shape benchmarks live in their own module
+    import bench_gpu  # model-shape benchmarks live in their own modules
 
     return bench_gpu.main(name, rest)
 

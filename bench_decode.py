@@ -1,0 +1,198 @@
+"""Decode step time against the memory-bandwidth bound (paper §1: PODS assumes generating rollouts is cheap).
+
+One decode step at batch 64 must read every weight and the batch's KV cache once, so (weight bytes + KV bytes) /
+DRAM bandwidth bounds it from below. This times sampling.sample_completions, the trainer's generation path, with
+the LoRA adapter (r=64, its B matrices randomised as after some training) attached as in training:
+
+  generate() defaults       HF generate with a dynamic cache (backend "hf"): the reference, and the 4-bit path
+                            of train.py before the decode engine
+  engine, LoRA unmerged     engine.py calling the peft modules (what merging saves)
+  engine, merged copy       engine.py over the merged bf16 copy (the default; for 4-bit: generation_copy=True)
+
+Seconds per step = (time of a call with T new tokens - time of a call with 1) / (T - 1), best of --repeats, after
+a first call whose time (CUDA-graph recording / compilation, cuBLAS start-up) is printed apart. A greedy check
+follows: the engine's tokens vs HF generate's, and whether each engine token is the argmax of the full model's
+logits on the same prefix (teacher forcing), with the largest logit gap where it is not.
+"""
+
+import torch
+
+import bench_gpu
+import engine
+import sampling
+from bench_gpu import EOS, GIB, print_header, print_row, timed
+
+COLUMNS = ["precision", "path", "batch", "context", "step_ms", "tokens_per_s", "bound_ms", "x_bound", "vs_generate",
+           "first_call_s", "graph_warmup_s", "graphs"]
+CHECK_COLUMNS = ["precision", "rows", "steps", "tokens_equal_hf_frac", "engine_is_argmax_frac", "max_logit_gap",
+                 "logit_std"]
+HF = dict(backend="hf", cache_implementation="dynamic", share_prefill=False)
+UNMERGED, MERGED = dict(backend="engine", generation_copy=False), dict(backend="engine", generation_copy=True)
+PATHS = {"bf16": (("generate() defaults", HF), ("engine, LoRA unmerged", UNMERGED),
+                  ("engine, merged copy", dict(backend="engine"))),
+         "4bit": (("generate() defaults", HF), ("engine, bf16 merged copy", MERGED))}
+PATHS["fp32"] = PATHS["bf16"]
+TARGET_X_BOUND, TARGET_VS_GENERATE = 3.0, 4.0   # engine (merged) <= 3x the bound, >= 4x faster than generate()
+TODAY_4BIT_STEP_MS, TARGET_4BIT_SPEEDUP = 145.0, 5.0   # 4-bit generation before the engine: ~145 ms per step
+# Vendor peak DRAM bandwidth (bytes/s), matched in order against torch.cuda.get_device_name().
+SPEC_BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+                  ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12),
+                  ("L40S", 864e9), ("L4", 300e9), ("A10G", 600e9), ("RTX 4090", 1008e9))
+
+
+def decode_bound_s(weight_bytes, kv_bytes, bandwidth_bytes_per_s):
+    """Lower bound on one decode step: every weight and every cached key/value is read once from DRAM."""
+    return (weight_bytes + kv_bytes) / bandwidth_bytes_per_s
+
+
+def weight_bytes(model, bytes_per_element=None):
+    """Bytes of the base model's parameters and buffers (LoRA adapters excluded: a merged decode reads only the
+    base shapes), as stored or at `bytes_per_element`; 4-bit weights count their dense (unpacked) shape."""
+    total = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if "lora_" in name:
+            continue
+        shape = getattr(getattr(tensor, "quant_state", None), "shape", None)
+        count = torch.Size(shape).numel() if shape is not None else tensor.numel()
+        total += count * (bytes_per_element or tensor.element_size())
+    return total
+
+
+def spec_bandwidth(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bandwidth for key, bandwidth in SPEC_BANDWIDTH if key in name), None)
+
+
+def measured_bandwidth(device, size_bytes=None, repeats=5):
+    """Device copy bandwidth (read + write bytes / s) of one large tensor copy: a practical ceiling."""
+    size_bytes = size_bytes or (GIB if device.type == "cuda" else 16 * 2 ** 20)
+    source = torch.empty(size_bytes // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    _, elapsed_s = timed(lambda: [target.copy_(source) for _ in range(repeats)], device)
+    return 2 * size_bytes * repeats / elapsed_s
+
+
+def perturb_adapters(model, seed, std=0.01):
+    """Random LoRA B matrices (peft starts them at 0): the merged copy then differs from the base weights."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+
+
+def step_seconds(run, new_tokens, device, repeats):
+    """(seconds per decode step or None below timer resolution, first call s, its graph warm-up s, its graphs)."""
+    stats = bench_gpu.engine_stats()
+    _, first_s = bench_gpu.timed(lambda: run(new_tokens), device)
+    graph_warmup_s = engine.STATS.warmup_s - stats.warmup_s
+    graphs = engine.STATS.captured_graphs + engine.STATS.compiled_graphs - stats.captured_graphs - stats.compiled_graphs
+    run(1)  # the short call's own shapes warmed too
+    estimates = []
+    for _ in range(repeats):
+        _, full_s = bench_gpu.timed(lambda: run(new_tokens), device)
+        _, short_s = bench_gpu.timed(lambda: run(1), device)
+        estimates.append((full_s - short_s) / (new_tokens - 1))
+    return (min(estimates) if min(estimates) > 0 else None), first_s, graph_warmup_s, graphs
+
+
+def greedy_check(model, prompt_ids, steps, rows, precision, run_kwargs):
+    """Engine greedy tokens vs HF generate's (equal up to rounding), and teacher-forced: is each engine token the
+    argmax of the full (unmerged) model's logits on the engine's own prefix; the largest gap where it is not."""
+    ids = prompt_ids[:rows]
+    tokens = {name: sampling.sample_completions(model, ids, torch.ones_like(ids), 1, steps, [EOS], EOS, temperature=0.0,
+                                                rollout_batch_size=rows, ignore_eos=True, **kwargs)[0]
+              for name, kwargs in (("engine", run_kwargs), ("hf", HF))}
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        full = torch.cat([ids, tokens["engine"]], 1).to(device)
+        logits = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False,
+                       logits_to_keep=steps + 1).logits[:, :-1].float()
+    model.train(training)
+    chosen = logits.gather(-1, tokens["engine"].to(device)[..., None])[..., 0]
+    gap = logits.amax(-1) - chosen
+    return {"precision": precision, "rows": rows, "steps": steps,
+            "tokens_equal_hf_frac": float((tokens["engine"] == tokens["hf"]).float().mean()),
+            "engine_is_argmax_frac": float((gap == 0).float().mean()), "max_logit_gap": float(gap.max()),
+            "logit_std": float(logits.std())}
+
+
+def bench_decode(argv):
+    args = bench_gpu.parse_args("decode", argv, {"precisions": "bf16,4bit"})
+    shapes, device, trainer = args.shapes, args.device, args.trainer
+    batch, width, new_tokens = shapes.decode_batch, shapes.decode_prompt_tokens, shapes.decode_new_tokens
+    if new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (a step time is a difference of two calls), got {new_tokens}")
+    bandwidth_spec = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else spec_bandwidth(device)
+    bandwidth_copy = measured_bandwidth(device)
+    bandwidth = bandwidth_spec or bandwidth_copy
+    context = width + new_tokens // 2
+    print(f"bandwidth: spec {bandwidth_spec and bandwidth_spec / 1e9} GB/s, measured copy {bandwidth_copy / 1e9:.1f}"
+          f" GB/s; the bound uses {'spec' if bandwidth_spec else 'measured copy'}. Batch {batch}, prompt {width} + "
+          f"{new_tokens} new tokens (mean context {context}), T = {trainer.temperature}, best of {args.repeats}")
+    rows, checks, weights, kv_bytes = [], [], [], None
+    print_header(COLUMNS)
+    for precision in bench_gpu.runnable_precisions(args):
+        model = bench_gpu.build_policy(args.model, tiny=args.tiny, device=device, precision=precision, args=trainer,
+                                       seed=args.seed)
+        perturb_adapters(model, args.seed)
+        model_config = engine.hf_model(model).config
+        prompt_ids = bench_gpu.random_prompts(model_config.vocab_size, batch, width, args.seed)
+        kv_bytes = bench_gpu.kv_cache_bytes(model_config, batch, context, 4 if precision == "fp32" else 2)
+        weights.append(weight_bytes(model, 2 if precision == "4bit" else None))  # 4-bit: the bf16 copy
+        bound_s = decode_bound_s(weights[-1], kv_bytes, bandwidth)
+        generate_s = None
+        for path, kwargs in PATHS[precision]:
+            def run(tokens, kwargs=kwargs):
+                return sampling.sample_completions(
+                    model, prompt_ids, torch.ones_like(prompt_ids), 1, tokens, [EOS], EOS,
+                    temperature=trainer.temperature, top_p=trainer.top_p, rollout_batch_size=batch, seed=args.seed,
+                    ignore_eos=True, **kwargs)
+
+            step_s, first_s, graph_warmup_s, graphs = step_seconds(run, new_tokens, device, args.repeats)
+            generate_s = step_s if path == "generate() defaults" else generate_s
+            rows.append({"precision": precision, "path": path, "batch": batch, "context": context,
+                         "step_ms": step_s and 1e3 * step_s, "tokens_per_s": step_s and batch / step_s,
+                         "bound_ms": 1e3 * bound_s, "x_bound": step_s and step_s / bound_s,
+                         "vs_generate": generate_s / step_s if generate_s and step_s else None,
+                         "first_call_s": first_s, "graph_warmup_s": graph_warmup_s, "graphs": graphs})
+            print_row(rows[-1], COLUMNS)
+        checks.append(greedy_check(model, prompt_ids, min(16, new_tokens), min(8, batch), precision,
+                                   PATHS[precision][-1][1]))
+        del model
+        engine.release()
+        bench_gpu.free(device)
+    print_targets(rows, args.tiny)
+    print("\n## Greedy check: engine vs HF generate tokens; engine tokens vs the full model's argmax (teacher forced)")
+    print_header(CHECK_COLUMNS)
+    for check in checks:
+        print_row(check, CHECK_COLUMNS)
+    result = {"args": vars(args), "bandwidth_spec": bandwidth_spec, "bandwidth_copy": bandwidth_copy,
+              "weight_bytes": weights, "kv_bytes": kv_bytes, "rows": rows, "checks": checks}
+    bench_gpu.save_json(args, "decode", result)
+    return result
+
+
+def print_targets(rows, tiny):
+    print(f"\ntargets: engine (merged) <= {TARGET_X_BOUND:g}x the bound and >= {TARGET_VS_GENERATE:g}x faster than "
+          f"generate() defaults; 4-bit: >= {TARGET_4BIT_SPEEDUP:g}x faster than {TODAY_4BIT_STEP_MS:g} ms per step"
+          + (" (tiny model: verdicts for the code path only, the targets are for the full-size model)" if tiny else ""))
+    for row in rows:
+        if row["path"] not in ("engine, merged copy", "engine, bf16 merged copy"):
+            continue
+        if row["step_ms"] is None:
+            print(f"{row['precision']}: n/a (step time below the timer's resolution)")
+        elif row["precision"] == "4bit":
+            speedup = TODAY_4BIT_STEP_MS / row["step_ms"]
+            print(f"4bit: {speedup:.2f}x faster than {TODAY_4BIT_STEP_MS:g} ms per step "
+                  f"({bench_gpu.verdict(speedup >= TARGET_4BIT_SPEEDUP)}), {row['vs_generate'] or 0:.2f}x vs "
+                  f"generate() on the 4-bit model here")
+        else:
+            x_bound, vs = row["x_bound"], row["vs_generate"]
+            print(f"{row['precision']}: {x_bound:.2f}x bound ({bench_gpu.verdict(x_bound <= TARGET_X_BOUND)}), "
+                  f"{vs or 0:.2f}x vs generate() defaults ({bench_gpu.verdict(bool(vs) and vs >= TARGET_VS_GENERATE)})")
