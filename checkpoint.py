@@ -11,7 +11,9 @@ seconds as well as the step. One checkpoint is a folder
                             cumulative counters, metrics.jsonl size at save time
         config.json         copy of the run's config
 
-and <out>/checkpoints/latest.txt names the newest complete one.
+and <out>/checkpoints/latest.txt names the newest complete one. A multi-process run (torchrun) writes the same
+folder with dcp/ (sharded weights and optimizer) and rng/ instead of adapter/ or model/: checkpoint_dcp.py,
+which publishes through the same `staging_folder` / `publish` below.
 
 Atomicity: everything is written into a temporary folder beside the final one, flushed to disk, then
 renamed into place (a rename within one file system is atomic), and only then is latest.txt replaced
@@ -104,10 +106,14 @@ def checkpoint_root(run_dir):
     return Path(run_dir) / "checkpoints"
 
 
-def rng_states():
-    """Every global RNG stream a training step may touch (python, numpy, torch CPU, torch CUDA)."""
+def rng_states(device=None):
+    """Every global RNG stream a training step may touch (python, numpy, torch CPU, torch CUDA). device: a
+    rank's own GPU, whose stream alone is saved (all GPUs would open a CUDA context on each from every rank)."""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if device is not None and torch.device(device).type == "cuda":
+        index = torch.device(device).index or 0
+        states["cuda"] = {index: torch.cuda.get_rng_state(index)}
+    elif device is None and torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
@@ -116,8 +122,12 @@ def restore_rng_states(states):
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = states.get("cuda")
+    if isinstance(cuda, dict) and torch.cuda.is_available():  # one rank's own GPU
+        for index, state in cuda.items():
+            torch.cuda.set_rng_state(state, index)
+    elif cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _fsync_tree(folder):
@@ -144,6 +154,37 @@ def _is_peft(model):
     return hasattr(model, "peft_config")
 
 
+def is_sharded(path):
+    """A checkpoint written by several processes (checkpoint_dcp.py): dcp/ instead of adapter/ or model/."""
+    return (Path(path) / "dcp").is_dir()
+
+
+def staging_folder(run_dir, step):
+    """A new temporary folder beside the final step_<step>/, after removing what a crash during an earlier
+    save left behind; write the checkpoint there, then `publish` it."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}step_{step:06d}_", dir=root))
+
+
+def publish(staging, step, keep_last=0):
+    """Flush a complete staging folder, rename it to step_<step>/, then point latest.txt at it (the order
+    that keeps the previous checkpoint valid until this one is whole); keep_last > 0 prunes older ones."""
+    root, name = Path(staging).parent, f"step_{step:06d}"
+    _fsync_tree(staging)
+    final = root / name
+    if final.exists():  # the same step saved again after a resume: the new copy replaces it
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _write_text_atomic(root / LATEST_FILE, name + "\n")
+    if keep_last > 0:
+        for old in sorted(root.glob("step_*"))[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep_last=0):
     """Write checkpoint step_<step> atomically and point latest.txt at it; returns its path.
 
@@ -154,12 +195,7 @@ def save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep
         raise ValueError(f"not saving step {step}: the trainable weights hold NaN or inf")
     if dataclasses.is_dataclass(trainer_state):
         trainer_state = dataclasses.asdict(trainer_state)
-    root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(TMP_PREFIX + "*"):  # left by a crash during an earlier save
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    name = f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}_", dir=root))
+    tmp = staging_folder(run_dir, step)
     if _is_peft(model):
         model.save_pretrained(tmp / "adapter")
     else:
@@ -167,20 +203,11 @@ def save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep
     state = dict(trainer_state, step=step, optimizer=optimizer.state_dict(), rng=rng_states())
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
-    _fsync_tree(tmp)
-    final = root / name
-    if final.exists():  # the same step saved again after a resume: the new copy replaces it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_text_atomic(root / LATEST_FILE, name + "\n")
-    if keep_last > 0:
-        for old in sorted(root.glob("step_*"))[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    return publish(tmp, step, keep_last)
 
 
 def latest_checkpoint(run_dir):
-    """Path of the newest complete checkpoint of a run, or None."""
+    """Path of the newest complete checkpoint of a run (single- or multi-process), or None."""
     root = checkpoint_root(run_dir)
     latest = root / LATEST_FILE
     if not latest.is_file():
@@ -194,6 +221,9 @@ def load_checkpoint(path, model, optimizer):
     from safetensors.torch import load_file
 
     path = Path(path)
+    if is_sharded(path):
+        raise ValueError(f"{path} was written by several processes (dcp/): resume it under torchrun with as many "
+                         "processes, or export it (python -m checkpoint_dcp export) and start from the export")
     if _is_peft(model):
         from peft import set_peft_model_state_dict
 
@@ -224,10 +254,10 @@ CONFIG_FILE = "config.json"
 
 
 def is_checkpoint(path):
-    """A complete checkpoint folder: adapter/ (LoRA) or model/ (full fine-tuning), and config.json. Saves are
-    renamed into place complete, so a step_* folder is never half-written."""
+    """A complete checkpoint folder: adapter/ (LoRA), model/ (full fine-tuning) or dcp/ (several processes),
+    and config.json. Saves are renamed into place complete, so a step_* folder is never half-written."""
     path = Path(path)
-    return ((path / "adapter").is_dir() or (path / "model").is_dir()) and (path / CONFIG_FILE).is_file()
+    return any((path / part).is_dir() for part in ("adapter", "model", "dcp")) and (path / CONFIG_FILE).is_file()
 
 
 def find_checkpoints(path):
@@ -240,11 +270,11 @@ def find_checkpoints(path):
         return [path]
     root = checkpoint_root(path)
     if not root.is_dir():
-        raise ValueError(f"{path} is neither a checkpoint (adapter/ or model/ + config.json) nor a run "
+        raise ValueError(f"{path} is neither a checkpoint (adapter/, model/ or dcp/ + config.json) nor a run "
                          "directory (no checkpoints/)")
     found = [folder for folder in sorted(root.glob("step_*")) if is_checkpoint(folder)]
     if not found:
-        raise ValueError(f"no checkpoint (step_*/ with adapter/ or model/, and config.json) under {root}")
+        raise ValueError(f"no checkpoint (step_*/ with adapter/, model/ or dcp/, and config.json) under {root}")
     return found
 
 
