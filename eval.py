@@ -53,8 +53,11 @@ def _check_args(prompts, answers, samples_per_prompt, repeats, temperature, batc
 
 
 def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1, repeats=1, temperature=0.9,
-                     top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False):
+                     top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False, cache_tokens=0,
+                     generation_copy=None):
     """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them).
+    cache_tokens, generation_copy: as sampling.generate_rollouts (train.py passes its run's, so held-out evaluation
+    reuses the decode graphs recorded for training).
 
     Prompts are generated in chunks of batch_size // K prompts (K samples each, so about batch_size rows
     per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
@@ -83,7 +86,8 @@ def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1
             chunk_prompts = list(prompts[start:start + prompts_per_chunk])
             rollouts = sampling.generate_rollouts(
                 model, tokenizer, chunk_prompts, samples_per_prompt, max_new_tokens, temperature=temperature,
-                top_p=top_p, rollout_batch_size=batch_size, seed=seed + 100_003 * repeat + chunk_index)
+                top_p=top_p, rollout_batch_size=batch_size, seed=seed + 100_003 * repeat + chunk_index,
+                cache_tokens=cache_tokens, generation_copy=generation_copy)
             rows = [start + row // samples_per_prompt for row in range(len(rollouts.texts))]  # row i*K+j
             # A prompt that ends in the think prefill (data.render_prompts(prefill_think=True)) made the
             # model's output start after "<think>\n": grade prefill + generated text.
@@ -106,12 +110,13 @@ def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1
 
 
 def evaluate(model, tokenizer, prompts, answers, *, samples_per_prompt=1, repeats=1, temperature=0.9,
-             top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False):
+             top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False, cache_tokens=0,
+             generation_copy=None):
     """Accuracy over all prompts x samples x repeats (repeats have equal size, so this is their mean)."""
     per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, samples_per_prompt=samples_per_prompt,
                                   repeats=repeats, temperature=temperature, top_p=top_p,
                                   max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                                  progress=progress)
+                                  progress=progress, cache_tokens=cache_tokens, generation_copy=generation_copy)
     return _pool(per_repeat)
 
 
@@ -242,7 +247,12 @@ def main(argv=None):
     prompts, answers = [e.text for e in examples], [e.answer for e in examples]
     base = None
     for path in todo or [None]:
-        if path is not None and (path / "model").is_dir():  # full fine-tuning checkpoint
+        if path is not None and checkpoint.is_sharded(path):  # written under torchrun: LoRA merged, one process
+            import checkpoint_dcp
+
+            model = checkpoint_dcp.load_merged_model(path, settings["model"], dtype=dtype or torch.float32,
+                                                     device=args.device)
+        elif path is not None and (path / "model").is_dir():  # full fine-tuning checkpoint
             model = models.load_policy(str(path / "model"), dtype=dtype, device=args.device)
         else:
             base = base or models.load_policy(settings["model"], dtype=dtype, device=args.device)

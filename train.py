@@ -122,7 +122,8 @@ def train_step(model, tokenizer, optimizer, rounds, args, step):
         with timed(times, "generate_s"), cuda_oom_hint(args, "generation"):
             rollouts = sampling.generate_rollouts(
                 model, tokenizer, [e.text for e in examples], args.num_rollouts, args.max_completion_tokens,
-                temperature=args.temperature, top_p=args.top_p, rollout_batch_size=args.rollout_batch_size, seed=seed)
+                temperature=args.temperature, top_p=args.top_p, rollout_batch_size=args.rollout_batch_size, seed=seed,
+                **config.generation_options(args))
         with timed(times, "reward_s"):
             reward_matrix, per_func = score(rollouts, examples, args)
         with timed(times, "select_s"):  # PODS: keep m of n; advantages over the kept subset (paper §3.2)
@@ -166,7 +167,7 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write):
     with cuda_oom_hint(args, "evaluation"):
         result = heldout.evaluate(model, tokenizer, [e.text for e in eval_set], [e.answer for e in eval_set],
                                   temperature=args.eval_temperature, max_new_tokens=args.max_completion_tokens,
-                                  batch_size=args.rollout_batch_size, seed=0)
+                                  batch_size=args.rollout_batch_size, seed=0, **config.generation_options(args))
     state.evaluated_step = state.step
     write({
         "type": "eval", "step": state.step, "elapsed_s": state.elapsed_s, "eval/accuracy": result.accuracy,
