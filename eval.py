@@ -178,7 +178,7 @@ def parse_args(argv):
     parser.add_argument("--batch-size", type=int, default=64, help="rows (prompts x samples) per generate call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, choices=(None, "float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the model's own")
     parser.add_argument("--out", help="results JSON (default: <run>/eval_<split>.json, or eval_<split>.json)")
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--no-progress", action="store_true")

@@ -240,7 +240,7 @@ def grpo_loss(
     over its own masked tokens (a row with no tokens counts as 0), then the B sequences are averaged.
     With old_logprobs = logprobs.detach() the gradient is exactly the policy gradient
     -mean_i A_i/|o_i| sum_t grad log pi (tested). Tokens in the clipped region (rho > 1+eps_high with
-    A > 0, rho < 1-eps with A < 0) get zero gradient.
+    A > 0, rho < 1-eps with A < 0) get no policy-gradient term (only the KL term's, when kl_coef > 0).
 
     Metrics (masked token means): "clip_ratio/low_mean" (rho < 1-eps and A < 0), "clip_ratio/high_mean"
     (rho > 1+eps_high and A > 0), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3, 0.0 when

@@ -285,7 +285,7 @@ def select_across_prompts(rewards: Tensor, m: int) -> Tensor:
     over all selections of M' rollouts with no slot on a zero-variance prompt and per-prompt counts
     that differ by at most one: the counts are fixed up to which r prompts get q + 1, and that choice
     is separable (tested against brute force). With no zero-variance prompt it equals the prompt
-    scope (m each). Cost: O(P n log n), two vectorised max-variance calls. The trainer trains on
+    scope (m each). Cost: O(P n log n): a few vectorised max-variance calls. The trainer trains on
     mask.sum() rows (fewer than m P only when P' n < m P; 0 when every prompt has zero variance).
     """
     budgets = batch_budgets(rewards, m)

@@ -6,7 +6,7 @@ the P*n rows in chunks of at most `rollout_batch_size` sequences (the memory bou
 each chunk seeded on its own, with the completion mask cut after the first EOS.
 
 Two backends: "engine" (default; engine.py: prefill once per distinct prompt, a bucketed static KV cache,
-one compiled / CUDA-graph decode step, finished rows dropped) for Llama-family models, and "hf", plain
+one decode step recorded as a CUDA graph per bucket, finished rows dropped) for Llama-family models, and "hf", plain
 Hugging Face `generate` (the reference; every other architecture falls back to it with a warning).
 Only our flags shape the distribution on both: the model's own generation_config is never consulted.
 Simplifications: no vLLM/paged attention, no continuous batching across chunks.
@@ -180,7 +180,8 @@ def _hf_chunk(model, ids, mask, rows, seed, configs, share_prefill, device):
 
 def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, temperature=1.0,
                        top_p=1.0, rollout_batch_size=64, seed=0, cache_implementation=None, ignore_eos=False,
-                       share_prefill=True, backend=None, forced_lengths=None, generation_copy=None, cache_tokens=0):
+                       share_prefill=True, backend=None, forced_lengths=None, generation_copy=None, cache_tokens=0,
+                       first_chunk=0):
     """Tensor core of generate_rollouts: left-padded prompt ids [P, Tp] -> (completion_ids, completion_mask,
     truncated) for the P*n rows (row i*n + j = rollout j of prompt i), on the CPU.
 
@@ -191,7 +192,9 @@ def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_id
     cache_implementation picks the HF backend's cache. ignore_eos=True (benchmarks) generates exactly
     max_new_tokens per row and treats EOS as an ordinary token: masks are all ones and every row counts as
     truncated. forced_lengths [P*n] (engine, benchmarks): row r ends with EOS after exactly forced_lengths[r]
-    tokens (if it has not ended before). generation_copy: engine.engine_for (LoRA / 4-bit weight copy)."""
+    tokens (if it has not ended before). generation_copy: engine.engine_for (LoRA / 4-bit weight copy).
+    first_chunk: the index of the first chunk (seed chunk_seed(seed, first_chunk + c)): a process generating
+    rows k*B.. of a larger batch draws what one process generating all of it draws (distributed.first_chunk)."""
     _check_args(n, max_new_tokens, temperature, top_p, rollout_batch_size)
     if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape or prompt_ids.shape[0] == 0:
         raise ValueError(f"prompt_ids and prompt_mask must both be [P, Tp] with P > 0, got "
@@ -215,14 +218,14 @@ def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_id
                 keep = int(prompt_mask[rows].sum(1).max())  # drop padding columns no row of this chunk needs
                 if backend == "hf":
                     chunks.append(_hf_chunk(model, prompt_ids[rows, -keep:].to(device), prompt_mask[rows, -keep:].to(
-                        device), rows, chunk_seed(seed, chunk_index), configs, share_prefill, device).cpu())
+                        device), rows, chunk_seed(seed, first_chunk + chunk_index), configs, share_prefill, device).cpu())
                     continue
                 distinct, row_prompt = torch.unique(rows, return_inverse=True) if share_prefill else \
                     (rows, torch.arange(len(rows)))
                 chunks.append(engine.generate(
                     model, prompt_ids[distinct, -keep:].to(device), prompt_mask[distinct, -keep:].to(device),
                     row_prompt, max_new_tokens, [] if ignore_eos else eos_ids,
-                    pad_id, temperature=temperature, top_p=top_p, seed=chunk_seed(seed, chunk_index),
+                    pad_id, temperature=temperature, top_p=top_p, seed=chunk_seed(seed, first_chunk + chunk_index),
                     max_rows=rollout_batch_size, generation_copy=generation_copy, refresh_weights=chunk_index == 0,
                     cache_tokens=cache_tokens,
                     forced_lengths=None if forced_lengths is None else forced_lengths[start:start + len(rows)]).cpu())
@@ -245,10 +248,11 @@ def sample_completions(model, prompt_ids, prompt_mask, n, max_new_tokens, eos_id
 
 def generate_rollouts(model, tokenizer, prompts, n, max_new_tokens, temperature=1.0, top_p=1.0,
                       rollout_batch_size=64, seed=0, cache_implementation=None, ignore_eos=False, share_prefill=True,
-                      backend=None, generation_copy=None, cache_tokens=0):
+                      backend=None, generation_copy=None, cache_tokens=0, first_chunk=0):
     """Sample n completions for each prompt (rendered text) -> Rollouts. Seeding, chunking, ignore_eos and the
     backend as in sample_completions; cache_tokens: engine.generate's floor on the KV-cache length (a run passes
-    max prompt + completion tokens, so its every call shares one set of recorded graphs)."""
+    max prompt + completion tokens, so its every call shares one set of recorded graphs); first_chunk: see
+    sample_completions."""
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a non-empty list of strings")
     _check_args(n, max_new_tokens, temperature, top_p, rollout_batch_size)
@@ -265,7 +269,7 @@ def generate_rollouts(model, tokenizer, prompts, n, max_new_tokens, temperature=
         model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, temperature=temperature, top_p=top_p,
         rollout_batch_size=rollout_batch_size, seed=seed, cache_implementation=cache_implementation,
         ignore_eos=ignore_eos, share_prefill=share_prefill, backend=backend, generation_copy=generation_copy,
-        cache_tokens=cache_tokens)
+        cache_tokens=cache_tokens, first_chunk=first_chunk)
     lengths = completion_mask.sum(1)
     texts = tokenizer.batch_decode([row[:length].tolist() for row, length in zip(completion_ids, lengths)],
                                    skip_special_tokens=True)

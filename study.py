@@ -109,7 +109,8 @@ def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_thre
     names that failed. Resumable: a run with <out>/<name>/study_done.json is skipped; an interrupted one continues
     from its latest checkpoint (train.py --resume) or, without one, starts over."""
     out_dir = Path(out_dir)
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not dry_run:
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     failed = []
     for index, (name, flags) in enumerate(runs.items(), start=1):
         run_dir = out_dir / name
