@@ -104,6 +104,20 @@ def load_sharded_checkpoint(path, model, optimizer, ctx):
     return state
 
 
+def save_run_checkpoint(run_dir, step, model, optimizer, trainer_state, config, ctx, keep_last=0):
+    """train.py's save: sharded (this module) under torchrun, checkpoint.save_checkpoint in one process."""
+    if ctx.enabled:
+        return save_sharded_checkpoint(run_dir, step, model, optimizer, trainer_state, config, ctx, keep_last)
+    return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep_last)
+
+
+def load_run_checkpoint(path, model, optimizer, ctx):
+    """train.py's resume: the counterpart of save_run_checkpoint; returns the trainer state dict."""
+    if ctx.enabled:
+        return load_sharded_checkpoint(path, model, optimizer, ctx)
+    return checkpoint.load_checkpoint(path, model, optimizer)
+
+
 def _config_and_base(checkpoint_dir, base_model_name):
     if not (checkpoint_dir / "dcp" / ".metadata").is_file():
         raise FileNotFoundError(f"{checkpoint_dir} is not a sharded checkpoint (no dcp/.metadata)")

@@ -3,6 +3,7 @@ command-line flags grouped by concern, and every check that can be made before a
 
 Paper Appendix, hyper-parameter table, plus the authors' released single-GPU config (YixuanEvenXu/pods,
 config/train.yaml: 1 prompt per step, temperature 0.9, AdamW betas 0.9/0.99, checkpoints every 1800 s).
+Settings (e), (f) are the table's multi-GPU full-parameter runs (torchrun; distributed.py).
 Precedence: flags > the resumed run's config.json > --baseline > the preset (`parse_args`).
 
 Simplification: the learning rate is constant (the authors' code warms it up over 1% of the steps).
@@ -11,6 +12,7 @@ Simplification: the learning rate is constant (the authors' code warms it up ove
 import argparse
 import importlib.util
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 
 import checkpoint
 import data
+import distributed
 import grpo_loss
 import models
 import pods
@@ -50,10 +53,21 @@ PRESETS = {
               learning_rate=5e-6),
     "d": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="chemistry", num_rollouts=64,
               update_size=16, learning_rate=5e-6),
+    # (e), (f): full parameter on 8 GPUs (torchrun --nproc-per-node 8), GRPO-PODS with 4 GA steps of rollout batch
+    # 128 -> update batch 32 (effective n = 512, m = 128), max sequence length 2048 = 512 prompt + 1536 completion
+    # tokens (the authors' launch file generated at most 1024). Each rollout batch holds 8 prompts, one per GPU: a
+    # rank generates the 128 rollouts of its prompt and keeps 32 (the authors: 4 prompts per GA step on 8 GPUs;
+    # here a prompt's rollouts stay on one rank, so its selection needs no communication).
+    "e": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", lora_rank=0, learning_rate=2e-5,
+              num_rollouts=128, update_size=32, grad_accum_steps=4, prompts_per_step=8, max_completion_tokens=1536),
 }
-# --baseline: the matching GRPO run, n = m, as in the paper's comparisons: (a) 16/16, (b) 8/8, (c) 16/16,
-# (d) 16/16. (The authors' scripts/plot.py also has GRPO 16/16 runs for (b) and 8/8 for (c): pass -n/-m.)
-BASELINES = {"demo": 4, "a": 16, "b": 8, "c": 16, "d": 16}
+PRESETS["f"] = dict(PRESETS["e"], model="Qwen/Qwen2.5-7B-Instruct", learning_rate=1.5e-5)
+# --baseline: the matching GRPO run, n = m (rule none), as in the paper's comparisons: (a) 16/16, (b) 8/8, (c) 16/16,
+# (d) 16/16; (e), (f): GRPO-GA, 16 GA steps of 32/32, the same effective n = 512 as PODS. (The authors'
+# scripts/plot.py also has GRPO 16/16 runs for (b) and 8/8 for (c): pass -n/-m.)
+BASELINES = {preset: dict(num_rollouts=n, update_size=n) for preset, n in
+             {"demo": 4, "a": 16, "b": 8, "c": 16, "d": 16}.items()}
+BASELINES.update({preset: dict(num_rollouts=32, update_size=32, grad_accum_steps=16) for preset in "ef"})
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                  "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size")
@@ -64,7 +78,8 @@ NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", 
 def build_parser():
     parser = argparse.ArgumentParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.")
     add = parser.add_argument_group("preset").add_argument
-    add("--preset", choices=sorted(PRESETS), default="demo", help="paper setting (a)-(d) or the CPU demo")
+    add("--preset", choices=sorted(PRESETS), default="demo",
+        help="paper setting (a)-(d), (e)/(f) (full parameter, torchrun on 8 GPUs) or the CPU demo")
     add("--baseline", action="store_true", help="switch the preset to its GRPO baseline (n = m, rule none)")
     add = parser.add_argument_group("model").add_argument
     add("--model", help=f"Hub id, local folder/.gguf, or {models.SMOLLM2_ALIAS!r} (offline demo model)")
@@ -140,6 +155,8 @@ def build_parser():
     add("--resume", action="store_true",
         help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
+    add("--dist-timeout-s", type=float, default=1800.0,
+        help="torchrun: a collective waiting longer ends the run with an error (must exceed one rank's generation)")
     add("--report-to", choices=report.REPORT_TO, default="none",
         help="also send the metrics.jsonl lines, same names, to TensorBoard (<out>/tensorboard) or Weights & Biases")
     return parser
@@ -149,10 +166,14 @@ def parse_args(argv=None):
     """Resolved, checked flags: flags > the resumed run's config > --baseline > the preset. Raises ValueError or
     FileNotFoundError (one line each) for anything wrong, before any model or data is loaded."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     first = parser.parse_args(argv)
+    if not first.resume and distributed.restart_count() and first.output_dir \
+            and checkpoint.latest_checkpoint(first.output_dir):  # restarted by torchrun --max-restarts
+        argv, first.resume = argv + ["--resume"], True
     defaults = dict(PRESETS[first.preset])
     if first.baseline:
-        defaults.update(num_rollouts=BASELINES[first.preset], update_size=BASELINES[first.preset], rule="none")
+        defaults.update(BASELINES[first.preset], rule="none")
     if first.resume:
         if not first.output_dir or not (Path(first.output_dir) / "config.json").is_file():
             raise ValueError("--resume needs --output-dir of an existing run (with config.json)")
@@ -186,6 +207,7 @@ def check_args(args):
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
     _check_variant_flags(args)
+    _check_distributed(args, distributed.world_size_from_env())
     args.reward_weights = parse_reward_weights(args.reward_weights)
     _check_device_flags(args)
     _check_run_dir(args)
@@ -238,7 +260,28 @@ def _check_variant_flags(args):
     report.check_report_to(args.report_to)
 
 
+def _check_distributed(args, world_size):
+    """What a torchrun launch needs: equal prompt shares, shardable weights and optimizer, per-prompt statistics."""
+    if not args.dist_timeout_s > 0:
+        raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
+    if not distributed.launched_by_torchrun():
+        return
+    if args.load_in_4bit or args.optimizer == "adamw8bit":
+        raise ValueError("under torchrun the weights and optimizer state are sharded by FSDP2, which cannot shard "
+                         "4-bit weights (--load-in-4bit) or 8-bit AdamW (--optimizer adamw8bit): drop them")
+    if args.prompts_per_step % world_size:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} cannot be split evenly over {world_size} "
+                         f"processes: every rank takes P / {world_size} prompts of each rollout batch; make it a "
+                         f"multiple of {world_size}")
+    if world_size > 1 and (args.selection_scope == "batch" or args.scale_rewards == "batch" or args.drop_zero_variance):
+        raise ValueError("--selection-scope batch, --scale-rewards batch and --drop-zero-variance need statistics "
+                         "over every prompt of a rollout batch or change each rank's number of kept rows; with "
+                         "several processes use the per-prompt defaults")
+
+
 def _check_run_dir(args):
+    if distributed.restart_count() and not args.resume:
+        return  # torchrun restarted the ranks before the first checkpoint: the run starts over
     if args.resume:
         if args.output_dir is None:
             raise ValueError("--resume needs --output-dir")

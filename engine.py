@@ -18,6 +18,10 @@ replayed per token.
   unmerge_adapter() would leave a bf16 rounding error in the frozen base weights at every step). 4-bit models:
   the copy (dequantized + merged, bf16: the same 5.5 GB next to ~1.4 GB of 4-bit projections) is opt-in with
   generation_copy=True; without it the bitsandbytes modules run eagerly.
+- FSDP2 (torchrun, distributed.py): the gathered full weights are freed and re-allocated around every unshard, so
+  a graph recorded over them would read stale addresses: a sharded model decodes eagerly (capture=None, the
+  default, decides), one kernel launch per op and token (on GPU several times slower per token than a replayed
+  graph; the cost of the multi-GPU path until weights get a fixed home).
 Simplifications: batch-synchronous (no continuous batching, no paged attention); attention reads the whole
 bucketed cache under a mask; other architectures go through Hugging Face generate (sampling.py).
 """
@@ -128,17 +132,27 @@ def unsupported_reason(model, cache_len=0):
     return None
 
 
-def engine_for(model, generation_copy=None, compile_backend=None, refresh_weights=True):
+def fsdp_sharded(model):
+    """Whether FSDP2 (fully_shard) manages any module of `model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def engine_for(model, generation_copy=None, compile_backend=None, refresh_weights=True, capture=None):
     """The cached Engine of `model`, rebuilt when its signature changed. refresh_weights: recompute the merged
     copies (the adapter changes at every optimizer step). generation_copy None: merged copies unless 4-bit.
     compile_backend None: DEFAULT_COMPILE_BACKEND; False: no compilation; a dynamo backend name or callable:
-    torch.compile the step with it (tests count graphs on CPU this way). CUDA graphs are recorded on CUDA
-    unless bitsandbytes modules run in the step."""
+    torch.compile the step with it (tests count graphs on CPU this way). capture None: CUDA graphs are recorded
+    on CUDA unless bitsandbytes modules run in the step or the model is FSDP-sharded; False: never."""
     hf = hf_model(model)
     quantized = getattr(hf.config, "quantization_config", None) is not None
     copy = not quantized if generation_copy is None else bool(generation_copy)
     backend = DEFAULT_COMPILE_BACKEND if compile_backend is None else compile_backend
-    key = (copy, backend if isinstance(backend, (str, bool)) else id(backend))
+    if capture is None:
+        capture = hf.model.embed_tokens.weight.device.type == "cuda" and (copy or not quantized) \
+            and not fsdp_sharded(model)  # not bnb kernels; not FSDP's re-allocated weights
+    key = (copy, backend if isinstance(backend, (str, bool)) else id(backend), bool(capture))
     engine, signature = _ENGINES.setdefault(model, {}).get(key), models.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
@@ -148,12 +162,11 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
             layer.post_attention_layernorm, *(models.projection(m, copy, copies) for m in (
                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)), layer.mlp.act_fn)
             for layer in inner.layers]
-        capture = inner.embed_tokens.weight.device.type == "cuda" and (copy or not quantized)  # not bnb kernels
         attention = inner.layers[0].self_attn
         engine = _ENGINES[model][key] = Engine(
             inner.embed_tokens, layers, inner.norm, hf.lm_head, inner.rotary_emb, hf.config.num_key_value_heads,
             attention.head_dim, attention.scaling, signature, copies,
-            compiled(decode_step.decode_step, backend) if backend else decode_step.decode_step, capture)
+            compiled(decode_step.decode_step, backend) if backend else decode_step.decode_step, bool(capture))
     if refresh_weights or fresh:
         models.refresh_copies(engine.copies)
     return engine

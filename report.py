@@ -10,11 +10,18 @@ Every numeric field of a metrics line is sent as a scalar at the line's "step" (
 lines share the step axis, as in the jsonl). metrics.jsonl stays the record compare.py reads; the other sinks are
 views of it. Simplification: a resumed run re-sends the steps after its checkpoint (TensorBoard: the events past
 that step are purged; W&B: a new run in the same project).
+
+Under torchrun each rank scores its own prompts: `merge_ranks` joins the ranks' ScoredRounds (in rank order, the
+single-process order), sums their losses and row counts and token-weights their token means, so rank 0 logs the
+metrics of the global batch; timings are the slowest rank's.
 """
 
 import contextlib
+import dataclasses
 import importlib.util
+import io
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,12 +35,56 @@ TENSORBOARD_DIR = "tensorboard"
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
+@dataclass
+class ScoredRound:
+    """One rollout batch after scoring and selection: what the step's metrics are computed from (small: no texts)."""
+    rewards: torch.Tensor        # [P, n] weighted total
+    per_func: dict               # reward function -> [P*n] (NaN: not applicable)
+    kept_rows: torch.Tensor      # [R] rollout rows trained on (m per prompt, or fewer/more: update.kept_rows)
+    zero_variance_dropped: int   # prompts left out by --drop-zero-variance
+    lengths: torch.Tensor        # [P*n] completion tokens
+    truncated: torch.Tensor      # [P*n] bool: no EOS within the budget
+    prompt_tokens: int           # tokens of the P prompts, x n (each rollout re-reads its prompt)
+
+    @classmethod
+    def of(cls, rollouts, rewards, per_func, kept_rows, zero_variance_dropped):
+        """From a sampling.Rollouts and what was computed from it."""
+        return cls(rewards, per_func, kept_rows, zero_variance_dropped, rollouts.lengths, rollouts.truncated,
+                   int(rollouts.prompt_mask.sum()) * rewards.shape[1])
+
+
+def merge_ranks(gathered):
+    """[(rounds, update.UpdateMetrics, times)] of every rank (distributed.all_gather) -> the same of the global
+    batch: round g joins every rank's round g (kept rows re-indexed), losses and rows summed (each rank's loss is
+    its share of the global normaliser), token means token-weighted, timings the slowest rank's. The gradient
+    norm and the step counts are global already (equal on every rank)."""
+    if len(gathered) == 1:
+        return gathered[0]
+    rounds = []
+    for parts in zip(*(rank_rounds for rank_rounds, _, _ in gathered)):
+        offsets = [0] + [int(p.rewards.numel()) for p in parts[:-1]]
+        offsets = torch.tensor(offsets).cumsum(0).tolist()
+        rounds.append(ScoredRound(torch.cat([p.rewards for p in parts]),
+                                  {k: torch.cat([p.per_func[k] for p in parts]) for k in parts[0].per_func},
+                                  torch.cat([p.kept_rows + o for p, o in zip(parts, offsets)]),
+                                  sum(p.zero_variance_dropped for p in parts), torch.cat([p.lengths for p in parts]),
+                                  torch.cat([p.truncated for p in parts]), sum(p.prompt_tokens for p in parts)))
+    results = [result for _, result, _ in gathered]
+    tokens = sum(r.tokens for r in results)
+    keys = sorted({key for r in results for key in r.token_means})
+    token_means = {key: sum(r.token_means.get(key, 0.0) * r.tokens for r in results) / max(tokens, 1) for key in keys}
+    result = dataclasses.replace(results[0], loss=sum(r.loss for r in results), rows=sum(r.rows for r in results),
+                                 token_means=token_means, tokens=tokens)
+    times = {key: max(rank_times[key] for _, _, rank_times in gathered) for key in gathered[0][2]}
+    return rounds, result, times
+
+
 def step_metrics(scored, result, optimizer, times, mask_truncated=False):
-    """Metrics over all n rollouts per prompt of every train.ScoredRound; "reward_selected" over the kept ones
+    """Metrics over all n rollouts per prompt of every ScoredRound; "reward_selected" over the kept ones
     (absent when nothing was kept); num_truncated_masked: kept rows whose loss --mask-truncated zeroed."""
     rewards_all = torch.cat([s.rewards for s in scored])
     kept_rewards = torch.cat([s.rewards.flatten()[s.kept_rows] for s in scored])
-    lengths = torch.cat([s.rollouts.lengths for s in scored]).float()
+    lengths = torch.cat([s.lengths for s in scored]).float()
     metrics = {"reward": float(rewards_all.mean()), "reward_std": float(rewards_all.std(dim=1).mean()),
                **({"reward_selected": float(kept_rewards.mean())} if len(kept_rewards) else {}),
                "frac_reward_zero_std": float((rewards_all.std(dim=1) == 0).float().mean())}
@@ -41,11 +92,10 @@ def step_metrics(scored, result, optimizer, times, mask_truncated=False):
         metrics[f"rewards/{name}/mean"] = float(torch.cat([s.per_func[name] for s in scored]).nanmean())
     metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                     "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
-                    float(torch.cat([s.rollouts.truncated for s in scored]).float().mean())})
+                    float(torch.cat([s.truncated for s in scored]).float().mean())})
     metrics.update(result.token_means)
-    step_tokens = sum(int(s.rollouts.prompt_mask.sum()) * s.rewards.shape[1] + int(s.rollouts.lengths.sum())
-                      for s in scored)
-    masked = sum(int(s.rollouts.truncated[s.kept_rows].sum()) for s in scored) if mask_truncated else 0
+    step_tokens = sum(s.prompt_tokens + int(s.lengths.sum()) for s in scored)
+    masked = sum(int(s.truncated[s.kept_rows].sum()) for s in scored) if mask_truncated else 0
     metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
                    step_tokens=step_tokens, update_rows=result.rows, optimizer_steps=result.optimizer_steps,
                    num_zero_variance_dropped=sum(s.zero_variance_dropped for s in scored), num_truncated_masked=masked,
@@ -109,12 +159,16 @@ def _wandb_sink(run_dir, run_config):
 
 
 @contextlib.contextmanager
-def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_config=None):
+def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_config=None, enabled=True):
     """(metrics.jsonl handle, write(record)): `write` appends the line to metrics.jsonl (checkpoint.append_metrics)
     and sends it to the --report-to sink. keep_bytes: see checkpoint.open_metrics_log; first_step: the step a
     resumed run writes (its
-    earlier TensorBoard events are kept, later ones purged; 0: a new run)."""
+    earlier TensorBoard events are kept, later ones purged; 0: a new run). enabled False (torchrun ranks but 0):
+    nothing is written; the handle is an empty in-memory file."""
     check_report_to(report_to)
+    if not enabled:
+        yield io.StringIO(), (lambda record: None)
+        return
     with checkpoint.open_metrics_log(run_dir, keep_bytes) as log:
         send, close = (lambda record: None), (lambda: None)
         if report_to == "tensorboard":

@@ -17,7 +17,9 @@ Choices: dropout is off during the update (and the log-prob pass), as in TRL: th
 deterministic policies. Full fine-tuning in bf16 keeps fp32 master weights and runs the forward passes under
 bf16 autocast (`UpdateSettings.autocast_dtype`, see models.compute_dtypes): bf16 weights cannot hold updates of
 lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is not taken (its
-gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
+gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop. Under
+torchrun every process takes that decision alike (distributed.all_ranks: skipped when any process saw a non-finite
+loss), so the sharded weights never diverge.
 """
 
 import contextlib
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+import distributed
 import grpo_loss
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -73,6 +76,7 @@ class UpdateMetrics:
     rows: int                   # kept rows trained on (this process)
     optimizer_steps: int        # optimizer steps taken
     skipped_steps: int          # optimizer steps not taken: non-finite loss or gradient norm
+    tokens: int = 0             # kept tokens the token means are over (this process; merged across processes)
 
 
 @dataclass
@@ -260,7 +264,7 @@ def update_policy(model, optimizer, batches, settings, *, global_denominator=Non
                     for key, value in metrics.items():  # token means -> token-weighted over micro-batches
                         token_sums[key] = token_sums.get(key, 0.0) + value * count
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            if math.isfinite(loss) and math.isfinite(grad_norm):
+            if distributed.all_ranks(math.isfinite(loss) and math.isfinite(grad_norm)):
                 optimizer.step()
             else:  # one bad batch must not write NaN into the weights (and every later checkpoint)
                 optimizer.zero_grad(set_to_none=True)
@@ -270,8 +274,7 @@ def update_policy(model, optimizer, batches, settings, *, global_denominator=Non
     mu = settings.updates_per_batch
     return UpdateMetrics(loss=sum(losses) / mu, grad_norm=sum(grad_norms) / mu,
                          token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
-                         rows=rows, optimizer_steps=mu - skipped,
-                         skipped_steps=skipped)
+                         rows=rows, optimizer_steps=mu - skipped, skipped_steps=skipped, tokens=token_count // mu)
 
 
 def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw"):

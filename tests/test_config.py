@@ -130,3 +130,57 @@ def test_report_to_without_its_package_fails_before_loading(sink, monkeypatch):
                         lambda name, *args: None if name == sink else real_find_spec(name, *args))
     with pytest.raises(ValueError, match=f"--report-to {sink} needs the '{sink}' package"):
         config.parse_args(["--report-to", sink])
+
+
+@pytest.mark.filterwarnings("ignore:--bf16 on CPU")
+def test_multi_gpu_presets_e_f_and_their_grpo_ga_baselines_follow_the_paper_table():
+    for preset, model, lr in (("e", "Qwen/Qwen2.5-3B-Instruct", 2e-5), ("f", "Qwen/Qwen2.5-7B-Instruct", 1.5e-5)):
+        pods_run = config.parse_args(["--preset", preset])
+        assert (pods_run.model, pods_run.dataset, pods_run.lora_rank, pods_run.learning_rate) == (model, "gsm8k", 0, lr)
+        assert (pods_run.weight_decay, pods_run.max_grad_norm, pods_run.kl_coef) == (0.1, 1.0, 0.0)
+        assert pods_run.bf16 and pods_run.gradient_checkpointing and pods_run.rule == "max_variance"
+        assert pods_run.max_prompt_tokens + pods_run.max_completion_tokens == 2048
+        assert (pods_run.grad_accum_steps, pods_run.num_rollouts, pods_run.update_size) == (4, 128, 32)
+        ga = config.parse_args(["--preset", preset, "--baseline"])
+        assert (ga.grad_accum_steps, ga.num_rollouts, ga.update_size, ga.rule) == (16, 32, 32, "none")
+        # the same effective n per prompt slot: 4 x 128 = 16 x 32 = 512; m: 4 x 32 = 128 vs 512
+        assert pods_run.grad_accum_steps * pods_run.num_rollouts == ga.grad_accum_steps * ga.num_rollouts == 512
+        assert pods_run.grad_accum_steps * pods_run.update_size == 128
+        assert config.method_label(ga) == "GRPO-GA 32/32" and pods_run.prompts_per_step == ga.prompts_per_step == 8
+    assert config.parse_args(["--preset", "a", "--baseline"]).grad_accum_steps == 1  # (a)-(d): n = m only
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts-per-step", "3"], "cannot be split evenly over 2 processes"),
+    (["--prompts-per-step", "2", "--drop-zero-variance"], "several processes"),
+    (["--prompts-per-step", "2", "--scale-rewards", "batch"], "several processes"),
+    (["--prompts-per-step", "2", "--optimizer", "adamw8bit", "--device", "cpu"], "FSDP2"),
+    (["--prompts-per-step", "2", "--dist-timeout-s", "0"], "--dist-timeout-s must be > 0"),
+])
+def test_torchrun_launches_are_checked_before_loading(argv, message, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=message):
+        config.parse_args(argv)
+    assert config.parse_args(["--prompts-per-step", "2"]).prompts_per_step == 2
+
+
+def test_a_run_restarted_by_torchrun_resumes_from_its_latest_checkpoint(tmp_path, monkeypatch):
+    import checkpoint
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
+    (run / "checkpoints" / "latest.txt").write_text("step_000002\n")
+    (run / "config.json").write_text(json.dumps({"learning_rate": 0.25}))
+    (run / "metrics.jsonl").write_text('{"type": "train"}\n')
+    assert checkpoint.latest_checkpoint(run) is not None
+    with pytest.raises(ValueError, match="already holds a run"):  # the first attempt: no silent resume
+        config.parse_args(["--output-dir", str(run)])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    args = config.parse_args(["--output-dir", str(run)])
+    assert args.resume and args.learning_rate == 0.25  # the saved config, as with --resume
+    early = tmp_path / "killed_before_its_first_checkpoint"
+    early.mkdir()
+    (early / "metrics.jsonl").write_text('{"type": "eval"}\n')
+    assert not config.parse_args(["--output-dir", str(early)]).resume  # starts over, no "already holds a run"

@@ -292,9 +292,9 @@ def nan_loss_on(steps, monkeypatch):
     """grpo_loss_sum returns NaN during the training steps in `steps` (1-based)."""
     current, real_loss, real_step = {"step": 0}, grpo_loss.grpo_loss_sum, train.train_step
 
-    def step(model, tokenizer, optimizer, rounds, args, step):
+    def step(model, tokenizer, optimizer, rounds, args, step, *ctx):
         current["step"] = step
-        return real_step(model, tokenizer, optimizer, rounds, args, step)
+        return real_step(model, tokenizer, optimizer, rounds, args, step, *ctx)
 
     def loss(*args, **kwargs):
         value, metrics = real_loss(*args, **kwargs)

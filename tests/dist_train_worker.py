@@ -1,0 +1,92 @@
+"""train.py itself under 2 CPU ranks (torch's elastic launcher, what `torchrun --standalone --nproc-per-node 2
+--max-restarts 1 train.py ...` runs, with the ranks forked from this process once its imports are done), for
+test_distributed.py, which runs the same argv in one process as the reference.
+
+    python tests/dist_train_worker.py OUT_DIR MODEL_DIR
+
+Attempt 0: runs "full" (full parameter, 2 steps), "lora" (3 steps) and "killed" (the same as "lora"; rank 1
+SIGKILLs itself when step 3 starts, after the step-2 checkpoint). The launcher restarts both ranks; attempt 1:
+"killed" again with the same argv, which resumes from its latest checkpoint (restart count > 0), then "fail",
+where rank 1 raises in step 1 while rank 0 waits in a collective, which ends the launch.
+"""
+
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import distributed  # noqa: E402
+import rewards  # noqa: E402
+import train  # noqa: E402
+
+CURRENT = {}  # the run this rank is in
+
+
+def fake_compute_rewards(prompts, completions, answers, **kwargs):
+    """test_train.fake_compute_rewards: varies between any two texts, so a random model gets advantages."""
+    values = torch.tensor([float(sum(map(ord, text)) % 101) / 100 for text in completions])
+    return rewards.RewardResult(total=values, per_func={"char_sum": values})
+
+
+def run_argv(model_dir, out_dir, name):
+    """The argv of run `name`: 2 prompts per rollout batch (1 per rank), n = 4, m = 2, chunks of 4 rows (one per
+    rank and prompt: the rollouts of 1 and 2 processes share their seeds), greedy evaluation; checkpoints after
+    every step for "killed" only (the others save their final state)."""
+    lora = ["--lora-rank", "0"] if name == "full" else ["--lora-rank", "4", "--lora-alpha", "8"]
+    return ["--model", str(model_dir), "--dataset", "arithmetic", "--num-train-rows", "64", "--num-rollouts", "4",
+            "--update-size", "2", "--prompts-per-step", "2", "--max-completion-tokens", "8", "--rollout-batch-size",
+            "4", "--micro-batch-size", "2", "--max-steps", "2" if name == "full" else "3", "--learning-rate",
+            "1e-3" if name == "full" else "1e-2", "--eval-samples", "2", "--eval-interval", "2",
+            "--eval-temperature", "0", "--checkpoint-interval-s", "0" if name == "killed" else "3600",
+            "--no-progress", "--num-threads", "1",
+            "--device", "cpu", "--dist-timeout-s", "60", "--output-dir", str(Path(out_dir) / name), *lora]
+
+
+def faulty_step(real_step):
+    def step(model, tokenizer, optimizer, rounds, args, step, ctx):
+        attempt = distributed.restart_count()
+        if ctx.rank == 1 and CURRENT["name"] == "killed" and step == 3 and attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run; the launcher ends rank 0 and restarts both
+        if ctx.rank == 1 and CURRENT["name"] == "fail":
+            (Path(CURRENT["out"]) / "raised_at.txt").write_text(repr(time.time()))
+            raise RuntimeError("boom on purpose")
+        return real_step(model, tokenizer, optimizer, rounds, args, step, ctx)
+    return step
+
+
+def scenario(out, model_dir):
+    names = ("full", "lora", "killed") if distributed.restart_count() == 0 else ("killed", "fail")
+    for name in names:
+        CURRENT.update(name=name, out=out)
+        train.main(run_argv(model_dir, out, name))
+    distributed.shutdown()
+
+
+def rank_main(out, model_dir):
+    # A forked rank inherits the launcher's signal handlers, which only raise once Python runs again: a rank
+    # blocked in a collective would ignore the launcher's SIGTERM. Back to the defaults of a fresh process.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    distributed.run_main(scenario, out, model_dir)
+
+
+def launch(out, model_dir):
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    torch.set_num_threads(1)
+    rewards.compute_rewards = fake_compute_rewards
+    train.train_step = faulty_step(train.train_step)
+    import peft  # noqa: F401 (the imports a rank needs, done once before forking)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=1, start_method="fork")
+    elastic_launch(config, rank_main)(str(out), str(model_dir))
+
+
+if __name__ == "__main__":
+    launch(Path(sys.argv[1]), Path(sys.argv[2]))
