@@ -93,7 +93,7 @@ def build_parser():
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add = parser.add_argument_group("data").add_argument
     add("--dataset", choices=data.DATASETS)
-    add("--data-dir", help="folder with the dataset files (default: ../shared/data or $PODS_DATA_DIR)")
+    add("--data-dir", help="folder with the dataset files (default: $PODS_DATA_DIR, else ../shared/data, else the Hub)")
     add("--num-train-rows", type=int, help="use this many training rows (arithmetic: the synthetic set size)")
     add("--one-shot", action=argparse.BooleanOptionalAction, default=False, help="one worked example in the prompt")
     add("--prefill-think", action="store_true", help="end the prompt with '<think>\\n' (scored as completion)")
@@ -108,8 +108,8 @@ def build_parser():
     add("--scale-rewards", choices=pods.SCALE_MODES, default="group",
         help="divide advantages by the group std (paper), the batch std (TRL 'batch') or nothing (Dr. GRPO)")
     add("--selection-scope", choices=pods.SELECTION_SCOPES, default="prompt",
-        help="prompt: m per prompt (paper); batch: m x P from the whole step, balanced across prompts "
-             "(max_variance only, pods.select_across_prompts)")
+        help="prompt: m per prompt (paper); batch: m x P from each rollout batch of P prompts, balanced across "
+             "prompts (max_variance only, pods.select_across_prompts)")
     add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
     add("--reward-weights", default=DEFAULT_REWARD_WEIGHTS,
@@ -318,9 +318,11 @@ def method_label(args):
 
 
 def generation_options(args):
-    """Decode-engine options of the run: one KV-cache length for every call (longest prompt + completion), so
-    training and evaluation share one set of recorded decode graphs; the merged-weight copy as --generation-copy."""
-    return dict(cache_tokens=args.max_prompt_tokens + args.max_completion_tokens,
+    """Decode-engine options of the run. On CUDA one KV-cache length for every call (longest prompt + completion),
+    so training and evaluation share one set of recorded decode graphs; elsewhere nothing is recorded and each call
+    attends over its own prompts' length. The merged-weight copy as --generation-copy."""
+    cuda = str(args.device).startswith("cuda")
+    return dict(cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0,
                 generation_copy=args.generation_copy)
 
 

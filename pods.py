@@ -20,6 +20,7 @@ from the rewards alone and computes the group-relative advantages of the kept ro
 - `select_across_prompts` is the cross-prompt scope the paper names as future work ("applying the
   max-variance rule within each prompt and then selecting a balanced subset across prompts"); its
   exact rule is in its docstring.
+- `select` is what a training step calls: the rule, the scope and the zero-variance option in one place.
 
 Simplifications: rewards are one scalar per rollout (already summed over reward functions); ties are
 broken deterministically (stable sort by reward, then position; the smallest k among equal-variance
@@ -295,3 +296,35 @@ def select_across_prompts(rewards: Tensor, m: int) -> Tensor:
         if size > 0:
             keep[rows] = keep[rows].scatter(-1, max_variance_indices(rewards[rows], size), True)
     return keep
+
+
+def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", scale_rewards: str = "group",
+           scope: str = "prompt", drop_zero_variance: bool = False,
+           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, int]:
+    """What one rollout batch trains on, from rewards [P, n]: (kept, advantages, number of prompts dropped), the
+    input of update.kept_batch.
+
+    The paper (scope "prompt", nothing dropped): kept [P, m] indices by `rule`, advantages [P, m]. Otherwise a bool
+    mask [P, n] and advantages [P, n] (0 where not kept). drop_zero_variance leaves out the prompts whose n
+    rewards are all equal (zero advantages under any subset): with scope "prompt" the others keep m each; scope
+    "batch" (select_across_prompts over m x P slots) never gives such prompts a slot, so their slots go to the
+    others either way and the flag only counts them."""
+    if scope not in SELECTION_SCOPES or (scope == "batch" and rule != "max_variance"):
+        raise ValueError(f"selection scope {scope!r} with rule {rule!r}: expected one of {SELECTION_SCOPES}, "
+                         "'batch' only with max_variance")
+    if scope == "prompt" and not drop_zero_variance:
+        kept = downsample(rewards, m, rule, generator=generator)
+        return kept, selected_advantages(rewards, kept, normalize, scale_rewards=scale_rewards), 0
+    zero_variance = zero_variance_prompts(rewards)
+    dropped = int(zero_variance.sum()) if drop_zero_variance else 0
+    if scope == "batch":
+        keep = select_across_prompts(rewards, m)
+        return keep, masked_advantages(rewards, keep, normalize, scale_rewards), dropped
+    prompts = ~zero_variance
+    keep, advantages = torch.zeros(rewards.shape, dtype=torch.bool), torch.zeros(rewards.shape)
+    if prompts.any():
+        group = rewards[prompts]
+        group_keep = keep[prompts].scatter(-1, downsample(group, m, rule, generator=generator), True)
+        keep[prompts] = group_keep
+        advantages[prompts] = masked_advantages(group, group_keep, normalize, scale_rewards).to(advantages.dtype)
+    return keep, advantages, dropped

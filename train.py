@@ -17,7 +17,7 @@ held-out evaluation is split by generation chunks and pooled; checkpoints are sh
 restarted by torchrun --max-restarts resume from the latest checkpoint.
 
 Variants (flags, default = the paper): --loss-aggregation, --scale-rewards, --clip-eps-high, --mask-truncated,
---drop-zero-variance, --selection-scope batch (cross-prompt max-variance); see config.py, `select`, update.py.
+--drop-zero-variance, --selection-scope batch (cross-prompt max-variance); see config.py, pods.select, update.py.
 Logging: <out>/metrics.jsonl (TRL names; held-out accuracy against training time, the paper's plots), and with
 --report-to the same lines in TensorBoard or W&B (report.py); checkpoints every --checkpoint-interval-s s of
 training, resumable exactly (--resume). A step whose update is not finite is skipped and counted
@@ -83,33 +83,6 @@ def score(rollouts, examples, args):
     return result.total.view(len(examples), -1), result.per_func
 
 
-def select(rewards, m, rule, *, normalize="selected", scale_rewards="group", scope="prompt", drop_zero_variance=False,
-           generator=None):
-    """What to train on among rewards [P, n]: (kept, advantages, number of prompts dropped), for update.kept_batch.
-
-    The paper (scope "prompt", nothing dropped): kept [P, m] indices by `rule`, advantages [P, m]. Otherwise a
-    bool mask [P, n] and advantages [P, n] (0 where not kept): with drop_zero_variance the prompts whose n rewards
-    are all equal are left out first (zero advantages under any subset), then the others get m each by `rule`
-    (scope "prompt") or share m x (their number) slots (scope "batch": pods.select_across_prompts)."""
-    if scope not in pods.SELECTION_SCOPES or (scope == "batch" and rule != "max_variance"):
-        raise ValueError(f"selection scope {scope!r} with rule {rule!r}: expected one of {pods.SELECTION_SCOPES}, "
-                         "'batch' only with max_variance")
-    if scope == "prompt" and not drop_zero_variance:
-        kept = pods.downsample(rewards, m, rule, generator=generator)
-        return kept, pods.selected_advantages(rewards, kept, normalize, scale_rewards=scale_rewards), 0
-    prompts = ~pods.zero_variance_prompts(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
-    keep, advantages = torch.zeros(rewards.shape, dtype=torch.bool), torch.zeros(rewards.shape)
-    if prompts.any():
-        group = rewards[prompts]
-        if scope == "batch":
-            group_keep = pods.select_across_prompts(group, m)
-        else:
-            group_keep = keep[prompts].scatter(-1, pods.downsample(group, m, rule, generator=generator), True)
-        keep[prompts] = group_keep
-        advantages[prompts] = pods.masked_advantages(group, group_keep, normalize, scale_rewards)
-    return keep, advantages, int((~prompts).sum())
-
-
 def train_step(model, tokenizer, optimizer, rounds, args, step, ctx=SINGLE):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1; under torchrun
     this rank's share of each), each generated, scored and down-sampled, then one update (mu optimizer steps) on
@@ -129,7 +102,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, ctx=SINGLE):
             with timed(times, "reward_s"):
                 reward_matrix, per_func = score(rollouts, examples, args)
             with timed(times, "select_s"):  # PODS: keep m of n; advantages over the kept subset (paper §3.2)
-                kept, advantages, dropped = select(
+                kept, advantages, dropped = pods.select(
                     reward_matrix, args.update_size, args.rule, normalize=args.advantage_normalization,
                     scale_rewards=args.scale_rewards, scope=args.selection_scope,
                     drop_zero_variance=args.drop_zero_variance,

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pods
+import update
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 
@@ -405,3 +406,25 @@ def test_batch_selection_equals_prompt_scope_without_zero_variance_prompts_and_b
             pods.select_across_prompts(bad, 4)
     with pytest.raises(ValueError, match="m = 17"):
         pods.select_across_prompts(rewards, 17)
+
+
+def test_select_paper_default_drop_and_batch_scope():
+    rewards_matrix = torch.tensor([[0.0, 1.0, 1.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 3.0, 1.0]])
+    kept, advantages, dropped = pods.select(rewards_matrix, 2, "max_variance")
+    assert torch.equal(kept, pods.max_variance_indices(rewards_matrix, 2)) and dropped == 0  # the paper, [P, m]
+    torch.testing.assert_close(advantages, pods.selected_advantages(rewards_matrix, kept))
+    keep, advantages, dropped = pods.select(rewards_matrix, 2, "max_variance", drop_zero_variance=True,
+                                             scale_rewards="none")
+    assert dropped == 1 and keep.sum(1).tolist() == [2, 0, 2]  # prompt 1 (all rewards equal) left out
+    assert update.kept_rows(keep, 4).tolist() == [i * 4 + int(j) for i in (0, 2) for j in sorted(kept[i].tolist())]
+    assert advantages[keep].tolist() == [-0.5, 0.5, -1.5, 1.5]  # centred only
+    keep, advantages, _ = pods.select(rewards_matrix, 2, "max_variance", scope="batch")
+    assert torch.equal(keep, pods.select_across_prompts(rewards_matrix, 2)) and keep.sum() == 6  # m x P slots
+    torch.testing.assert_close(advantages, pods.masked_advantages(rewards_matrix, keep))
+    with pytest.raises(ValueError, match="'batch' only with max_variance"):
+        pods.select(rewards_matrix, 2, "random", scope="batch")
+    # Batch scope gives a zero-variance prompt no slot, so dropping it must not shrink the m x P budget.
+    uneven = torch.tensor([[1.0, 0, 0, 1, 1, 0, 0, 0], [1.0] * 8, [0.0, 0, 0, 0, 0, 1, 0, 0]])
+    for drop in (False, True):
+        keep, _, dropped = pods.select(uneven, 2, "max_variance", scope="batch", drop_zero_variance=drop)
+        assert keep.sum(1).tolist() == [3, 0, 3] and dropped == int(drop)

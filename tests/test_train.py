@@ -168,23 +168,6 @@ def test_step_trains_on_the_kept_rows_with_kept_subset_advantages(lora_model, sm
     assert (expected - over_all_n).abs().max() > 1e-3  # the two normalisations differ here
 
 
-def test_select_paper_default_drop_and_batch_scope():
-    rewards_matrix = torch.tensor([[0.0, 1.0, 1.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 3.0, 1.0]])
-    kept, advantages, dropped = train.select(rewards_matrix, 2, "max_variance")
-    assert torch.equal(kept, pods.max_variance_indices(rewards_matrix, 2)) and dropped == 0  # the paper, [P, m]
-    torch.testing.assert_close(advantages, pods.selected_advantages(rewards_matrix, kept))
-    keep, advantages, dropped = train.select(rewards_matrix, 2, "max_variance", drop_zero_variance=True,
-                                             scale_rewards="none")
-    assert dropped == 1 and keep.sum(1).tolist() == [2, 0, 2]  # prompt 1 (all rewards equal) left out
-    assert update.kept_rows(keep, 4).tolist() == [i * 4 + int(j) for i in (0, 2) for j in sorted(kept[i].tolist())]
-    assert advantages[keep].tolist() == [-0.5, 0.5, -1.5, 1.5]  # centred only
-    keep, advantages, _ = train.select(rewards_matrix, 2, "max_variance", scope="batch")
-    assert torch.equal(keep, pods.select_across_prompts(rewards_matrix, 2)) and keep.sum() == 6  # m x P slots
-    torch.testing.assert_close(advantages, pods.masked_advantages(rewards_matrix, keep))
-    with pytest.raises(ValueError, match="'batch' only with max_variance"):
-        train.select(rewards_matrix, 2, "random", scope="batch")
-
-
 def rewards_constant_for_answer(answer):
     """fake_compute_rewards, but every rollout of the prompts whose answer is `answer` gets 0.5 (zero variance)."""
     def compute(prompts, completions, answers, **kwargs):
