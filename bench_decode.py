@@ -12,7 +12,9 @@ the LoRA adapter (r=64, its B matrices randomised as after some training) attach
 Seconds per step = (time of a call with T new tokens - time of a call with 1) / (T - 1), best of --repeats, after
 a first call whose time (CUDA-graph recording / compilation, cuBLAS start-up) is printed apart. A greedy check
 follows: the engine's tokens vs HF generate's, and whether each engine token is the argmax of the full model's
-logits on the same prefix (teacher forcing), with the largest logit gap where it is not.
+logits on the same prefix (teacher forcing), with the largest logit gap where it is not. Last, finished rows:
+EOS forced at lengths drawn uniformly from 100-512 tokens (GSM8K completions' range), the engine dropping
+finished rows every CHECK_EVERY steps vs never; the work (row-steps) against the ideal sum of lengths.
 """
 
 import torch
@@ -27,6 +29,10 @@ COLUMNS = ["precision", "path", "batch", "context", "step_ms", "tokens_per_s", "
 CHECK_COLUMNS = ["precision", "rows", "steps", "tokens_equal_hf_frac", "engine_is_argmax_frac", "max_logit_gap",
                  "logit_std"]
 HF = dict(backend="hf", cache_implementation="dynamic", share_prefill=False)
+LENGTH_COLUMNS = ["precision", "rows", "prompt", "lengths", "rows_dropped", "seconds", "row_steps", "x_ideal_work",
+                  "speedup"]
+# (prompt tokens, shortest, longest completion) of the finished-rows check; tiny: toy shapes for the code path.
+LENGTHS = {False: (200, 100, 512), True: (4, 2, 48)}
 UNMERGED, MERGED = dict(backend="engine", generation_copy=False), dict(backend="engine", generation_copy=True)
 PATHS = {"bf16": (("generate() defaults", HF), ("engine, LoRA unmerged", UNMERGED),
                   ("engine, merged copy", dict(backend="engine"))),
@@ -164,6 +170,8 @@ def bench_decode(argv):
             print_row(rows[-1], COLUMNS)
         checks.append(greedy_check(model, prompt_ids, min(16, new_tokens), min(8, batch), precision,
                                    PATHS[precision][-1][1]))
+        if precision != "4bit":
+            length_rows = dropped_rows_check(model, prompt_ids, LENGTHS[args.tiny], precision, args.seed, device)
         del model
         engine.release()
         bench_gpu.free(device)
@@ -173,8 +181,39 @@ def bench_decode(argv):
     for check in checks:
         print_row(check, CHECK_COLUMNS)
     result = {"args": vars(args), "bandwidth_spec": bandwidth_spec, "bandwidth_copy": bandwidth_copy,
-              "weight_bytes": weights, "kv_bytes": kv_bytes, "rows": rows, "checks": checks}
+              "weight_bytes": weights, "kv_bytes": kv_bytes, "rows": rows, "checks": checks, "lengths": length_rows}
     bench_gpu.save_json(args, "decode", result)
+    return result
+
+
+def dropped_rows_check(model, prompt_ids, lengths, precision, seed, device):
+    """Completions of uneven length: EOS forced at lengths uniform in [shortest, longest]; the engine with finished
+    rows dropped (every CHECK_EVERY steps) vs never dropped. x_ideal_work = row-steps / sum of the lengths (1.0:
+    each row decoded exactly its own length; rows x longest without dropping)."""
+    width, shortest, longest = lengths
+    ids = prompt_ids[:, -width:].to(device)
+    rows = ids.shape[0]
+    forced = torch.randint(shortest, longest + 1, (rows,), generator=torch.Generator().manual_seed(seed))
+    print(f"\n## Finished rows: {rows} rows, {width}-token prompts, EOS forced at lengths {shortest}-{longest} "
+          f"(mean {forced.float().mean():.0f})")
+    print_header(LENGTH_COLUMNS)
+
+    def run(check_every):
+        return engine.generate(model, ids, torch.ones_like(ids), torch.arange(rows), longest, [EOS], EOS,
+                               temperature=1.0, seed=seed, max_rows=rows, forced_lengths=forced,
+                               check_every=check_every)
+
+    run(engine.CHECK_EVERY)  # records this cache length's graphs (every row bucket) before timing
+    result, never_s = [], None
+    for dropped, check_every in ((False, longest + 1), (True, engine.CHECK_EVERY)):
+        before = bench_gpu.engine_stats()
+        seconds = min(timed(lambda: run(check_every), device)[1] for _ in range(2))   # best of 2
+        row_steps = (engine.STATS.row_steps - before.row_steps) // 2
+        never_s = seconds if not dropped else never_s
+        result.append({"precision": precision, "rows": rows, "prompt": width, "lengths": f"{shortest}-{longest}",
+                       "rows_dropped": dropped, "seconds": seconds, "row_steps": row_steps,
+                       "x_ideal_work": row_steps / float(forced.sum()), "speedup": never_s / seconds})
+        print_row(result[-1], LENGTH_COLUMNS)
     return result
 
 

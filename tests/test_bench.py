@@ -90,6 +90,9 @@ def test_decode_tiny_reports_bound_targets_and_greedy_agreement(tmp_path, capsys
     check = result["checks"][0]
     assert check["tokens_equal_hf_frac"] == 1.0 and check["engine_is_argmax_frac"] == 1.0
     assert check["max_logit_gap"] == 0.0 < check["logit_std"]
+    never, dropped = result["lengths"]   # 4 rows, EOS forced at lengths drawn from 2..48
+    assert "## Finished rows" in out and not never["rows_dropped"] and dropped["rows_dropped"]
+    assert never["row_steps"] == 4 * 48 and 1.0 <= dropped["x_ideal_work"] < never["x_ideal_work"]
 
 
 def test_memory_tiny_reports_phases_and_analytic(tmp_path, capsys):
