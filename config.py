@@ -1,4 +1,4 @@
-"""What a training run is: presets (the paper's settings (a)-(d) and the CPU demo), their GRPO baselines, the
+"""What a training run is: presets (the paper's settings (a)-(f) and the CPU demo), their GRPO baselines, the
 command-line flags grouped by concern, and every check that can be made before a model or a dataset is loaded.
 
 Paper Appendix, hyper-parameter table, plus the authors' released single-GPU config (YixuanEvenXu/pods,
@@ -6,7 +6,8 @@ config/train.yaml: 1 prompt per step, temperature 0.9, AdamW betas 0.9/0.99, che
 Settings (e), (f) are the table's multi-GPU full-parameter runs (torchrun; distributed.py).
 Precedence: flags > the resumed run's config.json > --baseline > the preset (`parse_args`).
 
-Simplification: the learning rate is constant (the authors' code warms it up over 1% of the steps).
+Simplification: the learning rate is constant (as in the authors' single-GPU config; their multi-GPU recipe
+uses a cosine schedule with 10% warm-up).
 """
 
 import argparse
@@ -171,15 +172,19 @@ def parse_args(argv=None):
     if not first.resume and distributed.restart_count() and first.output_dir \
             and checkpoint.latest_checkpoint(first.output_dir):  # restarted by torchrun --max-restarts
         argv, first.resume = argv + ["--resume"], True
-    defaults = dict(PRESETS[first.preset])
-    if first.baseline:
-        defaults.update(BASELINES[first.preset], rule="none")
+    saved = {}
     if first.resume:
         if not first.output_dir or not (Path(first.output_dir) / "config.json").is_file():
             raise ValueError("--resume needs --output-dir of an existing run (with config.json)")
         saved = json.loads((Path(first.output_dir) / "config.json").read_text())
-        dests = {action.dest for action in parser._actions}
-        defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
+    # A resumed run keeps its preset unless --preset is given again (config.json records what the run is).
+    given = any(arg == "--preset" or arg.startswith("--preset=") for arg in argv)
+    preset = first.preset if given or saved.get("preset") not in PRESETS else saved["preset"]
+    defaults = dict(PRESETS[preset], preset=preset)
+    if first.baseline:
+        defaults.update(BASELINES[preset], rule="none")
+    dests = {action.dest for action in parser._actions}
+    defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     check_args(args)

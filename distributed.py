@@ -217,7 +217,7 @@ def rank_slice(indices, rank, world_size, *, even=True):
     runs no collective while generating, may split unevenly (shares differ by at most one)."""
     if even and len(indices) % world_size:
         raise ValueError(f"{len(indices)} prompts per step cannot be split evenly over {world_size} processes: "
-                         "make --prompts-per-step x --grad-accum-steps a multiple of the number of processes")
+                         "make --prompts-per-step a multiple of the number of processes")
     return list(indices[len(indices) * rank // world_size:len(indices) * (rank + 1) // world_size])
 
 

@@ -184,3 +184,15 @@ def test_a_run_restarted_by_torchrun_resumes_from_its_latest_checkpoint(tmp_path
     early.mkdir()
     (early / "metrics.jsonl").write_text('{"type": "eval"}\n')
     assert not config.parse_args(["--output-dir", str(early)]).resume  # starts over, no "already holds a run"
+
+
+def test_a_resumed_run_keeps_its_preset_unless_given_again(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
+    (run / "checkpoints" / "latest.txt").write_text("step_000001\n")
+    saved = vars(config.parse_args(["--preset", "demo", "--baseline", "--learning-rate", "0.125"]))
+    (run / "config.json").write_text(json.dumps(dict(saved, preset="c", reward_weights="accuracy=1,format=1,tag_count=1")))
+    args = config.parse_args(["--output-dir", str(run), "--resume"])
+    assert args.preset == "c" and args.learning_rate == 0.125 and args.num_rollouts == 4  # all from config.json
+    assert config.parse_args(["--output-dir", str(run), "--resume", "--preset", "demo"]).preset == "demo"
