@@ -67,6 +67,10 @@ ONE_SHOT = {
 logger = logging.getLogger(__name__)
 
 
+class HubUnavailable(RuntimeError):
+    """A dataset's Hub copy could not be read (no network, unknown id): the CLIs print it as one line."""
+
+
 def default_data_dir():
     """$PODS_DATA_DIR, else <repo>/../shared/data when it exists, else None (= read the Hub)."""
     if os.environ.get("PODS_DATA_DIR"):
@@ -211,7 +215,7 @@ def _hub_rows(name, split, hub_id):
             parts = [datasets.load_dataset(hub_id, split=split)]
     except Exception as error:  # noqa: BLE001  network, auth, unknown id: one clear message
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise RuntimeError(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {reason}. Offline? "
+        raise HubUnavailable(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {reason}. Offline? "
                            "pass data_dir (--data-dir, or set PODS_DATA_DIR) naming a folder with the local "
                            "files, e.g. ../shared/data") from error
     rows = [row for part in parts for row in part]

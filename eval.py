@@ -242,7 +242,7 @@ def main(argv=None):
                                          num_rows=args.num_prompts, seed=0, one_shot=settings["one_shot"],
                                          system_prompt=settings["system_prompt"],
                                          prefill_think=settings["prefill_think"])
-    except RuntimeError as error:  # the Hub unreachable: the user's situation, one line (see __main__)
+    except data.HubUnavailable as error:  # the user's situation, one line (see __main__)
         raise ValueError(str(error)) from error
     prompts, answers = [e.text for e in examples], [e.answer for e in examples]
     base = None

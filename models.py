@@ -87,6 +87,16 @@ def _pretrained_source(name_or_path):
     return (str(path) if path.exists() else name_or_path), {}
 
 
+def _from_pretrained(auto_class, source, name_or_path, **kwargs):
+    """auto_class.from_pretrained, with an unreachable Hub id or an unreadable folder as one ValueError line."""
+    try:
+        return auto_class.from_pretrained(source, **kwargs)
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"cannot load {name_or_path!r} ({reason}); with no network, pass --model a local folder "
+                         "that holds the model (save_pretrained output)") from error
+
+
 def check_model_source(name_or_path):
     """Fail fast (before any weights load) on a missing local path or a missing demo package."""
     if name_or_path == SMOLLM2_ALIAS:
@@ -111,7 +121,7 @@ def load_tokenizer(name_or_path):
         source, kwargs = smollm2_gguf_location()[0], {"gguf_file": SMOLLM2_GGUF_FILE}  # skip model conversion
     else:
         source, kwargs = _pretrained_source(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = _from_pretrained(AutoTokenizer, source, name_or_path, **kwargs)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -149,7 +159,7 @@ def load_policy(name_or_path, *, dtype=None, device="cpu", load_in_4bit=False, l
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype or torch.bfloat16)
         kwargs["device_map"] = {"": device}
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", **kwargs)
+    model = _from_pretrained(AutoModelForCausalLM, source, name_or_path, dtype=dtype or "auto", **kwargs)
     if "gguf_file" in kwargs:
         model = _drop_gguf_quantizer(model).to(dtype or torch.float32)
     if not load_in_4bit:

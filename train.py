@@ -251,5 +251,5 @@ if __name__ == "__main__":
     else:
         try:
             main()
-        except (ValueError, FileNotFoundError, update.TrainingError) as error:  # a message, not a traceback
+        except (ValueError, FileNotFoundError, update.TrainingError, data.HubUnavailable) as error:  # one line
             sys.exit(f"train.py: error: {error}")

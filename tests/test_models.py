@@ -62,3 +62,14 @@ def test_compute_dtypes_keep_fp32_master_weights_for_full_fine_tuning():
     assert models.compute_dtypes(False, 8) == (torch.float32, None)
     assert models.compute_dtypes(True, 8) == (torch.bfloat16, None)  # LoRA: frozen bf16 base, fp32 adapter
     assert models.compute_dtypes(True, 0) == (torch.float32, torch.bfloat16)  # fp32 weights, bf16 autocast
+
+
+def test_an_unreachable_hub_model_is_one_clear_error(monkeypatch):
+    from transformers import AutoTokenizer
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(ValueError, match=r"cannot load 'org/some-model' \(We couldn't connect .*\); with no network"):
+        models.load_tokenizer("org/some-model")
