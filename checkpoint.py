@@ -154,6 +154,13 @@ def _is_peft(model):
     return hasattr(model, "peft_config")
 
 
+def trainable_weights_finite(model):
+    """No NaN or inf in the trainable weights (this process's shards of FSDP2 DTensors): a checkpoint of such weights
+    would poison every later resume."""
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if p.requires_grad)
+    return all(bool(torch.isfinite(p).all()) for p in local)
+
+
 def is_sharded(path):
     """A checkpoint written by several processes (checkpoint_dcp.py): dcp/ instead of adapter/ or model/."""
     return (Path(path) / "dcp").is_dir()
@@ -191,7 +198,7 @@ def save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep
     trainer_state: a TrainerState or a plain picklable dict (data position, elapsed_s, counters); the optimizer
     state and RNG states are added here. keep_last > 0 deletes all but the newest keep_last checkpoints
     afterwards. Non-finite trainable weights are refused (ValueError): they would poison every later resume."""
-    if not all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.requires_grad):
+    if not trainable_weights_finite(model):
         raise ValueError(f"not saving step {step}: the trainable weights hold NaN or inf")
     if dataclasses.is_dataclass(trainer_state):
         trainer_state = dataclasses.asdict(trainer_state)

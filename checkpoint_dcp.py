@@ -55,17 +55,12 @@ def _trainable_state(model, optimizer):
     return {"model": _only_trainable(model, model_state), "optimizer": optimizer_state}
 
 
-def _local_weights_finite(model):
-    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if p.requires_grad)
-    return all(bool(torch.isfinite(p).all()) for p in local)
-
-
 def save_sharded_checkpoint(run_dir, step, model, optimizer, trainer_state, config, ctx, keep_last=0):
     """Write <run_dir>/checkpoints/step_<step>/ from every rank, atomically; returns its path (all ranks).
 
     trainer_state: a checkpoint.TrainerState or a picklable dict. Non-finite trainable weights on any rank are
     refused (ValueError on every rank) as in checkpoint.save_checkpoint. Collective: every rank must call it."""
-    if not distributed.all_ranks(_local_weights_finite(model)):
+    if not distributed.all_ranks(checkpoint.trainable_weights_finite(model)):
         raise ValueError(f"not saving step {step}: the trainable weights hold NaN or inf")
     if dataclasses.is_dataclass(trainer_state):
         trainer_state = dataclasses.asdict(trainer_state)

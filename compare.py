@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 import checkpoint
+import report
 
 Z_95 = 1.96
 
@@ -101,8 +102,7 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     if steps and all(_finite(t) for t in elapsed):
         durations = np.diff(np.array([0.0] + elapsed))
     else:  # no training clock: fall back to the sum of the phase timers
-        durations = np.array([sum(r.get(k) or 0.0 for k in ("generate_s", "reward_s", "select_s", "update_s"))
-                              for r in steps])
+        durations = np.array([sum(r.get(k) or 0.0 for k in report.PHASE_KEYS) for r in steps])
     phases = {k: float(np.mean([r[k] for r in steps if _finite(r.get(k))]))
               for k in ("generate_s", "update_s") if any(_finite(r.get(k)) for r in steps)}
     return RunData(str(run_dir), method_label(config), config.get("seed"),

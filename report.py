@@ -29,7 +29,8 @@ import torch
 import checkpoint
 import update
 
-TIMING_KEYS = ("elapsed_s", "generate_s", "reward_s", "select_s", "update_s", "step_s", "peak_mem_gib")
+PHASE_KEYS = ("generate_s", "reward_s", "select_s", "update_s")  # a step's phases, timed by train.train_step
+TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")
 REPORT_TO = ("none", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -162,8 +163,7 @@ def _wandb_sink(run_dir, run_config):
 def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_config=None, enabled=True):
     """(metrics.jsonl handle, write(record)): `write` appends the line to metrics.jsonl (checkpoint.append_metrics)
     and sends it to the --report-to sink. keep_bytes: see checkpoint.open_metrics_log; first_step: the step a
-    resumed run writes (its
-    earlier TensorBoard events are kept, later ones purged; 0: a new run). enabled False (torchrun ranks but 0):
+    resumed run writes (its earlier TensorBoard events are kept, later ones purged; 0: a new run). enabled False (torchrun ranks but 0):
     nothing is written; the handle is an empty in-memory file."""
     check_report_to(report_to)
     if not enabled:

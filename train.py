@@ -87,7 +87,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, ctx=SINGLE):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1; under torchrun
     this rank's share of each), each generated, scored and down-sampled, then one update (mu optimizer steps) on
     every kept rollout. Returns the metrics of the global batch."""
-    times = dict.fromkeys(("generate_s", "reward_s", "select_s", "update_s"), 0.0)
+    times = dict.fromkeys(report.PHASE_KEYS, 0.0)
     scored, batches = [], []
     with distributed.full_weights_for_generation(model):  # FSDP: gathered once for the step's rollouts
         for round_index, examples in enumerate(rounds):
