@@ -12,8 +12,8 @@ seconds as well as the step. One checkpoint is a folder
         config.json         copy of the run's config
 
 and <out>/checkpoints/latest.txt names the newest complete one. A multi-process run (torchrun) writes the same
-folder with dcp/ (sharded weights and optimizer) and rng/ instead of adapter/ or model/: checkpoint_dcp.py,
-which publishes through the same `staging_folder` / `publish` below.
+folder with dcp/ (sharded weights and optimizer) and rng/ instead of adapter/ or model/
+(multigpu/sharded_checkpoint.py), published through the same `staging_folder` / `publish` below.
 
 Atomicity: everything is written into a temporary folder beside the final one, flushed to disk, then
 renamed into place (a rename within one file system is atomic), and only then is latest.txt replaced
@@ -26,8 +26,8 @@ the checkpoint). A checkpoint is never written from non-finite weights.
 
 Exact resume also needs the same prompts and the same random draws after the restart: the prompt order
 is a pure function of (seed, data position) (`next_prompt_indices`), and the RNG streams that shape the
-trajectory (generation, random down-sampling) are seeded from (seed, step) (`step_seed`); the saved global
-RNG states cover everything else.
+trajectory (generation, random down-sampling) are seeded from (seed, step) (sampling.derived_seed); the saved
+global RNG states cover everything else.
 """
 
 import dataclasses
@@ -97,11 +97,6 @@ def next_prompt_indices(num_rows, count, seed, position):
     return picked, (epoch, cursor)
 
 
-def step_seed(seed, step, round_index=0):
-    """Seed of step `step` (generation, random down-sampling): resumed steps regenerate identically."""
-    return int(np.random.SeedSequence([seed, step, round_index]).generate_state(1)[0])
-
-
 def checkpoint_root(run_dir):
     return Path(run_dir) / "checkpoints"
 
@@ -162,7 +157,7 @@ def trainable_weights_finite(model):
 
 
 def is_sharded(path):
-    """A checkpoint written by several processes (checkpoint_dcp.py): dcp/ instead of adapter/ or model/."""
+    """A checkpoint written by several processes (multigpu/): dcp/ instead of adapter/ or model/."""
     return (Path(path) / "dcp").is_dir()
 
 
@@ -230,7 +225,7 @@ def load_checkpoint(path, model, optimizer):
     path = Path(path)
     if is_sharded(path):
         raise ValueError(f"{path} was written by several processes (dcp/): resume it under torchrun with as many "
-                         "processes, or export it (python -m checkpoint_dcp export) and start from the export")
+                         "processes, or export it (python -m multigpu export) and start from the export")
     if _is_peft(model):
         from peft import set_peft_model_state_dict
 

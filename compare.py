@@ -5,7 +5,6 @@ Appendix A.4: speed-up = (time for the baseline to first reach 0.99x its own pea
 method to reach that same accuracy). study.py runs the down-sampling-rule and n/m studies and calls this.
 
     python compare.py RUN_DIR... --plot out.png [--table out.md] [--baseline-label "GRPO 4/4"]
-    python eval.py compare RUN_DIR... ...          (an alias: the same code path)
 
 With a single method (e.g. the one demo run) the curve and the table come without a speed-up.
 
@@ -14,7 +13,8 @@ written by eval.py) are joined linearly (--interp step: held until the next eval
 the union of its seeds' eval times; outside a seed's own [first, last] eval time that seed has no value
 (no extrapolation), and only grid times where >= --min-seeds seeds have a value are kept (ragged runs end
 where too few seeds remain). Band = mean +- 1.96 * sample-std / sqrt(k) over the k seeds present; one seed
-gives no band. Threshold crossing times are interpolated the same way as the curve.
+gives no band. Threshold crossing times are interpolated the same way as the curve. What is left out (runs
+without evals, unreadable lines, eval points whose time or value is not a finite number) is listed under the table.
 """
 
 import argparse
@@ -31,6 +31,12 @@ import checkpoint
 import report
 
 Z_95 = 1.96
+METRICS = ("accuracy", "format_accuracy", "both_accuracy")
+# Config keys that legitimately differ between the runs of one comparison: the method (rule, n/m, GRPO-GA and the
+# variant flags its label names), the seed, bookkeeping. Any other difference is listed under the table.
+PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
+                "baseline", "grad_accum_steps", "loss_aggregation", "clip_eps_high", "scale_rewards",
+                "selection_scope", "mask_truncated", "drop_zero_variance", "report_to"}
 
 
 @dataclass
@@ -44,6 +50,7 @@ class RunData:
     phase_means_s: dict           # mean generate_s / update_s / ... per step
     skipped_lines: int = 0        # unreadable lines (e.g. a run killed mid-write)
     config: dict = field(default_factory=dict)
+    nonfinite_evals: int = 0      # eval points left out: their time or value is not a finite number (NaN)
 
 
 @dataclass
@@ -76,9 +83,6 @@ def method_label(config):
         f"{config.get('rule', '?')} {config.get('num_rollouts', '?')}/{config.get('update_size', '?')}"
 
 
-METRICS = ("accuracy", "format_accuracy", "both_accuracy")
-
-
 def read_run(run_dir, eval_file=None, metric="accuracy"):
     """One run's eval curve of `metric` and its step times. A step logged twice (resume) keeps its last line."""
     if metric not in METRICS:
@@ -96,7 +100,8 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     else:
         points = {r["step"]: (r.get("elapsed_s"), r.get(f"eval/{metric}")) for r in records
                   if r.get("type") == "eval" and "step" in r}
-    points = sorted((t, a) for t, a in points.values() if _finite(t) and _finite(a))
+    points = [(t, a) for t, a in points.values() if a is not None]  # lines without the metric: not its curve
+    finite = sorted((t, a) for t, a in points if _finite(t) and _finite(a))
     steps = [train[s] for s in sorted(train)]
     elapsed = [r.get("elapsed_s") for r in steps]
     if steps and all(_finite(t) for t in elapsed):
@@ -106,8 +111,8 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     phases = {k: float(np.mean([r[k] for r in steps if _finite(r.get(k))]))
               for k in ("generate_s", "update_s") if any(_finite(r.get(k)) for r in steps)}
     return RunData(str(run_dir), method_label(config), config.get("seed"),
-                   np.array([t for t, _ in points], dtype=float), np.array([a for _, a in points], dtype=float),
-                   durations.astype(float), phases, skipped, config)
+                   np.array([t for t, _ in finite], dtype=float), np.array([a for _, a in finite], dtype=float),
+                   durations.astype(float), phases, skipped, config, len(points) - len(finite))
 
 
 def values_on_grid(times_s, accuracy, grid_s, interp="linear"):
@@ -174,17 +179,17 @@ def speedup_rows(curves, baseline_label, interp="linear", fraction=0.99):
     base_time = first_time_reaching(base.times_s, base.mean, threshold, interp) if base_peak > 0 else None
     rows = []
     for c in curves:
-        time_s = first_time_reaching(c.times_s, c.mean, threshold, interp) if len(c.mean) and base_peak > 0 else None
+        time_s = first_time_reaching(c.times_s, c.mean, threshold, interp) if base_peak > 0 else None
         if base is None:  # one method: nothing to compare against
             speedup = None
         elif not base_peak > 0:
             speedup = "undefined (baseline peak is 0 or missing)"
         elif base_time == 0:  # T_b / T_m = 0 / T_m: the ratio says nothing about speed
-            speedup = "undefined (baseline peaks at its first eval)"
+            speedup = "undefined (baseline reaches the threshold at 0 s)"
         elif time_s is None:
             speedup = "not reached"
         elif time_s == 0:
-            speedup = "inf (reached at its first eval)"
+            speedup = "inf (reached at 0 s)"
         else:
             speedup = f"{base_time / time_s:.2f}x"
         steps = np.concatenate([r.step_durations_s for r in c.runs]) if c.runs else np.empty(0)
@@ -212,7 +217,8 @@ def markdown_table(rows, baseline_label, fraction=0.99, metric="accuracy"):
              f"{_fmt(rows[0]['threshold'] if rows else None)}." if with_speedup
              else f"Held-out {metric}, one method (no speed-up: that needs a baseline).")
     speedup_head, speedup_rule = ("| time to threshold (s) | speed-up ", "---:|---|") if with_speedup else ("", "")
-    lines = [intro + " Peak = max of the seed-mean curve (+- 1.96 SE there).", "", f"| method | seeds | evals per seed | curve ends (s) | peak {metric} {speedup_head}"
+    lines = [intro + " Peak = max of the seed-mean curve (+- 1.96 SE there).", "",
+             f"| method | seeds | evals per seed | curve ends (s) | peak {metric} {speedup_head}"
              "| mean step time (s) | generate / update (s) |", f"|---|---:|---|---:|---|{speedup_rule}---:|---|"]
     for r in rows:
         peak = _fmt(r["peak_accuracy"]) + (f" +- {_fmt(r['peak_band'])}" if _finite(r["peak_band"]) else "")
@@ -246,24 +252,15 @@ def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
             right.plot(np.arange(1, width + 1), np.nanmean(padded, axis=0), color=line.get_color(), label=c.label)
     if threshold is not None and _finite(threshold):
         left.axhline(threshold, color="gray", linestyle="--", linewidth=0.8, label="0.99 x baseline peak")
-    left.set_xlabel(f"training wall-clock ({'min' if minutes else 's'})")
-    left.set_ylabel(f"held-out {metric}")
+    left.set(xlabel=f"training wall-clock ({'min' if minutes else 's'})", ylabel=f"held-out {metric}")
     left.legend(fontsize=8)
-    right.set_xlabel("step")
-    right.set_ylabel("step time (s), mean over seeds")
+    right.set(xlabel="step", ylabel="step time (s), mean over seeds")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-# Config keys that legitimately differ between the runs of one comparison (method, seed, bookkeeping).
-PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
-                "baseline", "grad_accum_steps", "updates_per_batch", "advantage_normalization", "loss_aggregation",
-                "clip_eps_high", "scale_rewards", "selection_scope", "mask_truncated", "drop_zero_variance",
-                "report_to"}
 
 
 def config_differences(runs):
@@ -302,11 +299,11 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
     if not runs:
         raise ValueError("no readable run directory among: " + ", ".join(map(str, run_dirs)))
     problems += [f"- {r.run_dir}: {r.skipped_lines} unreadable metrics lines skipped" for r in runs if r.skipped_lines]
+    problems += [f"- {r.run_dir}: {r.nonfinite_evals} eval points left out, their time or {metric} not a finite number"
+                 for r in runs if r.nonfinite_evals]
     problems += [f"- settings differ between runs: {d}" for d in config_differences(runs)]
     labels = list(dict.fromkeys(r.label for r in runs))
-    if baseline_label is not None and baseline_label not in labels:
-        raise ValueError(f"baseline {baseline_label!r} is not among the methods {labels}")
-    if len(labels) == 1:  # nothing to compare against: curve and table without a speed-up
+    if len(labels) == 1 and baseline_label in (None, labels[0]):  # nothing to compare against: no speed-up
         baseline_label = None
     elif baseline_label is None:
         grpo = [label for label in labels if label.upper().startswith("GRPO")]
@@ -314,7 +311,7 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
             raise ValueError(f"cannot pick the baseline among {labels}: pass --baseline-label")
         baseline_label = grpo[0]
     curves = [method_curve(label, [r for r in runs if r.label == label], interp, min_seeds) for label in labels]
-    rows = speedup_rows(curves, baseline_label, interp)
+    rows = speedup_rows(curves, baseline_label, interp)  # checks that the baseline is among them
     table = markdown_table(rows, baseline_label, metric=metric) + ("\n" + "\n".join(problems) if problems else "")
     if plot:
         plot_curves(curves, plot, rows[0]["threshold"], title, metric)
@@ -334,15 +331,14 @@ def main(argv=None):
     parser.add_argument("--metric", choices=METRICS, default="accuracy",
                         help="held-out metric to compare (both_accuracy = correct and well-formatted)")
     parser.add_argument("--title")
-    args = parser.parse_args(argv)
-    rows, table = compare(args.run_dirs, baseline_label=args.baseline_label, interp=args.interp,
-                          min_seeds=args.min_seeds, eval_file=args.eval_file, plot=args.plot, title=args.title,
-                          metric=args.metric)
+    args = vars(parser.parse_args(argv))
+    table_path, json_path = args.pop("table"), args.pop("json")
+    rows, table = compare(**args)  # every other flag is one of compare()'s arguments
     print(table)
-    if args.table:
-        Path(args.table).write_text(table + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if table_path:
+        Path(table_path).write_text(table + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
 
 

@@ -3,7 +3,7 @@ command-line flags grouped by concern, and every check that can be made before a
 
 Paper Appendix, hyper-parameter table, plus the authors' released single-GPU config (YixuanEvenXu/pods,
 config/train.yaml: 1 prompt per step, temperature 0.9, AdamW betas 0.9/0.99, checkpoints every 1800 s).
-Settings (e), (f) are the table's multi-GPU full-parameter runs (torchrun; distributed.py).
+Settings (e), (f) are the table's multi-GPU full-parameter runs (torchrun -m multigpu).
 Precedence: flags > the resumed run's config.json > --baseline > the preset (`parse_args`).
 
 Simplification: the learning rate is constant (as in the authors' single-GPU config; their multi-GPU recipe
@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -21,12 +22,12 @@ import torch
 
 import checkpoint
 import data
-import distributed
 import grpo_loss
 import models
 import pods
 import report
 import rewards
+import sampling
 import update
 
 PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(models.DEFAULT_LORA_TARGETS),
@@ -80,7 +81,7 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.")
     add = parser.add_argument_group("preset").add_argument
     add("--preset", choices=sorted(PRESETS), default="demo",
-        help="paper setting (a)-(d), (e)/(f) (full parameter, torchrun on 8 GPUs) or the CPU demo")
+        help="paper setting (a)-(d), (e)/(f) (full parameter, 8 GPUs: torchrun -m multigpu) or the CPU demo")
     add("--baseline", action="store_true", help="switch the preset to its GRPO baseline (n = m, rule none)")
     add = parser.add_argument_group("model").add_argument
     add("--model", help=f"Hub id, local folder/.gguf, or {models.SMOLLM2_ALIAS!r} (offline demo model)")
@@ -156,21 +157,22 @@ def build_parser():
     add("--resume", action="store_true",
         help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
-    add("--dist-timeout-s", type=float, default=1800.0,
-        help="torchrun: a collective waiting longer ends the run with an error (must exceed one rank's generation)")
     add("--report-to", choices=report.REPORT_TO, default="none",
         help="also send the metrics.jsonl lines, same names, to TensorBoard (<out>/tensorboard) or Weights & Biases")
+    add = parser.add_argument_group("several GPUs (torchrun -m multigpu)").add_argument
+    add("--dist-timeout-s", type=float, default=1800.0,
+        help="a collective waiting longer ends the run with an error (must exceed one process's generation)")
     return parser
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, restarted=False):
     """Resolved, checked flags: flags > the resumed run's config > --baseline > the preset. Raises ValueError or
-    FileNotFoundError (one line each) for anything wrong, before any model or data is loaded."""
+    FileNotFoundError (one line each) for anything wrong, before any model or data is loaded. restarted: a launcher
+    started this run again (torchrun --max-restarts): it resumes from its latest checkpoint, or starts over."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     first = parser.parse_args(argv)
-    if not first.resume and distributed.restart_count() and first.output_dir \
-            and checkpoint.latest_checkpoint(first.output_dir):  # restarted by torchrun --max-restarts
+    if not first.resume and restarted and first.output_dir and checkpoint.latest_checkpoint(first.output_dir):
         argv, first.resume = argv + ["--resume"], True
     saved = {}
     if first.resume:
@@ -187,11 +189,11 @@ def parse_args(argv=None):
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
-    check_args(args)
+    check_args(args, restarted)
     return args
 
 
-def check_args(args):
+def check_args(args, restarted=False):
     """Every error visible before loading anything: flag values and combinations, reward weights (parsed here,
     once, into a dict), the run folder, the data and the model source."""
     for name in POSITIVE_INTS:
@@ -212,10 +214,11 @@ def check_args(args):
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
     _check_variant_flags(args)
-    _check_distributed(args, distributed.world_size_from_env())
+    if not args.dist_timeout_s > 0:
+        raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
     args.reward_weights = parse_reward_weights(args.reward_weights)
     _check_device_flags(args)
-    _check_run_dir(args)
+    _check_run_dir(args, restarted)
     _check_data(args)
     models.check_model_source(args.model)  # missing local path or demo package -> clear error, nothing loaded
     if args.bf16 and not str(args.device).startswith("cuda"):
@@ -265,28 +268,9 @@ def _check_variant_flags(args):
     report.check_report_to(args.report_to)
 
 
-def _check_distributed(args, world_size):
-    """What a torchrun launch needs: equal prompt shares, shardable weights and optimizer, per-prompt statistics."""
-    if not args.dist_timeout_s > 0:
-        raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
-    if not distributed.launched_by_torchrun():
-        return
-    if args.load_in_4bit or args.optimizer == "adamw8bit":
-        raise ValueError("under torchrun the weights and optimizer state are sharded by FSDP2, which cannot shard "
-                         "4-bit weights (--load-in-4bit) or 8-bit AdamW (--optimizer adamw8bit): drop them")
-    if args.prompts_per_step % world_size:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} cannot be split evenly over {world_size} "
-                         f"processes: every rank takes P / {world_size} prompts of each rollout batch; make it a "
-                         f"multiple of {world_size}")
-    if world_size > 1 and (args.selection_scope == "batch" or args.scale_rewards == "batch" or args.drop_zero_variance):
-        raise ValueError("--selection-scope batch, --scale-rewards batch and --drop-zero-variance need statistics "
-                         "over every prompt of a rollout batch or change each rank's number of kept rows; with "
-                         "several processes use the per-prompt defaults")
-
-
-def _check_run_dir(args):
-    if distributed.restart_count() and not args.resume:
-        return  # torchrun restarted the ranks before the first checkpoint: the run starts over
+def _check_run_dir(args, restarted):
+    if restarted and not args.resume:
+        return  # restarted before the first checkpoint: the run starts over
     if args.resume:
         if args.output_dir is None:
             raise ValueError("--resume needs --output-dir")
@@ -322,13 +306,28 @@ def method_label(args):
     return label + (" + " + ", ".join(variants) if variants else "")
 
 
-def generation_options(args):
-    """Decode-engine options of the run. On CUDA one KV-cache length for every call (longest prompt + completion),
-    so training and evaluation share one set of recorded decode graphs; elsewhere nothing is recorded and each call
-    attends over its own prompts' length. The merged-weight copy as --generation-copy."""
+def run_dir(args):
+    """The run folder: --output-dir, else runs/<preset>-<pods|grpo>-s<seed>-<time>."""
+    method = "grpo" if args.rule == "none" else "pods"
+    return Path(args.output_dir or f"runs/{args.preset}-{method}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def model_options(args):
+    """models.load_policy's options from the flags (besides the model, its dtype and device)."""
+    return dict(load_in_4bit=args.load_in_4bit, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                gradient_checkpointing=args.gradient_checkpointing,
+                lora_target_modules=tuple(args.lora_target_modules.split(",")))
+
+
+def generation_settings(args, **overrides):
+    """The flags of generation as sampling.GenerationSettings (overrides: e.g. the evaluation's temperature). On
+    CUDA one KV-cache length for every call (longest prompt + completion), so training and evaluation share one set
+    of recorded decode graphs; elsewhere nothing is recorded and each call attends over its own prompts' length."""
     cuda = str(args.device).startswith("cuda")
-    return dict(cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0,
-                generation_copy=args.generation_copy)
+    settings = dict(max_new_tokens=args.max_completion_tokens, temperature=args.temperature, top_p=args.top_p,
+                    rollout_batch_size=args.rollout_batch_size, generation_copy=args.generation_copy,
+                    cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0)
+    return sampling.GenerationSettings(**dict(settings, **overrides))
 
 
 def update_settings(args):

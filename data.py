@@ -173,15 +173,12 @@ def _convert(name, numbered_rows, source):
     return rows
 
 
-def _split_key(text):
-    return hashlib.sha256(f"{_SPLIT_SALT}:{text}".encode()).hexdigest()
-
-
-def _held_out(keys, fraction):
-    """Indices of the held-out part: the `fraction` of keys with the smallest salted hash (exact size,
-    independent of file order and library versions)."""
-    order = sorted(range(len(keys)), key=lambda i: _split_key(keys[i]))
-    return set(order[:round(fraction * len(keys))])
+def _split_part(items, keys, fraction, split):
+    """The `split` part of items, in their order: "test" is the `fraction` of them whose keys have the smallest
+    salted SHA-256 (exact size, independent of file order and library versions), "train" the rest."""
+    order = sorted(range(len(keys)), key=lambda i: hashlib.sha256(f"{_SPLIT_SALT}:{keys[i]}".encode()).hexdigest())
+    test = set(order[:round(fraction * len(keys))])
+    return [item for i, item in enumerate(items) if (i in test) == (split == "test")]
 
 
 def sciknoweval_l3_mcq(rows):
@@ -230,8 +227,7 @@ def _arithmetic_rows(split, num_rows, seed, max_digits):
         raise ValueError(f"max_digits must be 1, 2 or 3, got {max_digits}")
     high = 10 ** max_digits
     pairs = [(a, b) for a in range(high) for b in range(a, high) if (a, b) != (23, 45)]  # not the one-shot
-    held_out = _held_out([f"{a}+{b}" for a, b in pairs], ARITHMETIC_TEST_FRACTION)
-    pool = [pair for i, pair in enumerate(pairs) if (i in held_out) == (split == "test")]
+    pool = _split_part(pairs, [f"{a}+{b}" for a, b in pairs], ARITHMETIC_TEST_FRACTION, split)
     rng = random.Random(f"{seed}:{split}:{max_digits}")
     rows = []
     while len(rows) < num_rows:  # each pass uses every pair once: no repeats until the pool is used up
@@ -277,8 +273,7 @@ def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None
             path = folder / _FILES[(name, split)]
             rows = _convert(name, read_jsonl(path, _FIELDS[name]), str(path))
         if name == "chemistry":
-            held_out = _held_out([row["question"] for row in rows], CHEMISTRY_TEST_FRACTION)
-            rows = [row for i, row in enumerate(rows) if (i in held_out) == (split == "test")]
+            rows = _split_part(rows, [row["question"] for row in rows], CHEMISTRY_TEST_FRACTION, split)
         if num_rows is not None:
             if num_rows > len(rows):
                 raise ValueError(f"num_rows={num_rows} but {name}/{split} has only {len(rows)} rows")
@@ -302,15 +297,10 @@ def render_prompts(tokenizer, prompts, prefill_think=False, *, use_chat_template
         texts = [tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
                  for messages in prompts]
         return [text + THINK_PREFILL for text in texts] if prefill_think else texts
-    texts = []
-    for messages in prompts:
-        parts = []
-        for message in messages:
-            role, content = message["role"], message["content"]
-            parts.append(content + "\n" if role == "system" else
-                         f"\nUser: {content}" if role == "user" else f"\nAssistant: {content}")
-        texts.append("".join(parts).lstrip("\n") + "\nAssistant:" + (" " + THINK_PREFILL if prefill_think else ""))
-    return texts
+    turns = {"system": "{}\n", "user": "\nUser: {}"}  # any other role: "\nAssistant: {}"
+    end = "\nAssistant:" + (" " + THINK_PREFILL if prefill_think else "")
+    return ["".join(turns.get(m["role"], "\nAssistant: {}").format(m["content"]) for m in messages).lstrip("\n") + end
+            for messages in prompts]
 
 
 def filter_long_prompts(texts, tokenizer, max_prompt_tokens):

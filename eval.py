@@ -15,7 +15,8 @@ folder is read through checkpoint.py.
     python eval.py --checkpoint runs/demo                  # every checkpoint of a run -> runs/demo/eval_test.json
     python eval.py --checkpoint runs/demo/checkpoints/step_000020 --repeats 5
     python eval.py --model smollm2-135m-offline --dataset arithmetic --out base.json
-    python eval.py compare RUN_DIR... --plot out.png        # an alias of python compare.py
+
+A checkpoint written by several processes (dcp/) is evaluated with `python -m multigpu eval` and the same flags.
 """
 
 import argparse
@@ -40,33 +41,32 @@ class EvalResult:
     elapsed_s: float
 
 
-def _check_args(prompts, answers, samples_per_prompt, repeats, temperature, batch_size):
+def _check_args(prompts, answers, samples_per_prompt, repeats, temperature):
     if len(prompts) == 0:
         raise ValueError("evaluate: no prompts given")
     if len(prompts) != len(answers):
         raise ValueError(f"evaluate: {len(prompts)} prompts but {len(answers)} answers")
-    if samples_per_prompt < 1 or repeats < 1 or batch_size < 1:
-        raise ValueError(f"evaluate: samples_per_prompt ({samples_per_prompt}), repeats ({repeats}) and "
-                         f"batch_size ({batch_size}) must all be >= 1")
+    if samples_per_prompt < 1 or repeats < 1:
+        raise ValueError(f"evaluate: samples_per_prompt ({samples_per_prompt}) and repeats ({repeats}) must be >= 1")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"evaluate: temperature must be >= 0 (0 = greedy), got {temperature}")
 
 
-def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1, repeats=1, temperature=0.9,
-                     top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False, cache_tokens=0,
-                     generation_copy=None):
-    """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them).
-    cache_tokens, generation_copy: as sampling.generate_rollouts (train.py passes its run's, so held-out evaluation
-    reuses the decode graphs recorded for training).
+def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
+                     progress=False):
+    """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them). settings:
+    sampling.GenerationSettings (train.py passes its run's, so held-out evaluation reuses its decode graphs).
 
-    Prompts are generated in chunks of batch_size // K prompts (K samples each, so about batch_size rows
-    per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
+    Prompts are generated in chunks of rollout_batch_size // K prompts (K samples each, so about rollout_batch_size
+    rows per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
     `progress` and a repeat is reproducible on its own."""
     import data
     import rewards
     import sampling
 
-    _check_args(prompts, answers, samples_per_prompt, repeats, temperature, batch_size)
+    temperature, batch_size = settings.temperature, settings.rollout_batch_size
+    _check_args(prompts, answers, samples_per_prompt, repeats, temperature)
+    sampling.check_settings(settings)
     if temperature == 0 and (samples_per_prompt > 1 or repeats > 1):
         warnings.warn("temperature 0 is greedy decoding: every sample would be identical, so "
                       f"samples_per_prompt={samples_per_prompt} and repeats={repeats} are reduced to 1")
@@ -84,10 +84,8 @@ def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1
         correct, formatted, both, total_tokens, count = 0, 0, 0, 0, 0
         for chunk_index, start in enumerate(chunk_starts):
             chunk_prompts = list(prompts[start:start + prompts_per_chunk])
-            rollouts = sampling.generate_rollouts(
-                model, tokenizer, chunk_prompts, samples_per_prompt, max_new_tokens, temperature=temperature,
-                top_p=top_p, rollout_batch_size=batch_size, seed=seed + 100_003 * repeat + chunk_index,
-                cache_tokens=cache_tokens, generation_copy=generation_copy)
+            rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
+                                                  seed=seed + 100_003 * repeat + chunk_index)
             rows = [start + row // samples_per_prompt for row in range(len(rollouts.texts))]  # row i*K+j
             # A prompt that ends in the think prefill (data.render_prompts(prefill_think=True)) made the
             # model's output start after "<think>\n": grade prefill + generated text.
@@ -109,15 +107,11 @@ def evaluate_repeats(model, tokenizer, prompts, answers, *, samples_per_prompt=1
     return results
 
 
-def evaluate(model, tokenizer, prompts, answers, *, samples_per_prompt=1, repeats=1, temperature=0.9,
-             top_p=1.0, max_new_tokens=256, batch_size=64, seed=0, progress=False, cache_tokens=0,
-             generation_copy=None):
+def evaluate(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
+             progress=False):
     """Accuracy over all prompts x samples x repeats (repeats have equal size, so this is their mean)."""
-    per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, samples_per_prompt=samples_per_prompt,
-                                  repeats=repeats, temperature=temperature, top_p=top_p,
-                                  max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                                  progress=progress, cache_tokens=cache_tokens, generation_copy=generation_copy)
-    return _pool(per_repeat)
+    return _pool(evaluate_repeats(model, tokenizer, prompts, answers, settings, samples_per_prompt=samples_per_prompt,
+                                  repeats=repeats, seed=seed, progress=progress))
 
 
 def _pool(per_repeat):
@@ -204,18 +198,20 @@ def run_settings(args, checkpoints):
     return settings
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["compare"]:  # an alias: the same code path as python compare.py
-        import compare
-
-        return compare.main(argv[1:])
-    args = parse_args(argv)
+def main(argv=None, load_sharded=None):
+    """The command line. load_sharded(path, base model, dtype, device) -> model: how a checkpoint written by several
+    processes (dcp/) is read (`python -m multigpu eval` passes it); None: such a checkpoint is refused."""
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     import checkpoint
     import data
     import models
+    import sampling
 
     checkpoints = checkpoint.find_checkpoints(args.checkpoint) if args.checkpoint else []
+    sharded = [path for path in checkpoints if checkpoint.is_sharded(path)]
+    if sharded and load_sharded is None:
+        raise ValueError(f"{sharded[0]} was written by several processes (dcp/): evaluate it with "
+                         "python -m multigpu eval and the same flags")
     settings = run_settings(args, checkpoints)
     data.check_data_source(settings["dataset"], settings["data_dir"], splits=(args.split,))
     models.check_model_source(settings["model"])  # a missing local model: one line, before anything loads
@@ -248,10 +244,7 @@ def main(argv=None):
     base = None
     for path in todo or [None]:
         if path is not None and checkpoint.is_sharded(path):  # written under torchrun: LoRA merged, one process
-            import checkpoint_dcp
-
-            model = checkpoint_dcp.load_merged_model(path, settings["model"], dtype=dtype or torch.float32,
-                                                     device=args.device)
+            model = load_sharded(path, settings["model"], dtype or torch.float32, args.device)
         elif path is not None and (path / "model").is_dir():  # full fine-tuning checkpoint
             model = models.load_policy(str(path / "model"), dtype=dtype, device=args.device)
         else:
@@ -261,10 +254,10 @@ def main(argv=None):
                 from peft import PeftModel
 
                 model = PeftModel.from_pretrained(base, str(path / "adapter"))
-        per_repeat = evaluate_repeats(model, tokenizer, prompts, answers,
+        generation = sampling.GenerationSettings(settings["max_completion_tokens"], args.temperature, args.top_p,
+                                                 args.batch_size)
+        per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, generation,
                                       samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
-                                      temperature=args.temperature, top_p=args.top_p,
-                                      max_new_tokens=settings["max_completion_tokens"], batch_size=args.batch_size,
                                       seed=args.seed, progress=not args.no_progress)
         progress = checkpoint.checkpoint_progress(path) if path is not None else {"step": 0, "elapsed_s": 0.0}
         name = path.name if path is not None else "base"

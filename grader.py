@@ -20,6 +20,7 @@ off the main thread such pairs get None.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -86,9 +87,25 @@ _WARMUP = (("72", "72"), ("\\frac{1}{2}", "0.5"), ("(3, \\frac{\\pi}{2})", "(3,\
            ("\\sin x + \\log_2 8", "\\sin(x)+3"), ("\\sqrt{2}", "2^{1/2}"), ("x^2-1", "(x-1)(x+1)"))
 
 
+def _timed_verdict(gold, prediction, timeout_s):
+    """math-verify under our soft timer (the caller, on the main thread, has made _on_alarm the SIGALRM handler):
+    True/False, "timeout", or None (MemoryError, RecursionError: no verdict)."""
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        return bool(_math_verify_equal(gold, prediction))
+    except (MemoryError, RecursionError):
+        return None
+    except Exception:  # noqa: BLE001  sympy/parser errors: an ordinary "not equal"
+        return False
+    except _SoftTimeout:
+        return "timeout"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def _worker_loop(conn):
-    """Answer (gold, prediction, timeout_s) requests until EOF with True/False, "timeout" (soft timer:
-    we stay usable and warm), or None (MemoryError, RecursionError: the parent replaces us)."""
+    """Answer (gold, prediction, timeout_s) requests until EOF with _timed_verdict's answer: after "timeout"
+    we stay usable and warm; after None (MemoryError, RecursionError) the parent replaces us."""
     import resource
 
     signal.signal(signal.SIGALRM, _on_alarm)
@@ -97,24 +114,11 @@ def _worker_loop(conn):
             gold, prediction, timeout_s = conn.recv()
         except (EOFError, OSError):
             return
-        try:  # kernel backstop for C code deaf to SIGALRM, which also ends an orphaned worker
+        # kernel backstop for C code deaf to SIGALRM, which also ends an orphaned worker
+        with contextlib.suppress(ValueError, OSError):
             used_s = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
             resource.setrlimit(resource.RLIMIT_CPU, (int(used_s + timeout_s) + 2, resource.RLIM_INFINITY))
-        except (ValueError, OSError):
-            pass
-        verdict = None
-        try:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            verdict = bool(_math_verify_equal(gold, prediction))
-        except (MemoryError, RecursionError):
-            verdict = None
-        except Exception:  # noqa: BLE001  sympy/parser errors: an ordinary "not equal"
-            verdict = False
-        except _SoftTimeout:
-            verdict = "timeout"
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        conn.send(verdict)
+        conn.send(_timed_verdict(gold, prediction, timeout_s))
 
 
 def _zygote_main(control_fd):
@@ -127,14 +131,13 @@ def _zygote_main(control_fd):
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps exited workers
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs whole inputs on failures
     warnings.simplefilter("ignore")  # sympy/parser warnings about model text are noise on the trainer's stderr
-    try:  # inherited by workers: a huge integer raises MemoryError instead of eating the machine
+    # inherited by workers: a huge integer raises MemoryError instead of eating the machine
+    with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_BYTES, _WORKER_MEMORY_BYTES))
-    except (ValueError, OSError):
-        pass
     for gold, prediction in _WARMUP:  # fills parser caches once; every worker inherits them
         _math_verify_equal(gold, prediction)
     control = socket.socket(fileno=control_fd)
-    try:
+    with contextlib.suppress(OSError):  # the parent is gone
         while control.recv(1):
             parent_end, worker_end = socket.socketpair()
             pid = os.fork()
@@ -147,16 +150,12 @@ def _zygote_main(control_fd):
                     os._exit(0)
             worker_end.close()
             fds = [parent_end.fileno()]
-            try:
+            with contextlib.suppress(AttributeError, OSError):
                 fds.append(os.pidfd_open(pid))  # race-free kill for the parent (Linux >= 5.3)
-            except (AttributeError, OSError):
-                pass
             socket.send_fds(control, [str(pid).encode()], fds)
             for fd in fds[1:]:
                 os.close(fd)
             parent_end.close()
-    except OSError:
-        pass
 
 
 @dataclass
@@ -189,25 +188,21 @@ def _fork_worker():
         if not _zygote or _zygote["process"].poll() is not None:
             _stop_zygote()
             _start_zygote()
-        try:
+        with contextlib.suppress(OSError):
             _zygote["control"].sendall(b"f")
             message, fds, _, _ = socket.recv_fds(_zygote["control"], 64, 2)
             if message and fds:
                 return _Worker(int(message), Connection(fds[0]), fds[1] if len(fds) > 1 else None)
-        except OSError:
-            pass
         _stop_zygote()
     raise RuntimeError("the math-verify grader server did not start")
 
 
 def _kill_worker(worker):
-    try:
+    with contextlib.suppress(OSError):  # already gone
         if worker.pidfd is not None:
             signal.pidfd_send_signal(worker.pidfd, signal.SIGKILL)
         else:
             os.kill(worker.pid, signal.SIGKILL)
-    except OSError:  # already gone
-        pass
     worker.conn.close()
     if worker.pidfd is not None:
         os.close(worker.pidfd)
@@ -216,11 +211,9 @@ def _kill_worker(worker):
 def _stop_zygote():
     if _zygote:
         _zygote["control"].close()
-        try:
+        with contextlib.suppress(OSError, ValueError):
             _zygote["process"].kill()
             _zygote["process"].wait(timeout=5)
-        except (OSError, ValueError):
-            pass
         _zygote.clear()
 
 
@@ -317,15 +310,10 @@ def _verify_in_process(gold, prediction, timeout_s):
         return None
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        return _math_verify_equal(gold, prediction)
-    except Exception:  # noqa: BLE001
-        return False
-    except BaseException:  # noqa: BLE001
-        return None
+        verdict = _timed_verdict(gold, prediction, timeout_s)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    return verdict if isinstance(verdict, bool) else None
 
 
 # ---------------------------------------------------------------------------- entry point, cache

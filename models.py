@@ -9,10 +9,11 @@ fp32); --bf16 with full fine-tuning keeps fp32 master weights and runs the updat
 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4:
 the step rounds away). Generation then runs on the fp32 weights (correct, slower; a static KV cache is fp32).
 
-Simplifications: one device, no FSDP/DeepSpeed; 4-bit is bitsandbytes NF4 (QLoRA) only.
+`dropout_off` is the one place that switches dropout off (generation, the log-prob pass, the update).
+Simplifications: one device (multigpu/ shards this same model with FSDP2); 4-bit is bitsandbytes NF4 (QLoRA) only.
 """
 
-import functools
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -20,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 SMOLLM2_ALIAS = "smollm2-135m-offline"
@@ -202,54 +202,26 @@ def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)
 
-# ------------------------------------------------ generation weights (engine.py): LoRA merged into a copy
 
-def mergeable_deltas(module):
-    """The weight updates peft's merge would add to this projection ([] if none), or None where an adapter is
-    not a plain additive update (DoRA and other variants, LoRA bias): then the module itself is called."""
-    if not hasattr(module, "lora_A") or module.disable_adapters or module.merged:
-        return []
-    names = [name for name in module.active_adapters if name in module.lora_A]
-    variants = set(getattr(module, "lora_variant", {})) | {n for n, on in getattr(module, "use_dora", {}).items() if on}
-    if any(name in variants or getattr(module, "lora_bias", {}).get(name, False) for name in names):
-        return None
-    return [module.get_delta_weight(name) for name in names]
+def hf_model(model):
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def base_weight(module):
-    """A projection's base weight; bitsandbytes 4-bit weights (CUDA only) dequantized to their compute dtype."""
-    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
-    if hasattr(base.weight, "quant_state"):
-        import bitsandbytes.functional as bnb_functional
-
-        return bnb_functional.dequantize_4bit(base.weight.data, base.weight.quant_state)
-    return base.weight
-
-
-def projection(module, generation_copy, copies):
-    """What the engine calls for one projection: F.linear over a merged (dequantized) copy where one is made,
-    else the base layer (nothing to merge) or the module itself (adapter run unmerged, as in training)."""
-    deltas = mergeable_deltas(module)
-    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
-    if deltas is None or not generation_copy:
-        return module
-    if not deltas and not hasattr(base.weight, "quant_state"):
-        return base
-    copies.append((module, torch.empty_like(base_weight(module))))
-    return functools.partial(F.linear, weight=copies[-1][1], bias=base.bias)
-
-
-@torch.no_grad()
-def refresh_copies(copies):
-    """copy = base weight + the adapters' deltas: what peft's merge computes, in a separate buffer."""
-    for module, weight in copies:
-        weight.copy_(base_weight(module))
-        for delta in mergeable_deltas(module) or []:
-            weight.add_(delta)
-
-
-def model_signature(model):
-    """Changes when parameters move (CUDA graphs hold addresses) or adapters are switched on or off."""
-    adapters = [(m.disable_adapters, tuple(m.active_adapters), m.merged)
-                for m in model.modules() if hasattr(m, "lora_A")]
-    return tuple(p.data_ptr() for p in model.parameters()), tuple(adapters)
+@contextlib.contextmanager
+def dropout_off(model, keep_checkpointing=False):
+    """Every module in eval mode for the block (no dropout; gradients still flow), each module's own flag restored
+    afterwards. keep_checkpointing=True (the update) leaves gradient-checkpointed layers in training mode: their
+    flag is what switches checkpointing on (transformers), and they hold no dropout of their own. Generation
+    wants them in eval mode too: a checkpointed layer in training mode turns the KV cache off."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    if keep_checkpointing:
+        for module, training in modes:
+            if getattr(module, "gradient_checkpointing", False) is True:
+                module.training = training
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training

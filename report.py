@@ -10,24 +10,21 @@ Every numeric field of a metrics line is sent as a scalar at the line's "step" (
 lines share the step axis, as in the jsonl). metrics.jsonl stays the record compare.py reads; the other sinks are
 views of it. Simplification: a resumed run re-sends the steps after its checkpoint (TensorBoard: the events past
 that step are purged; W&B: a new run in the same project).
-
-Under torchrun each rank scores its own prompts: `merge_ranks` joins the ranks' ScoredRounds (in rank order, the
-single-process order), sums their losses and row counts and token-weights their token means, so rank 0 logs the
-metrics of the global batch; timings are the slowest rank's.
+`timed` is the one stopwatch of the project: a step's phases (train.py), the decode engine's prefill and decode
+(engine/), the benchmarks.
 """
 
 import contextlib
-import dataclasses
 import importlib.util
 import io
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import checkpoint
-import update
 
 PHASE_KEYS = ("generate_s", "reward_s", "select_s", "update_s")  # a step's phases, timed by train.train_step
 TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")
@@ -54,33 +51,22 @@ class ScoredRound:
                    int(rollouts.prompt_mask.sum()) * rewards.shape[1])
 
 
-def merge_ranks(gathered):
-    """[(rounds, update.UpdateMetrics, times)] of every rank (distributed.all_gather) -> the same of the global
-    batch: round g joins every rank's round g (kept rows re-indexed), losses and rows summed (each rank's loss is
-    its share of the global normaliser), token means token-weighted, timings the slowest rank's. The gradient
-    norm and the step counts are global already (equal on every rank)."""
-    if len(gathered) == 1:
-        return gathered[0]
-    rounds = []
-    for parts in zip(*(rank_rounds for rank_rounds, _, _ in gathered)):
-        offsets = [0] + [int(p.rewards.numel()) for p in parts[:-1]]
-        offsets = torch.tensor(offsets).cumsum(0).tolist()
-        rounds.append(ScoredRound(torch.cat([p.rewards for p in parts]),
-                                  {k: torch.cat([p.per_func[k] for p in parts]) for k in parts[0].per_func},
-                                  torch.cat([p.kept_rows + o for p, o in zip(parts, offsets)]),
-                                  sum(p.zero_variance_dropped for p in parts), torch.cat([p.lengths for p in parts]),
-                                  torch.cat([p.truncated for p in parts]), sum(p.prompt_tokens for p in parts)))
-    results = [result for _, result, _ in gathered]
-    tokens = sum(r.tokens for r in results)
-    keys = sorted({key for r in results for key in r.token_means})
-    token_means = {key: sum(r.token_means.get(key, 0.0) * r.tokens for r in results) / max(tokens, 1) for key in keys}
-    result = dataclasses.replace(results[0], loss=sum(r.loss for r in results), rows=sum(r.rows for r in results),
-                                 token_means=token_means, tokens=tokens)
-    times = {key: max(rank_times[key] for _, _, rank_times in gathered) for key in gathered[0][2]}
-    return rounds, result, times
+@contextlib.contextmanager
+def timed(totals, key, device=None):
+    """Add the block's wall-clock seconds to totals[key] (a dict) or totals.key (a record); on a CUDA device, once
+    the work it queued has finished."""
+    start = time.perf_counter()
+    yield
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    if isinstance(totals, dict):
+        totals[key] = totals.get(key, 0.0) + seconds
+    else:
+        setattr(totals, key, getattr(totals, key) + seconds)
 
 
-def step_metrics(scored, result, optimizer, times, mask_truncated=False):
+def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
     """Metrics over all n rollouts per prompt of every ScoredRound; "reward_selected" over the kept ones
     (absent when nothing was kept); num_truncated_masked: kept rows whose loss --mask-truncated zeroed."""
     rewards_all = torch.cat([s.rewards for s in scored])
@@ -100,11 +86,11 @@ def step_metrics(scored, result, optimizer, times, mask_truncated=False):
     metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
                    step_tokens=step_tokens, update_rows=result.rows, optimizer_steps=result.optimizer_steps,
                    num_zero_variance_dropped=sum(s.zero_variance_dropped for s in scored), num_truncated_masked=masked,
-                   step_skipped=result.skipped_steps, **times)
+                   step_skipped=result.skipped_steps, **costs)
     return metrics
 
 
-def record_step(state, metrics, step_s, device):
+def record_step(state, metrics, step_s):
     """Advance the checkpoint.TrainerState by one finished step; returns its metrics line."""
     skipped = metrics.pop("step_skipped")
     state.step += 1
@@ -113,8 +99,7 @@ def record_step(state, metrics, step_s, device):
     state.skipped_steps += skipped
     state.nonfinite_streak = state.nonfinite_streak + 1 if skipped else 0
     return {"type": "train", "step": state.step, "elapsed_s": state.elapsed_s, **metrics,
-            "num_tokens": state.num_tokens, "skipped_steps": state.skipped_steps, "step_s": step_s,
-            "peak_mem_gib": update.peak_memory_gib(device)}
+            "num_tokens": state.num_tokens, "skipped_steps": state.skipped_steps, "step_s": step_s}
 
 
 def check_report_to(report_to):

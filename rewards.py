@@ -20,10 +20,12 @@ import logging
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import grader
-# bench._rewards_rate resets the grader's state through these names; new code should use grader directly
-from grader import shutdown_workers  # noqa: F401  public since before grader.py existed
+
+if TYPE_CHECKING:  # torch is imported where it is used: grading alone does not need it
+    import torch
 
 MAX_COMPLETION_CHARS = 100_000  # longer completions: only the tail (where the answer is) is graded
 MAX_ANSWER_CHARS = 1_000  # longest MATH answer is 159 characters; longer "answers" score 0
@@ -281,7 +283,7 @@ REWARD_FUNCS = {"accuracy": accuracy_rewards, "format": format_rewards, "tag_cou
 
 @dataclass
 class RewardResult:
-    total: "torch.Tensor"  # [N] float32, weighted sum over functions (NaN entries of a function skipped)
+    total: torch.Tensor  # [N] float32, weighted sum over functions (NaN entries of a function skipped)
     per_func: dict = field(default_factory=dict)  # name -> [N] float32
 
     def metrics(self) -> dict[str, float]:

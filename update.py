@@ -8,18 +8,17 @@ the one implementation train.py and the benchmarks both call.
   switched off is the reference policy, so no second model is held).
 - `update_policy`: mu optimizer steps, each accumulated over micro-batches whose padding columns are cut.
   Every micro-batch's loss is a *sum* (grpo_loss.grpo_loss_sum) divided by one normaliser of the whole step
-  (`loss_normaliser`: its rows, kept tokens or rows x max tokens by the loss aggregation, or the global value a
-  distributed caller passes), so the accumulated gradient equals the gradient of one batch of all kept rows
-  whatever the micro-batch size. Then gradient clipping and the optimizer step. An update with no rows (every
-  prompt dropped) takes no optimizer step.
+  (`loss_denominator`: its rows, kept tokens or rows x max tokens by the loss aggregation), so the accumulated
+  gradient equals the gradient of one batch of all kept rows whatever the micro-batch size. Then gradient
+  clipping and the optimizer step. An update with no rows (every prompt dropped) takes no optimizer step.
 
 Choices: dropout is off during the update (and the log-prob pass), as in TRL: the ratio and the KL compare
 deterministic policies. Full fine-tuning in bf16 keeps fp32 master weights and runs the forward passes under
 bf16 autocast (`UpdateSettings.autocast_dtype`, see models.compute_dtypes): bf16 weights cannot hold updates of
 lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is not taken (its
-gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop. Under
-torchrun every process takes that decision alike (distributed.all_ranks: skipped when any process saw a non-finite
-loss), so the sharded weights never diverge.
+gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
+Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
+processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
 
 import contextlib
@@ -29,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-import distributed
 import grpo_loss
+import models
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
@@ -70,7 +69,7 @@ class UpdateSettings:
 
 @dataclass
 class UpdateMetrics:
-    loss: float                 # mean over the mu optimizer steps of the full-batch loss
+    loss: float                 # mean over the mu optimizer steps of the full-batch loss (all processes)
     grad_norm: float            # mean over the mu steps of the gradient norm before clipping
     token_means: dict           # grpo_loss metrics (clip ratios, ratio_mean, kl), token-weighted over the batch
     rows: int                   # kept rows trained on (this process)
@@ -127,16 +126,6 @@ def kept_batch(rollouts, kept, advantages):
                        advantages.flatten().float().cpu(), rollouts.truncated[rows])
 
 
-def synthetic_batch(num_rows, prompt_tokens, completion_tokens, vocab_size, *, seed=0):
-    """Random prompts, full-length random completions and random advantages: an UpdateBatch of a given shape for
-    benchmarks (the update's cost depends on shapes, not on token values)."""
-    generator = torch.Generator().manual_seed(seed)
-    prompt_ids = torch.randint(3, vocab_size, (num_rows, prompt_tokens), generator=generator)
-    completion_ids = torch.randint(3, vocab_size, (num_rows, completion_tokens), generator=generator)
-    return UpdateBatch(prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids),
-                       torch.randn(num_rows, generator=generator), torch.ones(num_rows, dtype=torch.bool))
-
-
 def loss_mask(batch, mask_truncated=False):
     """The completion tokens that count in the loss: completion_mask, truncated rows zeroed with mask_truncated."""
     return grpo_loss.mask_truncated(batch.completion_mask, batch.truncated) if mask_truncated else batch.completion_mask
@@ -159,23 +148,6 @@ def micro_batches(batch, size, device, mask_truncated=False):
                          mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref)
 
 
-@contextlib.contextmanager
-def dropout_off(model):
-    """Every module in eval mode (dropout off, gradients still on) except gradient-checkpointed layers: their own
-    `training` flag is what switches checkpointing on (transformers), and they hold no dropout of their own.
-    Each module's flag is restored afterwards."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    for module, training in modes:
-        if getattr(module, "gradient_checkpointing", False) is True:
-            module.training = training
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def _compute(settings, device):
     if settings.autocast_dtype is None:
         return contextlib.nullcontext()
@@ -195,7 +167,7 @@ def fill_logprobs(model, batches, settings):
     if need_ref and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs a LoRA model: the adapter switched off is the reference policy")
     device = next(model.parameters()).device
-    with torch.no_grad(), dropout_off(model):
+    with torch.no_grad(), models.dropout_off(model, keep_checkpointing=True):
         for batch in batches:
             shape = batch.completion_ids.shape
             old = torch.zeros(shape, device=device) if need_old else None
@@ -219,37 +191,33 @@ def micro_batch_loss(logprobs, micro, settings):
 
 
 def loss_denominator(batches, settings):
-    """This process's share of the normaliser (grpo_loss.loss_denominator over every batch's loss mask): kept rows
-    ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"). A sum over rows:
-    a distributed caller sums it over processes and passes the total to update_policy."""
+    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask):
+    kept rows ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed")."""
     return grpo_loss.loss_denominator([loss_mask(batch, settings.mask_truncated) for batch in batches],
                                       settings.loss_aggregation, settings.max_completion_tokens)
 
 
-def loss_normaliser(batches, settings, global_denominator=None):
-    """What every micro-batch's loss numerator is divided by: `global_denominator` (the sum over processes) when
-    given, else this process's `loss_denominator`; at least 1 (no kept token: the numerators are 0 too)."""
-    return max(global_denominator if global_denominator is not None else loss_denominator(batches, settings), 1)
-
-
-def update_policy(model, optimizer, batches, settings, *, global_denominator=None):
+def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     """mu = settings.updates_per_batch optimizer steps on `batches` (fill_logprobs first when mu > 1 or
     kl_coef > 0) -> UpdateMetrics. A step whose loss or gradient norm is not finite is skipped (no optimizer step,
-    gradients dropped). Gradients of the last step stay on the parameters. No rows and no global_denominator
-    (every prompt dropped): nothing to train on, no optimizer step (optimizer_steps = 0, loss 0)."""
+    gradients dropped). Gradients of the last step stay on the parameters. No rows (every prompt dropped): nothing
+    to train on, no optimizer step (optimizer_steps = 0, loss 0). sum_over_processes: a number summed over the
+    processes of a multi-process run (multigpu/); None: this process alone."""
+    total = sum_over_processes or (lambda value: value)
     rows = sum(len(batch.advantages) for batch in batches)
-    if rows == 0 and global_denominator is None:
+    denominator = total(loss_denominator(batches, settings))
+    if total(rows) == 0:
         optimizer.zero_grad(set_to_none=True)
         return UpdateMetrics(loss=0.0, grad_norm=0.0, token_means={}, rows=0, optimizer_steps=0, skipped_steps=0)
     for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
     device = next(model.parameters()).device
-    normaliser = loss_normaliser(batches, settings, global_denominator)
+    normaliser = max(denominator, 1)  # no kept token: the numerators are 0 too
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped = [], [], {}, 0, 0
-    with dropout_off(model):
+    with models.dropout_off(model, keep_checkpointing=True):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
@@ -264,7 +232,8 @@ def update_policy(model, optimizer, batches, settings, *, global_denominator=Non
                     for key, value in metrics.items():  # token means -> token-weighted over micro-batches
                         token_sums[key] = token_sums.get(key, 0.0) + value * count
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            if distributed.all_ranks(math.isfinite(loss) and math.isfinite(grad_norm)):
+            loss = total(loss)  # the global batch's loss: not finite if any process's is
+            if math.isfinite(loss) and math.isfinite(grad_norm):
                 optimizer.step()
             else:  # one bad batch must not write NaN into the weights (and every later checkpoint)
                 optimizer.zero_grad(set_to_none=True)

@@ -1,5 +1,5 @@
-"""train.py itself under 2 CPU ranks (torch's elastic launcher, what `torchrun --standalone --nproc-per-node 2
---max-restarts 1 train.py ...` runs, with the ranks forked from this process once its imports are done), for
+"""train.py's loop under 2 CPU ranks (torch's elastic launcher, what `torchrun --standalone --nproc-per-node 2
+--max-restarts 1 -m multigpu ...` runs, with the ranks forked from this process once its imports are done), for
 test_distributed.py, which runs the same argv in one process as the reference.
 
     python tests/dist_train_worker.py OUT_DIR MODEL_DIR
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import distributed  # noqa: E402
+from multigpu import distributed, run  # noqa: E402
 import rewards  # noqa: E402
 import train  # noqa: E402
 
@@ -49,14 +49,14 @@ def run_argv(model_dir, out_dir, name):
 
 
 def faulty_step(real_step):
-    def step(model, tokenizer, optimizer, rounds, args, step, ctx):
+    def step(model, tokenizer, optimizer, rounds, args, step, processes):
         attempt = distributed.restart_count()
-        if ctx.rank == 1 and CURRENT["name"] == "killed" and step == 3 and attempt == 0:
+        if processes.rank == 1 and CURRENT["name"] == "killed" and step == 3 and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run; the launcher ends rank 0 and restarts both
-        if ctx.rank == 1 and CURRENT["name"] == "fail":
+        if processes.rank == 1 and CURRENT["name"] == "fail":
             (Path(CURRENT["out"]) / "raised_at.txt").write_text(repr(time.time()))
             raise RuntimeError("boom on purpose")
-        return real_step(model, tokenizer, optimizer, rounds, args, step, ctx)
+        return real_step(model, tokenizer, optimizer, rounds, args, step, processes)
     return step
 
 
@@ -64,7 +64,7 @@ def scenario(out, model_dir):
     names = ("full", "lora", "killed") if distributed.restart_count() == 0 else ("killed", "fail")
     for name in names:
         CURRENT.update(name=name, out=out)
-        train.main(run_argv(model_dir, out, name))
+        run.main(run_argv(model_dir, out, name))
     distributed.shutdown()
 
 

@@ -24,8 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import checkpoint  # noqa: E402
-import checkpoint_dcp  # noqa: E402
-import distributed  # noqa: E402
+from multigpu import distributed, sharded_checkpoint  # noqa: E402
 import grpo_loss  # noqa: E402
 import models  # noqa: E402
 
@@ -173,7 +172,7 @@ def run_train(ctx, out):
     torch.save(generate_rows(model, ctx, 3 + 2 * ctx.rank), out / f"generated_rank{ctx.rank}.pt")
     results["step1"] = train_step(model, optimizer, global_batch(1), ctx)
     results["state1"] = full_state(model, optimizer)
-    checkpoint_dcp.save_sharded_checkpoint(out / "run", 1, model, optimizer, checkpoint.TrainerState(position=(0, 8)),
+    sharded_checkpoint.save_sharded_checkpoint(out / "run", 1, model, optimizer, checkpoint.TrainerState(position=(0, 8)),
                                            {"model": "tiny", "lora_rank": 0}, ctx)
     torch.save(torch.rand(3), out / f"draw_rank{ctx.rank}.pt")  # the next draw of this rank's RNG
     results["step2"] = train_step(model, optimizer, global_batch(2), ctx)
@@ -195,7 +194,7 @@ def run_train(ctx, out):
 def run_resume(ctx, out):
     model, optimizer = build(ctx)
     path = checkpoint.latest_checkpoint(out / "run")
-    state = checkpoint_dcp.load_sharded_checkpoint(path, model, optimizer, ctx)
+    state = sharded_checkpoint.load_sharded_checkpoint(path, model, optimizer, ctx)
     results = {"checkpoint": path.name, "position": state["position"], "draw": torch.rand(3),
                "attempt": int(os.environ["TORCHELASTIC_RESTART_COUNT"])}
     results["draws_match_all_ranks"] = distributed.all_ranks(
@@ -206,7 +205,7 @@ def run_resume(ctx, out):
     results["state1"] = full_state(model, optimizer)
     results["step2"] = train_step(model, optimizer, global_batch(2), ctx)
     results["state2"] = full_state(model, optimizer)
-    checkpoint_dcp.save_sharded_checkpoint(out / "run", 2, model, optimizer, {"position": (0, 16)},
+    sharded_checkpoint.save_sharded_checkpoint(out / "run", 2, model, optimizer, {"position": (0, 16)},
                                            {"model": "tiny", "lora_rank": 0}, ctx)
     if ctx.is_main:
         torch.save(results, out / "resume.pt")

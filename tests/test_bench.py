@@ -1,17 +1,19 @@
-"""CPU smoke tests of the model-shape benchmarks (bench_gpu, bench_phases, bench_decode, bench_step: tiny config,
-toy shapes) and their memory-bandwidth arithmetic. Figures are printed, never asserted: only structure and
+"""CPU smoke tests of the benchmarks (the bench/ package, run as `python -m bench <name> --tiny`: tiny config, toy
+shapes) and their memory-bandwidth arithmetic. Figures are printed, never asserted: only structure and
 deterministic values (arithmetic, row counts, token agreement, verdict lines) are."""
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-import bench
-import bench_decode
-import bench_gpu
+import bench.__main__ as cli
 import models
+import pods
+from bench import common, decode, grading, phases, selector
 
 SMALL = ["--prompt-tokens", "4", "--completion-tokens", "4", "--device", "cpu"]
 
@@ -21,26 +23,33 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory, smollm2_tokenizer):
-    """The SmolLM2 tokenizer saved by `bench.py save-tokenizer`, as it is carried to a GPU machine."""
+    """The SmolLM2 tokenizer saved by `python -m bench save-tokenizer`, as it is carried to a GPU machine."""
     folder = tmp_path_factory.mktemp("tokenizer")
-    bench.main(["save-tokenizer", str(folder)])
+
+    def load_tokenizer(name):  # the session's copy: reading the GGUF file again costs ~4 s
+        assert name == models.SMOLLM2_ALIAS
+        return smollm2_tokenizer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "load_tokenizer", load_tokenizer)
+        assert cli.main(["save-tokenizer", str(folder)]) == folder
     return folder
 
 
 def test_kv_cache_and_decode_bound_by_hand():
-    qwen, llama = bench_gpu.real_config("qwen2.5-3b"), bench_gpu.real_config("llama-3.2-3b")
+    qwen, llama = common.real_config("qwen2.5-3b"), common.real_config("llama-3.2-3b")
     # Qwen2.5-3B: 36 layers x (K and V) x 2 kv heads x 128 dims x 2 bytes = 36864 bytes per token
-    assert bench_gpu.kv_cache_bytes(qwen, 64, 1024) == 64 * 1024 * 36 * 2 * 2 * 128 * 2 == 2.25 * 2 ** 30
+    assert common.kv_cache_bytes(qwen, 64, 1024) == 64 * 1024 * 36 * 2 * 2 * 128 * 2 == 2.25 * 2 ** 30
     # Llama-3.2-3B: 28 layers x 2 x 8 kv heads x 128 dims x 2 bytes = 114688 bytes per token
-    assert bench_gpu.kv_cache_bytes(llama, 1, 1) == 114688
-    assert bench_gpu.kv_cache_bytes(llama, 2, 3, bytes_per_element=4) == 114688 * 2 * 3 * 2
+    assert common.kv_cache_bytes(llama, 1, 1) == 114688
+    assert common.kv_cache_bytes(llama, 2, 3, bytes_per_element=4) == 114688 * 2 * 3 * 2
     # 6 GB of weights + 2 GB of cache over 2 TB/s: 4 ms per decode step
-    assert bench_decode.decode_bound_s(6e9, 2e9, 2e12) == pytest.approx(4e-3)
+    assert decode.decode_bound_s(6e9, 2e9, 2e12) == pytest.approx(4e-3)
 
 
 def test_shipped_configs_and_weight_bytes_without_lora():
-    assert bench_gpu.real_config("qwen2.5-3b").num_key_value_heads == 2
-    llama = bench_gpu.real_config("llama-3.2-3b")
+    assert common.real_config("qwen2.5-3b").num_key_value_heads == 2
+    llama = common.real_config("llama-3.2-3b")
     assert (llama.hidden_size, llama.num_hidden_layers, llama.eos_token_id) == (3072, 28, [128001, 128008, 128009])
     model = models.tiny_random_model("llama", vocab_size=256)
     parameters = sum(p.numel() for p in model.parameters())  # tied lm_head / embedding counted once
@@ -48,19 +57,19 @@ def test_shipped_configs_and_weight_bytes_without_lora():
     buffers = sum(b.numel() for b in model.buffers())  # rotary frequencies
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
         model = model.to(dtype)
-        assert bench_decode.weight_bytes(model) == size * (parameters + buffers)
-    assert bench_decode.weight_bytes(model, bytes_per_element=4) == 4 * (parameters + buffers)
+        assert decode.weight_bytes(model) == size * (parameters + buffers)
+    assert decode.weight_bytes(model, bytes_per_element=4) == 4 * (parameters + buffers)
     # The LoRA adapter is not read by a merged decode: it is not counted
     adapted = models.prepare_for_training(model, lora_rank=4)
     assert sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) > 0
-    assert bench_decode.weight_bytes(adapted) == 2 * (parameters + buffers)
-    assert bench_decode.spec_bandwidth(torch.device("cpu")) is None
-    assert bench_gpu.held_bytes({"a": [torch.zeros(3), (torch.zeros(2, dtype=torch.long),)], "b": 1}) == 12 + 16
+    assert decode.weight_bytes(adapted) == 2 * (parameters + buffers)
+    assert decode.spec_bandwidth(torch.device("cpu")) is None
+    assert phases.held_bytes({"a": [torch.zeros(3), (torch.zeros(2, dtype=torch.long),)], "b": 1}) == 12 + 16
 
 
 def test_asymmetry_tiny_prints_rows_and_plot(tmp_path, capsys):
     plot = tmp_path / "fig1.png"
-    result = bench.main(["asymmetry", *SMALL, "--rollouts", "2,4", "--out-dir", str(tmp_path), "--plot", str(plot)])
+    result = cli.main(["asymmetry", *SMALL, "--rollouts", "2,4", "--out-dir", str(tmp_path), "--plot", str(plot)])
     out = capsys.readouterr().out
     assert "CPU smoke figures" in out and "fp32: warm-up" in out
     assert len(re.findall(r"^\| fp32 \| [24] \| ", out, re.M)) == 2  # one printed row per point
@@ -72,7 +81,7 @@ def test_asymmetry_tiny_prints_rows_and_plot(tmp_path, capsys):
 
 
 def test_decode_tiny_reports_bound_targets_and_greedy_agreement(tmp_path, capsys):
-    result = bench_gpu.main("decode", [*SMALL, "--batch", "4", "--new-tokens", "6", "--out-dir", str(tmp_path),
+    result = cli.main(["decode", *SMALL, "--batch", "4", "--new-tokens", "6", "--out-dir", str(tmp_path),
                                        "--bandwidth-gbs", "10", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "4bit rows skipped" in out and "| precision | path |" in out
@@ -96,7 +105,7 @@ def test_decode_tiny_reports_bound_targets_and_greedy_agreement(tmp_path, capsys
 
 
 def test_memory_tiny_reports_phases_and_analytic(tmp_path, capsys):
-    result = bench_gpu.main("memory", [*SMALL, "--out-dir", str(tmp_path)])
+    result = cli.main(["memory", *SMALL, "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "whole-step peak n/a on cpu" in out and "running the phases in fp32" in out
     assert [p["phase"] for p in result["phases"]] == ["load", "generate n=8 (merged copy)",
@@ -110,7 +119,7 @@ def test_memory_tiny_reports_phases_and_analytic(tmp_path, capsys):
 
 def test_step_tiny_runs_train_step_for_pods_and_grpo(tmp_path, tokenizer_dir, capsys):
     assert (tokenizer_dir / "tokenizer.json").is_file()
-    result = bench.main(["step", "--device", "cpu", "--tokenizer", str(tokenizer_dir), "--steps", "1",
+    result = cli.main(["step", "--device", "cpu", "--tokenizer", str(tokenizer_dir), "--steps", "1",
                          "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "vocabulary 49152 (SmolLM2 tokenizer)" in out
@@ -126,7 +135,7 @@ def test_step_tiny_runs_train_step_for_pods_and_grpo(tmp_path, tokenizer_dir, ca
 
 
 def test_step_vary_widths_counts_graphs_after_warm_up(tmp_path, tokenizer_dir, capsys):
-    result = bench_gpu.main("step", ["--device", "cpu", "--tokenizer", str(tokenizer_dir), "--vary-widths",
+    result = cli.main(["step", "--device", "cpu", "--tokenizer", str(tokenizer_dir), "--vary-widths",
                                      "--steps", "2", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     widths = [row["prompt_tokens"] for row in result["rows"]]
@@ -137,15 +146,67 @@ def test_step_vary_widths_counts_graphs_after_warm_up(tmp_path, tokenizer_dir, c
 
 
 def test_bad_names_and_flags(tmp_path):
-    with pytest.raises(ValueError, match="unknown benchmark"):
-        bench_gpu.main("throughput", [])
     with pytest.raises(SystemExit, match="usage"):
-        bench.main(["throughput"])
+        cli.main(["throughput"])
     with pytest.raises(ValueError, match="precision"):
-        bench_gpu.main("decode", ["--precisions", "int8", "--device", "cpu"])
+        cli.main(["decode", "--precisions", "int8", "--device", "cpu"])
     with pytest.raises(ValueError, match="new-tokens"):
-        bench_gpu.main("decode", [*SMALL, "--new-tokens", "1", "--out-dir", str(tmp_path)])
+        cli.main(["decode", *SMALL, "--new-tokens", "1", "--out-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="unknown method"):
-        bench_gpu.main("step", ["--device", "cpu", "--methods", "ppo"])
+        cli.main(["step", "--device", "cpu", "--methods", "ppo"])
     with pytest.raises(FileNotFoundError, match="save-tokenizer"):
-        bench_gpu.main("step", ["--device", "cpu", "--tokenizer", str(tmp_path / "missing")])
+        cli.main(["step", "--device", "cpu", "--tokenizer", str(tmp_path / "missing")])
+
+
+def test_help_lists_every_benchmark(capsys):
+    cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in cli.COMMANDS)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["rewards", "--help"])
+    assert exit_info.value.code == 0 and "$PODS_DATA_DIR" in capsys.readouterr().out
+
+
+def test_python_m_bench_is_the_entry_point():
+    """`python -m bench` from the repository root: the package's __main__ (its help imports no benchmark)."""
+    done = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=common.CONFIG_DIR.parent,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "python -m bench <name>" in done.stdout, done.stderr
+    done = subprocess.run([sys.executable, "-m", "bench", "throughput"], cwd=common.CONFIG_DIR.parent,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "usage: python -m bench {selector," in done.stderr
+
+
+def test_selector_tiny_agrees_with_the_authors_loop(capsys):
+    result = cli.main(["selector", "--tiny"])
+    assert [(row["prompts"], row["n"], row["m"]) for row in result["rows"]] == [(4, 32, 8), (4, 32, 8), (1, 16, 4)]
+    for row in result["rows"]:
+        for key in ("max_variance_s", "sort_s", "stable_sort_s", "authors_loop_s"):
+            median_s, best_s = row[key]
+            assert 0 < best_s <= median_s
+    rewards = torch.randint(0, 3, (3, 12), generator=torch.Generator().manual_seed(1)).float()
+    ours, theirs = pods.max_variance_indices(rewards, 4), selector.authors_loop(rewards, 4)
+    assert torch.allclose(rewards.gather(-1, ours).var(-1), rewards.gather(-1, theirs).var(-1))
+
+
+def test_rewards_tiny_finds_the_data_folder_as_train_does(data_dir, monkeypatch, capsys):
+    monkeypatch.setenv("PODS_DATA_DIR", str(data_dir))
+    result = cli.main(["rewards", "--tiny"])
+    out = capsys.readouterr().out
+    assert result["args"]["data_dir"] == data_dir and "GSM8K-style, 64 completions (100.0% decided" in out
+    assert set(result["gsm8k_per_s"]) == {"accuracy", "format", "tag_count", "all three (compute_rewards)"}
+    assert list(result["math_per_s"]) == ["num_workers=0"] and result["adversarial_worst_s"] < 1.0
+    completions, answers = grading.gsm8k_completions([{"answer": "3 + 4 = <<3+4=7>>7\n#### 7"}], 8)
+    assert answers == ["7"] * 8 and completions[0].endswith("<answer>\n7\n</answer>") and "<<" not in completions[0]
+
+
+def test_generation_runs_every_completion_to_full_length():
+    """No EOS ids: completions are new_tokens long on both backends, whatever tokens the random model picks."""
+    trainer = common.trainer_args(torch.device("cpu"), tiny=True, lora_rank=4)
+    model = common.build_policy("qwen2.5-3b", tiny=True, device=torch.device("cpu"), precision="fp32", args=trainer)
+    prompt_ids = common.random_prompts(common.TINY_VOCAB, 2, 3, seed=0)
+    for backend in ("engine", "hf"):
+        completions = common.generate(model, prompt_ids, 3, 5, trainer, seed=0, backend=backend)
+        assert completions.shape == (6, 5)
+    batch = common.synthetic_batch(3, 4, 5, common.TINY_VOCAB, seed=0)
+    assert batch.completion_mask.all() and batch.truncated.all() and batch.prompt_ids.shape == (3, 4)

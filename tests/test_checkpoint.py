@@ -109,11 +109,6 @@ def test_prompt_order_is_a_per_epoch_permutation_and_resumable():
     assert first + second == picked and end == position  # drawing in pieces = drawing at once
 
 
-def test_step_seeds_differ_by_step_and_round():
-    seeds = {checkpoint.step_seed(0, step, r) for step in range(1, 50) for r in range(3)}
-    assert len(seeds) == 147 and checkpoint.step_seed(0, 5) == checkpoint.step_seed(0, 5, 0)
-
-
 def test_trainer_state_round_trip_ignores_keys_of_older_runs(tmp_path, lora_setup):
     model, optimizer = lora_setup
     state = checkpoint.TrainerState(step=4, elapsed_s=9.5, position=(1, 3), num_tokens=120, metrics_bytes=77,

@@ -120,6 +120,22 @@ def test_missing_and_broken_data_is_reported(tmp_path):
     assert "1 unreadable metrics lines" in table
 
 
+def test_non_finite_eval_points_are_counted_under_the_table(tmp_path):
+    """A NaN (or infinite) accuracy or time drops that eval point from the curve, and the table says so."""
+    runs = [make_run(tmp_path, "g", "GRPO", 0, ramp(0.5, 100)),
+            make_run(tmp_path, "nan", "PODS", 0, [(0, 0.1), (10, float("nan")), (20, 0.3), (30, float("inf"))],
+                     extra_lines=[json.dumps({"type": "eval", "step": 9, "elapsed_s": float("nan"),
+                                              "eval/accuracy": 0.4}) + "\n"])]
+    assert compare.read_run(runs[1]).nonfinite_evals == 3
+    rows, table = compare.compare(runs)
+    assert rows[1]["evals_per_seed"] == [2]
+    assert f"- {runs[1]}: 3 eval points left out, their time or accuracy not a finite number" in table
+    assert f"{runs[0]}:" not in table  # nothing left out of the complete run
+    # A line without the compared metric is not a point of its curve, not a dropped one.
+    both = compare.read_run(runs[1], metric="both_accuracy")
+    assert both.nonfinite_evals == 0 and len(both.eval_times_s) == 0
+
+
 def test_resumed_run_keeps_last_line_per_step_and_step_times(tmp_path):
     run = make_run(tmp_path, "r", "M", 0, [(0, 0.1), (5, 0.2)], step_times=[2.0, 4.0, 3.0],
                    extra_lines=[json.dumps({"type": "eval", "step": 1, "elapsed_s": 6, "eval/accuracy": 0.5}) + "\n"])
@@ -146,22 +162,26 @@ def test_degenerate_baselines_give_undefined_speedup(tmp_path):
             make_run(tmp_path, "b", "PODS", 0, [(0, 0.0), (10, 0.2)])]
     rows, _ = compare.compare(runs)
     assert all(r["speedup"].startswith("undefined") for r in rows)
-    # A baseline whose best evaluation is its first one (t = 0) gives T_b = 0: no meaningful ratio either.
-    runs = [make_run(tmp_path, "c", "GRPO", 0, [(0, 0.3), (10, 0.2)]),
-            make_run(tmp_path, "d", "PODS", 0, [(0, 0.3), (10, 0.4)])]
-    rows, _ = compare.compare(runs)
-    assert [r["speedup"] for r in rows] == ["undefined (baseline peaks at its first eval)"] * 2
-    assert rows[1]["peak_accuracy"] == 0.4 and rows[1]["time_to_threshold_s"] == 0.0
+    # A baseline already at 0.99 x its peak at t = 0 gives T_b = 0: no meaningful ratio either, whether its
+    # peak is that first evaluation or a later one within 1% of it.
+    for name, baseline in (("c", [(0, 0.3), (10, 0.2)]), ("e", [(0, 0.298), (10, 0.3)])):
+        runs = [make_run(tmp_path, name, "GRPO", 0, baseline), make_run(tmp_path, name + "2", "PODS", 0,
+                                                                         [(0, 0.3), (10, 0.4)])]
+        rows, table = compare.compare(runs)
+        assert [r["speedup"] for r in rows] == ["undefined (baseline reaches the threshold at 0 s)"] * 2
+        assert rows[1]["peak_accuracy"] == 0.4 and rows[1]["time_to_threshold_s"] == 0.0
+    # A baseline that peaks at its first evaluation taken after t = 0 has T_b > 0: the ratio is defined.
+    runs = [make_run(tmp_path, "f", "GRPO", 0, [(5, 0.3), (10, 0.2)]),
+            make_run(tmp_path, "g", "PODS", 0, [(5, 0.3), (10, 0.4)])]
+    assert [r["speedup"] for r in compare.compare(runs)[0]] == ["1.00x", "1.00x"]
 
 
 def test_compare_cli_writes_plot_table_and_json(tmp_path, capsys):
     runs = [str(make_run(tmp_path, f"{m}{s}", m, s, ramp(0.4, p, offset=0.02 * s), step_times=[1.0] * 5))
             for m, p in (("GRPO", 100), ("PODS", 60)) for s in range(3)]
     out = tmp_path / "out"
-    import eval as eval_module
-
-    rows = eval_module.main(["compare", *runs, "--plot", str(out / "c.png"), "--table", str(out / "t.md"),
-                             "--json", str(out / "r.json")])
+    rows = compare.main([*runs, "--plot", str(out / "c.png"), "--table", str(out / "t.md"),
+                         "--json", str(out / "r.json")])
     assert (out / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert "| PODS |" in (out / "t.md").read_text() and "| PODS |" in capsys.readouterr().out
     assert json.loads((out / "r.json").read_text())[1]["method"] == rows[1]["method"] == "PODS"
@@ -188,6 +208,10 @@ def test_settings_that_differ_between_runs_are_reported(tmp_path):
     _, table = compare.compare(runs)
     assert "settings differ between runs: learning_rate: 0.0003 (2 runs), 0.0005 (1 runs)" in table
     assert "output_dir" not in table and "seed" not in table.split("settings differ")[1]
+    # A variant flag the method label does not name would otherwise pool different objectives as seeds of one.
+    config = json.loads((runs[2] / "config.json").read_text())
+    (runs[2] / "config.json").write_text(json.dumps(dict(config, advantage_normalization="group")))
+    assert "advantage_normalization: " in compare.compare(runs)[1]
 
 
 def test_one_method_draws_its_curve_and_table_without_a_speedup(tmp_path):

@@ -1,6 +1,7 @@
-"""engine.py: greedy equality with HF generate (left padding, n > 1, EOS mid-batch, finished rows dropped), the
+"""engine/: greedy equality with HF generate (left padding, n > 1, EOS mid-batch, finished rows dropped), the
 sampled distribution (chi-square, and a wrong temperature is rejected), no generation_config leak on either
-backend, forced lengths, merged-LoRA copies, the compile count over varying prompt widths, the fallback."""
+backend, forced lengths, no EOS, one prefill per distinct prompt, merged-LoRA copies, the compile count over varying
+prompt widths, the fallback."""
 
 import copy
 import warnings
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 import engine
+import engine.decode
 import models
-from sampling import sample_completions
+from sampling import GenerationSettings, completion_mask_after_eos, derived_seed, sample_completions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB, EOS = 16, 2   # a tiny vocabulary: EOS comes up by itself, and 4096 draws pin a distribution down
@@ -31,8 +33,10 @@ def left_padded_prompts(widths, seed=0):
     return ids.masked_fill(mask == 0, EOS), mask
 
 
-def run(model, ids, mask, n, max_new_tokens, **kw):
-    return sample_completions(model, ids, mask, n, max_new_tokens, [EOS], EOS, **kw)
+def run(model, ids, mask, n, max_new_tokens, seed=0, **settings):
+    """sampling.sample_completions (the engine by default) with its GenerationSettings given as keywords."""
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, **settings)
+    return sample_completions(model, ids, mask, n, [EOS], EOS, settings, seed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -65,10 +69,37 @@ def test_compaction_and_forced_lengths_change_no_token():
                                         check_every=check_every))
             work.append(engine.STATS.row_steps - before)
         assert torch.equal(outs[0], outs[1]) and work[0] < work[1]
-    ids_out, completion_mask, truncated = run(model, ids, mask, 2, 30, temperature=1.0, forced_lengths=forced)
-    natural = run(model, ids, mask, 2, 30, temperature=1.0)[1].sum(1)
+    natural = run(model, ids, mask, 2, 30, temperature=1.0)[1].sum(1)  # chunk 0 of seed 0
+    out = engine.generate(model, ids, mask, torch.arange(3).repeat_interleave(2), 30, [EOS], EOS, temperature=1.0,
+                          seed=derived_seed(0, 0), forced_lengths=forced)
+    completion_mask, truncated = completion_mask_after_eos(out, [EOS])
     assert completion_mask.sum(1).tolist() == torch.minimum(natural, forced.clamp(max=30)).tolist()
     assert truncated.tolist() == (completion_mask.sum(1) == 30).tolist()
+
+
+def test_no_eos_ids_decode_every_row_to_the_limit():
+    """eos_ids=[] (the benchmarks' fixed-length decoding): the same tokens up to each row's first EOS, then on."""
+    model = eos_model("llama")
+    ids, mask = left_padded_prompts([4, 7, 2, 5])
+    rows = torch.arange(4)
+    stopping = engine.generate(model, ids, mask, rows, 40, [EOS], EOS, temperature=0.0)
+    endless = engine.generate(model, ids, mask, rows, 40, [], EOS, temperature=0.0)
+    completion_mask, truncated = completion_mask_after_eos(stopping, [EOS])
+    assert truncated.any() and not truncated.all()  # some rows did end early ...
+    assert endless.shape == (4, 40) and torch.equal(endless[completion_mask == 1], stopping[completion_mask == 1])
+    assert not torch.equal(endless, stopping)  # ... and went on without EOS ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_prefill_per_distinct_prompt_changes_no_token(temperature):
+    """Prefilling each distinct prompt once and copying its cache to its rows equals prefilling every row."""
+    model = eos_model("qwen2", seed=1)
+    ids, mask = left_padded_prompts([3, 6, 5])
+    rows = torch.arange(3).repeat_interleave(4)
+    shared = engine.generate(model, ids, mask, rows, 10, [EOS], EOS, temperature=temperature, seed=11)
+    per_row = engine.generate(model, ids[rows], mask[rows], torch.arange(12), 10, [EOS], EOS,
+                              temperature=temperature, seed=11)
+    assert torch.equal(shared, per_row)
 
 
 def first_token_counts(model, temperature, top_p, draws=4096, **kw):
@@ -190,7 +221,7 @@ def test_compile_count_is_bounded_over_varying_prompt_widths():
                                                 [EOS], EOS, **kw))
         counts.append(len(graphs))
     bound = len(engine.row_buckets(4)) * 1 * 1
-    buckets_used = {key for runtime in engine._ENGINES[model].values() for key in runtime.states}
+    buckets_used = {key for runtime in engine.decode._ENGINES[model].values() for key in runtime.states}
     assert 1 <= counts[-1] == len(buckets_used) <= bound == 3 and counts[9] == counts[-1]  # one graph per bucket
 
 
@@ -214,7 +245,7 @@ def test_recorded_graphs_cover_every_bucket_on_first_use_and_replay_the_step(mon
 
     model, eager_model = eos_model("llama", seed=1), eos_model("llama", seed=1)
     engine.engine_for(model).capture = True   # what engine_for sets on a CUDA device
-    monkeypatch.setattr(engine, "record_graph", fake_record)
+    monkeypatch.setattr(engine.decode, "record_graph", fake_record)
     generator = torch.Generator().manual_seed(0)
     counts = []
     for call in range(21):
@@ -250,6 +281,6 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="left padded"):
         engine.generate(model, ids, mask.flip(1), torch.arange(2), 4, [EOS], EOS)
     with pytest.raises(ValueError, match="forced_lengths"):
-        run(model, ids, mask, 1, 4, backend="hf", forced_lengths=torch.tensor([1, 2]))
+        engine.generate(model, ids, mask, torch.arange(2), 4, [], EOS, forced_lengths=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="backend"):
         run(model, ids, mask, 1, 4, backend="vllm")

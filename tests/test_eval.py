@@ -13,15 +13,31 @@ import torch
 import checkpoint
 import eval as eval_module
 import rewards
+from sampling import GenerationSettings
 
 PROMPTS = ["What is 2 + 3?", "Compute 7 * 6.", "What is 10 - 4?"]
+
+
+def generation(temperature=0.9, max_new_tokens=256, batch_size=64, **options):
+    """(eval's GenerationSettings from the command line's names, the other keywords)."""
+    return GenerationSettings(max_new_tokens, temperature, 1.0, batch_size), options
+
+
+def evaluate(model, tokenizer, prompts, answers, **kwargs):
+    settings, options = generation(**kwargs)
+    return eval_module.evaluate(model, tokenizer, prompts, answers, settings, **options)
+
+
+def evaluate_repeats(model, tokenizer, prompts, answers, **kwargs):
+    settings, options = generation(**kwargs)
+    return eval_module.evaluate_repeats(model, tokenizer, prompts, answers, settings, **options)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny models, shared cores
 
 
 def test_evaluate_tiny_model_end_to_end(tiny_model, smollm2_tokenizer):
-    result = eval_module.evaluate(tiny_model, smollm2_tokenizer, PROMPTS, ["5", "42", "6"], samples_per_prompt=2,
+    result = evaluate(tiny_model, smollm2_tokenizer, PROMPTS, ["5", "42", "6"], samples_per_prompt=2,
                                   repeats=2, max_new_tokens=6, batch_size=4, seed=1)
     assert result.num_samples == len(PROMPTS) * 2 * 2
     for value in (result.accuracy, result.format_accuracy, result.both_accuracy):
@@ -40,20 +56,20 @@ def test_rows_are_graded_against_their_own_prompt(tiny_model, smollm2_tokenizer,
     answers = ["yes", "no", "yes"]
     expected = answers.count("yes") / len(answers)
     for k, batch_size in ((1, 64), (3, 2), (2, 5)):  # chunks of 1-2 prompts: rows must not shift
-        result = eval_module.evaluate(tiny_model, smollm2_tokenizer, PROMPTS, answers, samples_per_prompt=k,
+        result = evaluate(tiny_model, smollm2_tokenizer, PROMPTS, answers, samples_per_prompt=k,
                                       max_new_tokens=2, batch_size=batch_size)
         assert result.accuracy == pytest.approx(expected)
         assert result.format_accuracy == 0.0 and result.both_accuracy == 0.0
     # A prompt that ends in the think prefill gets it back in front of the completion before grading.
     prefilled = [p + rewards.THINK_PREFILL for p in PROMPTS[:2]] + PROMPTS[2:]
-    result = eval_module.evaluate(tiny_model, smollm2_tokenizer, prefilled, answers, max_new_tokens=2)
+    result = evaluate(tiny_model, smollm2_tokenizer, prefilled, answers, max_new_tokens=2)
     assert result.format_accuracy == pytest.approx(2 / 3) and result.both_accuracy == pytest.approx(1 / 3)
 
 
 def test_reproducible_and_progress_does_not_change_results(tiny_model, smollm2_tokenizer):
     kwargs = dict(samples_per_prompt=2, repeats=2, max_new_tokens=3, batch_size=4, seed=3)
-    first = eval_module.evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, **kwargs)
-    again = eval_module.evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, progress=True, **kwargs)
+    first = evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, **kwargs)
+    again = evaluate_repeats(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, progress=True, **kwargs)
     assert [r.mean_completion_length for r in first] == [r.mean_completion_length for r in again]
     assert [r.num_samples for r in first] == [6, 6]
     assert torch.is_grad_enabled()  # generation's no_grad does not leak out
@@ -61,7 +77,7 @@ def test_reproducible_and_progress_does_not_change_results(tiny_model, smollm2_t
 
 def test_greedy_collapses_samples_and_repeats(tiny_model, smollm2_tokenizer):
     with pytest.warns(UserWarning, match="greedy"):
-        result = eval_module.evaluate(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, samples_per_prompt=4,
+        result = evaluate(tiny_model, smollm2_tokenizer, PROMPTS, ["1"] * 3, samples_per_prompt=4,
                                       repeats=3, temperature=0.0, max_new_tokens=3)
     assert result.num_samples == len(PROMPTS)
 
@@ -69,13 +85,13 @@ def test_greedy_collapses_samples_and_repeats(tiny_model, smollm2_tokenizer):
 @pytest.mark.parametrize("prompts, answers, kwargs, message", [
     ([], [], {}, "no prompts"),
     (PROMPTS, ["1"], {}, "3 prompts but 1 answers"),
-    (PROMPTS, ["1"] * 3, {"samples_per_prompt": 0}, "must all be >= 1"),
+    (PROMPTS, ["1"] * 3, {"samples_per_prompt": 0}, "must be >= 1"),
     (PROMPTS, ["1"] * 3, {"temperature": -0.5}, "temperature"),
     (PROMPTS, ["1"] * 3, {"temperature": float("nan")}, "temperature"),
 ])
 def test_bad_input_raises(prompts, answers, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        eval_module.evaluate(None, None, prompts, answers, **kwargs)
+        evaluate(None, None, prompts, answers, **kwargs)
 
 
 def test_summarize_repeats_mean_and_sample_std():

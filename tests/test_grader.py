@@ -4,6 +4,7 @@ cache that never keeps a timed-out comparison. Serves the accuracy reward of pap
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -64,3 +65,17 @@ def test_a_timed_out_verdict_is_not_cached():
         grader._verdict_cache.clear()
     assert grade_accuracy([completion], [gold], timeout_s=1e-6) == [0.0]
     assert grade_accuracy([completion], [gold], timeout_s=5.0) == [1.0]
+
+
+def test_without_worker_processes_math_verify_runs_in_process_on_the_main_thread_only(monkeypatch):
+    """The fallback where no worker can start (no fork): our SIGALRM timer on the main thread; off it, None."""
+    assert grader._verify_in_process("\\frac{1}{2}", "0.5", timeout_s=5.0) is True
+    assert grader._verify_in_process("\\frac{1}{2}", "0.6", timeout_s=5.0) is False
+    assert grader._verify_in_process("\\frac{3}{4}", "\\frac{6}{8}", timeout_s=1e-6) is None  # timed out
+    off_main = []
+    thread = threading.Thread(target=lambda: off_main.append(grader._verify_in_process("x^2", "x^{2}", 5.0)))
+    thread.start()
+    thread.join()
+    assert off_main == [None]
+    monkeypatch.setattr(grader, "_workers_broken", True)  # what verify_pairs does once no worker could start
+    assert grader.verify_pairs([("x^2", "x^{2}"), ("2", "3")], timeout_s=5.0) == [True, False]

@@ -1,7 +1,7 @@
 """update.py: kept-row mapping (indices, masks, rows), micro-batch column trimming, the old/reference log-prob pass,
-the loss normaliser of every aggregation (micro-batches = one batch), the empty update, dropout off during the
-update, the non-finite guard, fp32 master weights under bf16 autocast, and the benchmark path (synthetic batch ->
-update_policy)."""
+the loss normaliser of every aggregation (micro-batches = one batch) and summed over processes, the empty update,
+dropout off during the update, the non-finite guard, fp32 master weights under bf16 autocast, and a random batch
+through update_policy (as the benchmarks call it)."""
 
 import math
 
@@ -30,6 +30,15 @@ def trainable(model):
 
 def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+
+def random_batch(num_rows, prompt_tokens, completion_tokens, vocab_size, seed=0):
+    """Random prompts, full-length random completions and random advantages: an UpdateBatch of a given shape."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, vocab_size, (num_rows, prompt_tokens), generator=generator)
+    completion_ids = torch.randint(3, vocab_size, (num_rows, completion_tokens), generator=generator)
+    return update.UpdateBatch(prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids),
+                              torch.randn(num_rows, generator=generator), torch.ones(num_rows, dtype=torch.bool))
 
 
 def move_lora_b(model):
@@ -74,7 +83,7 @@ def test_micro_batches_cut_padding_columns():
 def test_fill_logprobs_old_and_reference_only_when_needed():
     model = lora_model()
     move_lora_b(model)
-    batch = update.synthetic_batch(3, 4, 5, VOCAB, seed=1)
+    batch = random_batch(3, 4, 5, VOCAB, seed=1)
     update.fill_logprobs(model, [batch], update.UpdateSettings(micro_batch_size=2))
     assert batch.old_logprobs is None and batch.ref_logprobs is None  # mu = 1, beta = 0: nothing to compute
     update.fill_logprobs(model, [batch], update.UpdateSettings(micro_batch_size=2, updates_per_batch=2, kl_coef=0.1,
@@ -89,17 +98,24 @@ def test_fill_logprobs_old_and_reference_only_when_needed():
     assert (policy - reference).abs().max() > 1e-3
 
 
-def test_global_denominator_is_the_normaliser():
+def test_the_normaliser_and_the_loss_are_summed_over_processes():
+    """sum_over_processes (multigpu's seam), here standing for two identical processes: the normaliser doubles (the
+    gradient halves), the reported loss is the sum of both shares (the same), and a non-finite sum skips the step."""
     model = lora_model()
     move_lora_b(model)
     frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    batch = update.synthetic_batch(4, 3, 5, VOCAB)
+    batch = random_batch(4, 3, 5, VOCAB)
     settings = update.UpdateSettings(micro_batch_size=3, max_grad_norm=0)  # no clipping: the scale stays visible
     local = update.update_policy(model, frozen, [batch], settings)
     local_grads = grads(model)
-    update.update_policy(model, frozen, [batch], settings, global_denominator=8)  # e.g. two processes of 4 rows
+    two = update.update_policy(model, frozen, [batch], settings, lambda value: 2 * value)
     torch.testing.assert_close(grads(model), local_grads / 2)
+    assert two.loss == pytest.approx(local.loss) and two.optimizer_steps == 1
     assert local.rows == 4 and local.optimizer_steps == 1 and local.skipped_steps == 0
+    peer_failed = update.update_policy(model, frozen, [batch], settings, lambda value: value + math.inf)
+    assert peer_failed.optimizer_steps == 0 and peer_failed.skipped_steps == 1  # another process's loss was inf
+    nobody = update.update_policy(model, frozen, [random_batch(0, 3, 5, VOCAB)], settings, lambda value: value)
+    assert nobody.optimizer_steps == 0 and nobody.rows == 0
 
 
 def test_dropout_is_off_during_the_update_and_modes_are_restored():
@@ -112,7 +128,7 @@ def test_dropout_is_off_during_the_update_and_modes_are_restored():
     layer.register_forward_pre_hook(lambda module, args: seen.append(("layer", module.training)))
     dropout.register_forward_pre_hook(lambda module, args: seen.append(("dropout", module.training)))
     frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    batch, settings = update.synthetic_batch(4, 3, 5, VOCAB), update.UpdateSettings(micro_batch_size=4)
+    batch, settings = random_batch(4, 3, 5, VOCAB), update.UpdateSettings(micro_batch_size=4)
     update.update_policy(model, frozen, [batch], settings)
     first = grads(model)
     update.update_policy(model, frozen, [batch], settings)
@@ -138,7 +154,7 @@ def test_non_finite_step_is_skipped(poison, monkeypatch):
     else:
         next(p for p in model.parameters() if p.requires_grad).register_hook(lambda grad: grad * math.inf)
     before = trainable(model)
-    batches, settings = [update.synthetic_batch(4, 3, 5, VOCAB)], update.UpdateSettings(micro_batch_size=2,
+    batches, settings = [random_batch(4, 3, 5, VOCAB)], update.UpdateSettings(micro_batch_size=2,
                                                                                         updates_per_batch=2)
     with pytest.raises(ValueError, match="call fill_logprobs"):
         update.update_policy(model, optimizer, batches, settings)
@@ -157,17 +173,17 @@ def test_full_fine_tuning_bf16_keeps_fp32_master_weights():
     model = models.tiny_random_model("llama", vocab_size=VOCAB).to(weights_dtype)
     optimizer = update.make_optimizer(model, 5e-6)
     before = trainable(model)
-    update.update_policy(model, optimizer, [update.synthetic_batch(4, 3, 5, VOCAB)],
+    update.update_policy(model, optimizer, [random_batch(4, 3, 5, VOCAB)],
                          update.UpdateSettings(micro_batch_size=4, autocast_dtype=autocast_dtype))
     layer = "model.layers.0.mlp.up_proj.weight"
     changed = (model.get_parameter(layer).detach() != before[layer]).float().mean()
     assert changed > 0.9
 
 
-def test_benchmark_path_synthetic_batch_to_update(tiny_model):
+def test_a_random_batch_through_update_policy(tiny_model):
     model = models.prepare_for_training(tiny_model, lora_rank=4)
     optimizer = update.make_optimizer(model, 1e-3)
-    batch = update.synthetic_batch(6, 4, 8, tiny_model.config.vocab_size, seed=3)
+    batch = random_batch(6, 4, 8, tiny_model.config.vocab_size, seed=3)
     assert batch.prompt_ids.shape == (6, 4) and batch.completion_mask.sum() == 48
     metrics = update.update_policy(model, optimizer, [batch], update.UpdateSettings(micro_batch_size=4))
     assert math.isfinite(metrics.loss) and metrics.grad_norm > 0 and metrics.rows == 6
@@ -182,7 +198,7 @@ def test_benchmark_path_synthetic_batch_to_update(tiny_model):
 
 def varied_batch(num_rows, seed):
     """A synthetic batch with completions of different lengths (one empty) and some truncated rows."""
-    batch = update.synthetic_batch(num_rows, 3, 6, VOCAB, seed=seed)
+    batch = random_batch(num_rows, 3, 6, VOCAB, seed=seed)
     lengths = torch.tensor([6, 2, 0, 4, 6, 1])[:num_rows]
     batch.completion_mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
     batch.truncated = lengths == 6
@@ -222,13 +238,16 @@ def test_micro_batches_accumulate_to_the_full_batch_loss_gradient(aggregation, m
     assert denominator == {"sequence": 9, "token": int(mask.sum()), "fixed": 9 * 8}[aggregation]
 
 
-def test_global_denominator_replaces_the_local_one_for_every_aggregation():
-    batches = [varied_batch(6, seed=1)]
+def test_the_denominator_of_the_token_aggregation_counts_the_loss_mask():
     settings = update.UpdateSettings(loss_aggregation="token")
-    assert update.loss_normaliser(batches, settings) == 19 and update.loss_normaliser(batches, settings, 50) == 50
+    assert update.loss_denominator([varied_batch(6, seed=1)], settings) == 19
     empty = update.UpdateSettings(loss_aggregation="token", mask_truncated=True)
     assert update.loss_denominator([varied_batch(3, seed=1)], empty) == 2  # rows 0 (truncated) masked: 2 + 0
-    assert update.loss_normaliser([varied_batch(1, seed=1)], empty) == 1  # no token left: never a division by 0
+    assert update.loss_denominator([varied_batch(1, seed=1)], empty) == 0  # no token left ...
+    model = lora_model()
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    metrics = update.update_policy(model, frozen, [varied_batch(1, seed=1)], empty)
+    assert metrics.loss == 0.0 and math.isfinite(metrics.grad_norm)  # ... and no division by 0
 
 
 def test_kept_batch_takes_indices_a_mask_or_rows_alike():
@@ -260,7 +279,7 @@ def test_an_update_with_no_rows_takes_no_step():
     model = lora_model()
     optimizer = update.make_optimizer(model, 1e-2, weight_decay=0.1)  # decay alone would move the weights
     before = trainable(model)
-    empty = update.synthetic_batch(0, 3, 5, VOCAB)
+    empty = random_batch(0, 3, 5, VOCAB)
     settings = update.UpdateSettings(updates_per_batch=2, loss_aggregation="token")
     update.fill_logprobs(model, [empty], settings)
     metrics = update.update_policy(model, optimizer, [empty], settings)

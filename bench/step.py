@@ -3,7 +3,7 @@ train.train_step (generate -> score -> down-sample -> update) for GRPO-PODS 64/1
 shapes, on the Qwen2.5-3B architecture with random bf16 weights built on the device.
 
 A tokenizer must exist without network: the SmolLM2 tokenizer of the offline demo package, saved once with
-`python bench.py save-tokenizer DIR` (3.5 MB) and passed as --tokenizer DIR; the model's vocabulary is resized to
+`python -m bench save-tokenizer DIR` (3.5 MB) and passed as --tokenizer DIR; the model's vocabulary is resized to
 its 49152 tokens (Qwen2.5's is 151936: the LM head and the update's log-softmax are ~3x cheaper than the real
 model's, everything else is the real shape). Prompts are synthetic chat prompts of a chosen token width.
 
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-import bench_gpu
 import data
 import engine
 import models
 import train
 import update
-from bench_gpu import print_header, print_row
+from bench import common
+from bench.common import print_header, print_row
 
 METHODS = {"pods": ("GRPO-PODS", 64, 16), "grpo": ("GRPO", 16, 16)}
 TINY_METHODS = {"pods": ("GRPO-PODS", 8, 2), "grpo": ("GRPO", 2, 2)}
@@ -39,8 +39,8 @@ FILLER = "apples"  # one token per repetition in the SmolLM2 tokenizer (the widt
 
 
 def save_tokenizer(argv):
-    """`python bench.py save-tokenizer DIR`: the offline demo model's tokenizer, saved to DIR for a GPU machine."""
-    parser = argparse.ArgumentParser(prog="bench.py save-tokenizer", description=save_tokenizer.__doc__)
+    """`python -m bench save-tokenizer DIR`: the offline demo model's tokenizer, saved to DIR for a GPU machine."""
+    parser = argparse.ArgumentParser(prog="python -m bench save-tokenizer", description=save_tokenizer.__doc__)
     parser.add_argument("folder")
     folder = Path(parser.parse_args(argv).folder)
     models.load_tokenizer(models.SMOLLM2_ALIAS).save_pretrained(folder)
@@ -52,13 +52,13 @@ def save_tokenizer(argv):
 def load_step_tokenizer(folder):
     if folder is not None:
         if not (Path(folder) / "tokenizer_config.json").is_file():
-            raise FileNotFoundError(f"--tokenizer {folder}: no tokenizer there (make one with `python bench.py "
+            raise FileNotFoundError(f"--tokenizer {folder}: no tokenizer there (make one with `python -m bench "
                                     "save-tokenizer DIR` where the offline demo package is installed)")
         return models.load_tokenizer(str(folder))
     try:
         return models.load_tokenizer(models.SMOLLM2_ALIAS)
     except FileNotFoundError as error:
-        raise FileNotFoundError(f"no tokenizer: pass --tokenizer DIR, made with `python bench.py save-tokenizer DIR` "
+        raise FileNotFoundError(f"no tokenizer: pass --tokenizer DIR, made with `python -m bench save-tokenizer DIR` "
                                 f"where the offline demo package is installed ({error})") from None
 
 
@@ -85,9 +85,10 @@ def synthetic_examples(tokenizer, count, width, seed, system_prompt=data.SYSTEM_
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="bench.py step", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", default=None,
-                        help="folder made by `bench.py save-tokenizer` (default: the demo package's, if installed)")
+                        help="folder made by `python -m bench save-tokenizer` (default: the demo package's, "
+                             "if installed)")
     parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     parser.add_argument("--tiny", action="store_true", help="2-layer model, toy shapes (always on for CPU)")
     parser.add_argument("--methods", default="pods,grpo", help="comma list of pods, grpo")
@@ -101,7 +102,7 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench_out")
     args = parser.parse_args(argv)
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.device = common.pick_device(args.device)
     args.tiny = args.tiny or args.device.type == "cpu"
     args.methods = ["pods"] if args.vary_widths else [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in args.methods:
@@ -127,35 +128,33 @@ def method_args(args, method):
              "--seed", str(args.seed)]
     if args.tiny:
         flags += ["--micro-batch-size", "2", "--rollout-batch-size", "8"]
-    return bench_gpu.trainer_args(args.device, tiny=args.tiny, lora_rank=4 if args.tiny else 64,
-                                  flags=flags + (["--baseline"] if method == "grpo" else []))
+    return common.trainer_args(args.device, tiny=args.tiny, lora_rank=4 if args.tiny else 64,
+                               flags=flags + (["--baseline"] if method == "grpo" else []))
 
 
 def timed_step(model, tokenizer, optimizer, examples, trainer, step):
     """One train.train_step, with its wall time, engine graphs recorded / compiled, their seconds and peak memory."""
     device = torch.device(trainer.device)
-    stats = bench_gpu.engine_stats()
-    bench_gpu.reset_peak(device)
-    metrics, step_s = bench_gpu.timed(lambda: train.train_step(model, tokenizer, optimizer, [examples], trainer, step),
-                                      device)
-    graphs = engine.STATS.captured_graphs + engine.STATS.compiled_graphs - stats.captured_graphs - stats.compiled_graphs
+    stats = common.engine_stats()
+    common.reset_peak(device)
+    metrics, step_s = common.timed(lambda: train.train_step(model, tokenizer, optimizer, [examples], trainer, step),
+                                   device)
     return {"generate_s": metrics["generate_s"], "reward_s": metrics["reward_s"], "select_s": metrics["select_s"],
             "update_s": metrics["update_s"], "step_s": step_s, "mean_length": metrics["completions/mean_length"],
-            "new_graphs": graphs, "graph_warmup_s": engine.STATS.warmup_s - stats.warmup_s,
-            "peak_gib": bench_gpu.phase_peak_gib(device)}
+            "new_graphs": common.new_graphs(stats), "graph_warmup_s": engine.STATS.warmup_s - stats.warmup_s,
+            "peak_gib": common.phase_peak_gib(device)}
 
 
 def bench_step(argv):
     args = parse_args(argv)
     tokenizer = load_step_tokenizer(args.tokenizer)
-    label = "CPU smoke figures (tiny model, toy shapes)" if args.device.type == "cpu" else \
-        f"{torch.cuda.get_device_name(args.device)}{', tiny model' if args.tiny else ''}"
+    label = common.device_label(args.device, args.tiny)
     print(f"# bench step: qwen2.5-3b architecture, vocabulary {len(tokenizer)} (SmolLM2 tokenizer), {label}; "
           f"completions {args.completion_tokens} tokens, {args.warmup_steps} warm-up + {args.steps} timed steps")
     first = method_args(args, args.methods[0])
     token_ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id)
-    model, build_s = bench_gpu.timed(lambda: bench_gpu.build_policy(
+    model, build_s = common.timed(lambda: common.build_policy(
         "qwen2.5-3b", tiny=args.tiny, device=args.device, precision="bf16" if first.bf16 else "fp32", args=first,
         seed=args.seed, vocab_size=len(tokenizer), token_ids=token_ids), args.device)
     print(f"model built in {build_s:.1f} s")
@@ -177,8 +176,7 @@ def bench_step(argv):
         del optimizer
     summary = summarize(rows, args)
     result = {"args": vars(args), "build_s": build_s, "rows": rows, "summary": summary}
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    bench_gpu.save_json(args, "step_widths" if args.vary_widths else "step", result)
+    common.save_json(args.out_dir, "step_widths" if args.vary_widths else "step", result)
     return result
 
 
@@ -197,17 +195,17 @@ def summarize(rows, args):
                                graph_warmup_s=sum(row["graph_warmup_s"] for row in mine), recompiles=recompiles)
         key = "pods" if method.startswith("GRPO-PODS") else "grpo"
         line = ", ".join(f"{name} {value:.2f} s" for name, value in medians.items())
-        target = f" ({bench_gpu.verdict(medians['step_s'] <= TARGET_STEP_S[key])} vs <= {TARGET_STEP_S[key]:g} s)" \
+        target = f" ({common.verdict(medians['step_s'] <= TARGET_STEP_S[key])} vs <= {TARGET_STEP_S[key]:g} s)" \
             if medians else ""
         print(f"{method}: {line or 'no steady steps'}{target}; warm-up steps {summary[method]['warmup_s']:.1f} s "
               f"(graph recording / compilation {summary[method]['graph_warmup_s']:.1f} s); graphs recorded or "
-              f"compiled after warm-up: {recompiles} ({bench_gpu.verdict(recompiles == 0)} vs 0)")
+              f"compiled after warm-up: {recompiles} ({common.verdict(recompiles == 0)} vs 0)")
     pods = next((v for k, v in summary.items() if k.startswith("GRPO-PODS") and "step_s" in v), None)
     grpo = next((v for k, v in summary.items() if not k.startswith("GRPO-PODS") and "step_s" in v), None)
     if pods and grpo:
         ratio = pods["step_s"] / grpo["step_s"]
         summary["ratio"] = ratio
-        print(f"PODS/GRPO step time = {ratio:.2f}x ({bench_gpu.verdict(ratio <= TARGET_RATIO)} vs <= {TARGET_RATIO}x)")
+        print(f"PODS/GRPO step time = {ratio:.2f}x ({common.verdict(ratio <= TARGET_RATIO)} vs <= {TARGET_RATIO}x)")
     if args.vary_widths:
         widths = sorted({row["prompt_tokens"] for row in rows})
         print(f"prompt widths over the run: {widths[0]}..{widths[-1]} tokens ({len(widths)} distinct)")

@@ -1,8 +1,8 @@
-"""decode_step.py: the hash behind sampling draws, and token choice on hand-made logits."""
+"""engine/step.py: the hash behind sampling draws, and token choice on hand-made logits."""
 
 import torch
 
-import decode_step
+import engine.step as decode_step
 from test_engine import chi_square_p_value
 
 

@@ -1,4 +1,4 @@
-"""distributed.py (and checkpoint_dcp.py across processes): two ranks under torch's elastic launcher (gloo, CPU,
+"""distributed.py (and sharded_checkpoint.py across processes): two ranks under torch's elastic launcher (gloo, CPU,
 tiny random models) take the same step as one process on the same global batch (full-parameter and LoRA), a
 run whose rank is SIGKILLed resumes exactly from its sharded checkpoint after the launcher restarts it, mixed
 precision keeps float32 master weights, and a failing rank is named. One launch runs every scenario
@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint_dcp
-import distributed
+import config
 import models
 import report
 import rewards
 import train
+from multigpu import distributed, run, sharded_checkpoint
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_train_worker  # noqa: E402
 import dist_worker  # noqa: E402
@@ -153,14 +154,14 @@ def test_export_reshards_a_two_process_checkpoint_into_a_plain_model_folder(runs
     base = tmp_path / "base"
     models.tiny_random_model("llama", vocab_size=dist_worker.VOCAB, seed=0).save_pretrained(base)
     step2 = out / "run" / "checkpoints" / "step_000002"
-    exported = checkpoint_dcp.export_hf(step2, tmp_path / "hf", base_model_name=str(base))  # 2 shards -> 1 file
+    exported = sharded_checkpoint.export_hf(step2, tmp_path / "hf", base_model_name=str(base))  # 2 shards -> 1 file
     model = models.load_policy(str(exported), dtype=torch.float32)
     for name, value in resumed["state2"]["model"].items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
     with pytest.raises(FileNotFoundError, match="not a sharded checkpoint"):
-        checkpoint_dcp.export_hf(tmp_path, tmp_path / "hf2", base_model_name=str(base))
+        sharded_checkpoint.export_hf(tmp_path, tmp_path / "hf2", base_model_name=str(base))
     with pytest.raises(FileExistsError, match="not empty"):
-        checkpoint_dcp.export_hf(step2, exported, base_model_name=str(base))
+        sharded_checkpoint.export_hf(step2, exported, base_model_name=str(base))
 
 
 def test_an_exception_on_one_rank_ends_the_run_naming_that_rank(runs):
@@ -195,8 +196,18 @@ def test_rank_slices_are_disjoint_cover_the_step_and_must_be_even():
         distributed.rank_slice(indices, 0, 4)
     uneven = [distributed.rank_slice(indices, rank, 4, even=False) for rank in range(4)]
     assert sum(uneven, []) == indices and sorted(map(len, uneven)) == [1, 1, 2, 2]
-    assert distributed.rank_seed(123, 0) == 123
-    assert len({distributed.rank_seed(123, rank) for rank in range(4)}) == 4
+
+
+def test_the_seams_share_prompts_and_evaluation_chunks_as_one_process_would():
+    """Each rank's prompts and first generation chunk (1 and W processes give every rollout the same chunk seed and
+    row when the chunk size divides a rank's rows), and held-out prompts in whole chunks, one or more per rank."""
+    ranks = [run.Processes(distributed.DistContext(rank=r, world_size=2, enabled=True)) for r in range(2)]
+    prompts = list("abcd")
+    assert [p.share(prompts, 4, 8) for p in ranks] == [(["a", "b"], 0), (["c", "d"], 1)]  # 8 rows = 1 chunk each
+    assert [p.share(prompts, 4, 3) for p in ranks] == [(["a", "b"], 0), (["c", "d"], 3)]  # 3 chunks each, disjoint
+    assert train.OneProcess().share(prompts, 4, 8) == (prompts, 0)
+    shares = [p.eval_share(list(range(5)), 4) for p in ranks]  # chunks of min(4, ceil(5 / 2)) = 3 prompts
+    assert shares == [([0, 1, 2], 0, 3), ([3, 4], 1, 3)]
 
 
 # ------------------------------------------------------------------------------------ train.py under torchrun
@@ -253,7 +264,7 @@ def final_weights(run_dir, step):
     """The run's weights at `step` as a plain model (LoRA merged), whichever process count wrote them."""
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     if (path / "dcp").is_dir():
-        return checkpoint_dcp.load_merged_model(path).state_dict()
+        return sharded_checkpoint.load_merged_model(path).state_dict()
     config = json.loads((path / "config.json").read_text())
     model = models.load_policy(config["model"], dtype=torch.float32, lora_rank=config["lora_rank"],
                                lora_alpha=config["lora_alpha"])
@@ -302,6 +313,37 @@ def test_an_exception_on_a_train_py_rank_ends_the_run_naming_it(train_runs):
     assert train_runs["stop_s"] < 30  # rank 0, waiting in a collective (timeout 60 s), was stopped
 
 
+@pytest.mark.parametrize("argv, changed, message", [
+    (["--prompts-per-step", "3"], {}, "cannot be split evenly over 2 processes"),
+    (["--prompts-per-step", "2", "--drop-zero-variance"], {}, "several processes"),
+    (["--prompts-per-step", "2", "--scale-rewards", "batch"], {}, "several processes"),
+    (["--prompts-per-step", "2"], {"optimizer": "adamw8bit"}, "FSDP2"),  # (on CPU config.py refuses it earlier)
+    (["--prompts-per-step", "2", "--eval-samples", "1"], {}, "fewer than the 2 processes"),
+])
+def test_torchrun_launches_are_checked_before_loading(argv, changed, message):
+    args = config.parse_args(argv)
+    vars(args).update(changed)
+    with pytest.raises(ValueError, match=message):
+        run.check_args(args, world_size=2)
+    run.check_args(config.parse_args(["--prompts-per-step", "2"]), world_size=2)
+
+
+def test_train_py_under_torchrun_points_to_the_multigpu_entry_and_the_entry_needs_torchrun():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env=dict(env, RANK="0", WORLD_SIZE="2"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "-m multigpu" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, "-m", "multigpu", "--preset", "e"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "runs under torchrun" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_one_process_path_loads_no_multigpu_module():
+    code = ("import sys, train, eval, compare, study, config\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('multigpu', 'bench')], sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
 def test_the_decode_engine_decodes_fsdp_weights_eagerly_and_as_the_plain_model_does():
     """Sharded over a 1-process gloo group: FSDP is detected (on CUDA no graph would be recorded over weights
     FSDP re-allocates), and the engine's rollouts inside full_weights_for_generation equal the plain model's."""
@@ -313,8 +355,8 @@ def test_the_decode_engine_decodes_fsdp_weights_eagerly_and_as_the_plain_model_d
     plain = models.tiny_random_model("llama", vocab_size=dist_worker.VOCAB)
     batch = dist_worker.global_batch(0, completion_len=1)
     prompt = (batch["input_ids"][:4, :-1], batch["attention_mask"][:4, :-1])
-    sample = dict(n=2, max_new_tokens=5, eos_ids=[2], pad_id=2, temperature=1.0, rollout_batch_size=4, seed=7,
-                  backend="engine")
+    sample = dict(n=2, eos_ids=[2], pad_id=2, seed=7, settings=sampling.GenerationSettings(
+        max_new_tokens=5, temperature=1.0, rollout_batch_size=4, backend="engine"))
     expected = sampling.sample_completions(plain, *prompt, **sample)
     assert not engine.fsdp_sharded(plain)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

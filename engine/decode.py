@@ -1,29 +1,5 @@
-"""Decode engine: the fast path of rollout generation (paper Algorithm 1, line 1) for Llama-family models.
-
-PODS (§1, §3) rests on inference being cheap next to the update; HF `generate` is not (small kernel launches
-per token, a recompile per prompt width, an unmerged LoRA adapter on every projection). So this module decodes
-by hand over the model's own modules, with one idea: every shape comes from a few buckets, so a decode step is
-one fixed-shape function, recorded as a CUDA graph (optionally compiled first) once per bucket and process, and
-replayed per token.
-
-- Prefill: each distinct prompt (all but its last token) runs once; its K/V is copied to its n rows.
-- Decode: a preallocated cache [rows, kv_heads, cache_len, head_dim] per layer (cache_len = prompt width - 1 +
-  max_new_tokens, or the caller's cache_tokens if larger, rounded up to CACHE_BUCKET_TOKENS, rows = the next of `row_buckets`). A step embeds the last
-  tokens, writes their K/V, attends over the valid positions, samples (inverse CDF with one uniform per row hashed
-  from (seed, row, step): no RNG state to capture, and a row's tokens do not depend on its batch) and records the
-  token, in place. Every `check_every` steps the host checks the rows left; when they fit a smaller bucket they
-  are gathered into it, so a chunk costs about the sum of its rows' lengths, not rows x the longest.
-- Weights: LoRA is merged into a separate copy of the adapted projections, refreshed at every call (Qwen2.5-3B:
-  2.77 B params, 5.5 GB in bf16). The training weights are never touched (peft's in-place merge_adapter() /
-  unmerge_adapter() would leave a bf16 rounding error in the frozen base weights at every step). 4-bit models:
-  the copy (dequantized + merged, bf16: the same 5.5 GB next to ~1.4 GB of 4-bit projections) is opt-in with
-  generation_copy=True; without it the bitsandbytes modules run eagerly.
-- FSDP2 (torchrun, distributed.py): the gathered full weights are freed and re-allocated around every unshard, so
-  a graph recorded over them would read stale addresses: a sharded model decodes eagerly (capture=None, the
-  default, decides), one kernel launch per op and token (on GPU several times slower per token than a replayed
-  graph; the cost of the multi-GPU path until weights get a fixed home).
-Simplifications: batch-synchronous (no continuous batching, no paged attention); attention reads the whole
-bucketed cache under a mask; other architectures go through Hugging Face generate (sampling.py).
+"""The decode loop of the engine (package docstring: the design): per-model Engine records, row and cache-length
+buckets, CUDA-graph recording, and `generate`, which prefills, decodes step by step and drops finished rows.
 """
 
 import functools
@@ -33,9 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-import decode_step
+import engine.step as decode_step
+import engine.weights as weights
 import models
+import report
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 CACHE_BUCKET_TOKENS = 256   # cache lengths are multiples of this: a few graphs cover every prompt width
@@ -109,14 +86,9 @@ ROW_FIELDS = ("valid", "tokens", "positions", "done", "stop_at", "row_keys", "ou
 _ENGINES = weakref.WeakKeyDictionary()
 
 
-def hf_model(model):
-    """The transformers model inside a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def unsupported_reason(model, cache_len=0):
     """None if the engine can decode this model, else why not (sampling.py then uses HF generate)."""
-    hf = hf_model(model)
+    hf = models.hf_model(model)
     config, inner = hf.config, getattr(hf, "model", None)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
@@ -145,7 +117,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     compile_backend None: DEFAULT_COMPILE_BACKEND; False: no compilation; a dynamo backend name or callable:
     torch.compile the step with it (tests count graphs on CPU this way). capture None: CUDA graphs are recorded
     on CUDA unless bitsandbytes modules run in the step or the model is FSDP-sharded; False: never."""
-    hf = hf_model(model)
+    hf = models.hf_model(model)
     quantized = getattr(hf.config, "quantization_config", None) is not None
     copy = not quantized if generation_copy is None else bool(generation_copy)
     backend = DEFAULT_COMPILE_BACKEND if compile_backend is None else compile_backend
@@ -153,13 +125,13 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
         capture = hf.model.embed_tokens.weight.device.type == "cuda" and (copy or not quantized) \
             and not fsdp_sharded(model)  # not bnb kernels; not FSDP's re-allocated weights
     key = (copy, backend if isinstance(backend, (str, bool)) else id(backend), bool(capture))
-    engine, signature = _ENGINES.setdefault(model, {}).get(key), models.model_signature(model)
+    engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
         inner, copies = hf.model, []
-        layers = [(layer.input_layernorm, *(models.projection(m, copy, copies) for m in (
+        layers = [(layer.input_layernorm, *(weights.projection(m, copy, copies) for m in (
             layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj)),
-            layer.post_attention_layernorm, *(models.projection(m, copy, copies) for m in (
+            layer.post_attention_layernorm, *(weights.projection(m, copy, copies) for m in (
                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)), layer.mlp.act_fn)
             for layer in inner.layers]
         attention = inner.layers[0].self_attn
@@ -168,7 +140,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
             attention.head_dim, attention.scaling, signature, copies,
             compiled(decode_step.decode_step, backend) if backend else decode_step.decode_step, bool(capture))
     if refresh_weights or fresh:
-        models.refresh_copies(engine.copies)
+        weights.refresh_copies(engine.copies)
     return engine
 
 
@@ -231,6 +203,20 @@ def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
     return engine.states[key]
 
 
+def compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags):
+    """The live rows `alive` of `state` gathered into the bucket of `size` rows (extra rows: copies marked done);
+    returns (its State, its graph, the chunk row of each of its rows, -1 for the extra ones)."""
+    index = torch.cat([alive, alive[:1].expand(size - len(alive))])
+    fields = lambda s: [getattr(s, name) for name in ROW_FIELDS] + s.keys + s.values  # noqa: E731
+    kept = [tensor[index] for tensor in fields(state)]
+    row_ids = row_ids[index].masked_fill(torch.arange(size, device=alive.device) >= len(alive), -1)
+    state, graph = state_for(engine, size, cache_len, max_rows, *flags)
+    for target, value in zip(fields(state), kept):
+        target.copy_(value)
+    state.done[len(alive):] = True
+    return state, graph, row_ids
+
+
 def record_graph(engine, state):
     """Warm up (compiles) on a side stream, then record one decode step as a CUDA graph."""
     start, saved = time.perf_counter(), [state.scalars[name].clone() for name in ("slot", "step")]
@@ -253,11 +239,6 @@ def record_graph(engine, state):
     STATS.warmup_s += time.perf_counter() - start
     STATS.captured_graphs += 1
     return graph
-
-
-def timed(device, start, name):
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    setattr(STATS, name, getattr(STATS, name) + time.perf_counter() - start)
 
 
 @torch.no_grad()
@@ -285,47 +266,40 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         raise ValueError(f"need 1..{EOS_SLOTS} EOS ids with forced_lengths, at most {EOS_SLOTS} otherwise")
     engine, device = engine_for(model, generation_copy, compile_backend, refresh_weights), prompt_ids.device
     max_rows = max(max_rows or rows, rows)
-    start = time.perf_counter()
-    prefix_keys, prefix_values = decode_step.prefill(engine, prompt_ids, prompt_mask)
-    timed(device, start, "prefill_s")
-    start, size, flags = time.perf_counter(), bucket_for(rows, max_rows), (temperature > 0, top_p < 1)
-    state, graph = state_for(engine, size, cache_len, max_rows, *flags)
-    row_prompt = row_prompt.to(device)
-    for cache, prefix in zip(state.keys + state.values, prefix_keys + prefix_values):
-        cache[:rows, :, :width - 1] = prefix[row_prompt]
-    real = torch.arange(size, device=device) < rows   # rows past `rows` only pad the bucket
-    state.valid.zero_()[:rows, :width - 1] = prompt_mask[row_prompt, :width - 1].bool()
-    state.tokens.fill_(pad_id)[:rows] = prompt_ids[row_prompt, -1]
-    state.positions.zero_()[:rows] = prompt_mask[row_prompt].sum(1) - 1
-    state.done.copy_(~real)
-    state.stop_at.fill_(NEVER)
-    if forced_lengths is not None:
-        state.stop_at[:rows] = torch.as_tensor(forced_lengths).to(device) - 1
-    state.row_keys.copy_(decode_step.row_noise_keys(seed, size))
-    for name, value in dict(slot=width - 1, step=0, temperature=max(temperature, 1e-6), top_p=top_p,
-                            pad=pad_id).items():
-        state.scalars[name].fill_(value)
-    state.scalars["eos"].copy_(torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids))))
-    result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
-    for step in range(max_new_tokens):
-        graph.replay() if graph is not None else engine.step(engine, state)
-        STATS.decode_steps, STATS.row_steps = STATS.decode_steps + 1, STATS.row_steps + size
-        if (step + 1) % check_every and step + 1 < max_new_tokens:
-            continue
-        alive = (~state.done).nonzero().flatten()   # the loop's only host synchronisation
-        if len(alive) == 0 or step + 1 == max_new_tokens:
-            break
-        if bucket_for(len(alive), max_rows) < size:   # drop finished rows: gather the live ones into a smaller bucket
-            result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
-            size = bucket_for(len(alive), max_rows)
-            index = torch.cat([alive, alive[:1].expand(size - len(alive))])   # extra rows: copies, marked done
-            kept = [getattr(state, name)[index] for name in ROW_FIELDS] + [t[index] for t in state.keys + state.values]
-            row_ids = row_ids[index].masked_fill(torch.arange(size, device=device) >= len(alive), -1)
-            state, graph = state_for(engine, size, cache_len, max_rows, *flags)
-            for target, value in zip([getattr(state, name) for name in ROW_FIELDS] + state.keys + state.values, kept):
-                target.copy_(value)
-            state.done[len(alive):] = True
-    result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
-    timed(device, start, "decode_s")
+    with report.timed(STATS, "prefill_s", device):
+        prefix_keys, prefix_values = decode_step.prefill(engine, prompt_ids, prompt_mask)
+    with report.timed(STATS, "decode_s", device):  # host checks and compaction included
+        size, flags = bucket_for(rows, max_rows), (temperature > 0, top_p < 1)
+        state, graph = state_for(engine, size, cache_len, max_rows, *flags)
+        row_prompt = row_prompt.to(device)
+        for cache, prefix in zip(state.keys + state.values, prefix_keys + prefix_values):
+            cache[:rows, :, :width - 1] = prefix[row_prompt]
+        real = torch.arange(size, device=device) < rows   # rows past `rows` only pad the bucket
+        state.valid.zero_()[:rows, :width - 1] = prompt_mask[row_prompt, :width - 1].bool()
+        state.tokens.fill_(pad_id)[:rows] = prompt_ids[row_prompt, -1]
+        state.positions.zero_()[:rows] = prompt_mask[row_prompt].sum(1) - 1
+        state.done.copy_(~real)
+        state.stop_at.fill_(NEVER)
+        if forced_lengths is not None:
+            state.stop_at[:rows] = torch.as_tensor(forced_lengths).to(device) - 1
+        state.row_keys.copy_(decode_step.row_noise_keys(seed, size))
+        for name, value in dict(slot=width - 1, step=0, temperature=max(temperature, 1e-6), top_p=top_p,
+                                pad=pad_id).items():
+            state.scalars[name].fill_(value)
+        state.scalars["eos"].copy_(torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids))))
+        result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
+        for step in range(max_new_tokens):
+            graph.replay() if graph is not None else engine.step(engine, state)
+            STATS.decode_steps, STATS.row_steps = STATS.decode_steps + 1, STATS.row_steps + size
+            if (step + 1) % check_every and step + 1 < max_new_tokens:
+                continue
+            alive = (~state.done).nonzero().flatten()   # the loop's only host synchronisation
+            if len(alive) == 0 or step + 1 == max_new_tokens:
+                break
+            if bucket_for(len(alive), max_rows) < size:   # drop finished rows into a smaller bucket
+                result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
+                size = bucket_for(len(alive), max_rows)
+                state, graph, row_ids = compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags)
+        result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
     return result

@@ -1,36 +1,9 @@
-"""Several processes, one update: torchrun + FSDP2 + torch.distributed.checkpoint (paper settings (e), (f)).
+"""Process group, FSDP2 sharding and collectives of a multi-process run (torchrun; paper settings (e), (f)).
 
-The paper trains Qwen2.5-3B (e) and -7B (f) with all parameters on 8 GPUs (the authors: DeepSpeed ZeRO-2).
-We use PyTorch's own stack: torchrun starts one process per GPU, FSDP2 (`fully_shard`) shards parameters,
-gradients and optimizer state, torch.distributed.checkpoint writes sharded checkpoints (checkpoint_dcp.py).
-Each rank generates rollouts for its own slice of the step's prompts (`rank_slice`) and down-samples per
-prompt, with no communication; the loss is normalised by the kept rows of *all* ranks (`global_count`) and
-FSDP *sums* gradients across ranks, so the step equals the single-process step on the same global batch.
-
-Memory per GPU (W ranks, P parameters; fp32 masters + AdamW, bf16 compute): 16 P / W bytes of shards
-(param 4, grad 4, Adam 8); generation (`full_weights_for_generation`) gathers all layers once per step: + 2 P
-bytes, plus the KV cache (2 x layers x kv_heads x head_dim x 2 bytes per token, x rows x cache length) in eager
-decode (no CUDA graphs over FSDP's re-allocated weights: engine.py); the update holds one gathered layer, the
-gathered root unit (embeddings, lm_head) with its fp32 gradient, and, with gradient checkpointing, each layer's
-input (rows x tokens x hidden x 2 bytes x layers) plus a micro-batch's logits (bf16, their gradient, one row in
-fp32). Presets (e)/(f) on 8 GPUs, rollout batch 64 rows x 2048 tokens, micro-batch 4:
-    (e) 3.09 B: shards 5.8 GiB, gathered 5.8, KV cache 4.5 (36 KiB/token)  -> generation ~16 GiB;
-        update: shards 5.8 + root 1.7 + checkpoints 1.1 + logits ~3.5 + layer ~0.5   -> ~13 GiB
-    (f) 7.62 B: shards 14.2 GiB, gathered 14.2, KV cache 7.0 (56 KiB/token) -> generation ~36 GiB;
-        update: shards 14.2 + root 6.1 (untied lm_head) + checkpoints 1.5 + logits ~3.5 + layer ~1.3 -> ~27 GiB
-Both fit on 80 GB (estimates, not measured; allocator fragmentation and the CUDA context add a few GiB), so
---rollout-batch-size 128 also fits ((f): +7 GiB). One GPU ((e), W = 1): 46 + 5.8 + 4.5 GiB, ~57 GiB.
-
-Failures: a rank's exception ends every rank (`run_main`, collectives bounded by a timeout), and torchrun
-names the failing rank; with `torchrun --max-restarts N` the ranks start again (`init_from_env` gives each
-attempt fresh rendezvous keys) and can resume from the last complete checkpoint.
-
-train.py's use: `shard_prompts` (each rank P / W prompts of every rollout batch), `first_chunk` (the rollouts of
-prompt i get the seeds they get in one process), `eval_share` (held-out prompts split by whole generation chunks),
-`agree` (rank 0's decision everywhere), `all_gather` (the step's small per-rank records, merged by report.py).
-
-Simplifications: one node tested; each rank loads the whole model on CPU before sharding (no meta-device
-init); LoRA runs shard the frozen base too (same path); 4-bit weights cannot be sharded.
+`init_from_env` joins the process group torchrun describes; `run_main` ends every rank when one fails (torchrun
+names it); `shard_model` shards the policy with FSDP2 (fp32 masters, bf16 compute, gradients summed over ranks);
+`full_weights_for_generation` gathers the weights once for decoding; the collectives below are what the seams in
+run.py are made of.
 """
 
 import contextlib
@@ -41,7 +14,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -221,11 +193,6 @@ def rank_slice(indices, rank, world_size, *, even=True):
     return list(indices[len(indices) * rank // world_size:len(indices) * (rank + 1) // world_size])
 
 
-def rank_seed(seed, rank):
-    """Generation seed of a rank: rank 0 keeps the single-process seed (a 1-process run is unchanged)."""
-    return seed if rank == 0 else int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
-
-
 def global_count(local_count):
     """Sum of a count over ranks: the loss normaliser that makes the update the global-batch update."""
     if not dist.is_initialized():
@@ -306,7 +273,7 @@ def max_over_ranks(value):
     return value if not dist.is_initialized() else _all_reduce([float(value)], dist.ReduceOp.MAX)[0]
 
 
-# ------------------------------------------------------------------------------------ train.py's launch
+# ------------------------------------------------------------------------------------ the launch
 
 def launched_by_torchrun():
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -320,29 +287,3 @@ def world_size_from_env():
 def restart_count():
     """How often torchrun --max-restarts has restarted the ranks (0: the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def shard_prompts(indices, ctx):
-    """This rank's prompts of one rollout batch (`rank_slice`, even): every rank runs the same passes."""
-    return rank_slice(indices, ctx.rank, ctx.world_size)
-
-
-def first_chunk(ctx, rank_rows, chunk_rows):
-    """Index of this rank's first generation chunk, counted over the whole rollout batch: with equal shares of
-    rank_rows rows each (in rank order) and chunk_rows dividing rank_rows, every rollout gets the chunk seed and
-    row of the single-process run, so 1 and W processes draw the same rollouts; otherwise the ranks' chunk
-    indices still never overlap (independent draws)."""
-    return ctx.rank * -(-rank_rows // chunk_rows)
-
-
-def eval_share(num_prompts, chunk_prompts, ctx):
-    """(start, stop, first chunk, chunk size) of this rank's held-out prompts: chunks of at most chunk_prompts
-    prompts (fewer under torchrun, so every rank gets one), whole chunks per rank; eval.py seeds chunk c with
-    seed + c, so the first chunk's index as seed keeps each prompt's seed independent of the rank count."""
-    if not ctx.enabled:
-        return 0, num_prompts, 0, chunk_prompts
-    size = max(1, min(chunk_prompts, -(-num_prompts // ctx.world_size)))
-    chunks = rank_slice(range(-(-num_prompts // size)), ctx.rank, ctx.world_size, even=False)
-    if not chunks:
-        return 0, 0, 0, size
-    return chunks[0] * size, min(num_prompts, (chunks[-1] + 1) * size), chunks[0], size

@@ -6,33 +6,36 @@ the LoRA adapter (r=64, its B matrices randomised as after some training) attach
 
   generate() defaults       HF generate with a dynamic cache (backend "hf"): the reference, and the 4-bit path
                             of train.py before the decode engine
-  engine, LoRA unmerged     engine.py calling the peft modules (what merging saves)
-  engine, merged copy       engine.py over the merged bf16 copy (the default; for 4-bit: generation_copy=True)
+  engine, LoRA unmerged     the decode engine (engine/) calling the peft modules (what merging saves)
+  engine, merged copy       the engine over the merged bf16 copy (the default; for 4-bit: generation_copy=True)
 
 Seconds per step = (time of a call with T new tokens - time of a call with 1) / (T - 1), best of --repeats, after
 a first call whose time (CUDA-graph recording / compilation, cuBLAS start-up) is printed apart. A greedy check
 follows: the engine's tokens vs HF generate's, and whether each engine token is the argmax of the full model's
 logits on the same prefix (teacher forcing), with the largest logit gap where it is not. Last, finished rows:
-EOS forced at lengths drawn uniformly from 100-512 tokens (GSM8K completions' range), the engine dropping
-finished rows every CHECK_EVERY steps vs never; the work (row-steps) against the ideal sum of lengths.
+EOS forced at lengths drawn uniformly from 100-512 tokens (GSM8K completions' range) through engine.generate's
+forced_lengths, the engine dropping finished rows every CHECK_EVERY steps vs never; the work (row-steps) against
+the ideal sum of lengths.
 """
 
 import torch
 
-import bench_gpu
 import engine
+import models
 import sampling
-from bench_gpu import EOS, GIB, print_header, print_row, timed
+from bench import common
+from bench.common import EOS, GIB, NO_EOS, print_header, print_row, timed, verdict
+from engine.decode import CHECK_EVERY
 
 COLUMNS = ["precision", "path", "batch", "context", "step_ms", "tokens_per_s", "bound_ms", "x_bound", "vs_generate",
            "first_call_s", "graph_warmup_s", "graphs"]
 CHECK_COLUMNS = ["precision", "rows", "steps", "tokens_equal_hf_frac", "engine_is_argmax_frac", "max_logit_gap",
                  "logit_std"]
-HF = dict(backend="hf", cache_implementation="dynamic", share_prefill=False)
 LENGTH_COLUMNS = ["precision", "rows", "prompt", "lengths", "rows_dropped", "seconds", "row_steps", "x_ideal_work",
                   "speedup"]
 # (prompt tokens, shortest, longest completion) of the finished-rows check; tiny: toy shapes for the code path.
 LENGTHS = {False: (200, 100, 512), True: (4, 2, 48)}
+HF = dict(backend="hf")
 UNMERGED, MERGED = dict(backend="engine", generation_copy=False), dict(backend="engine", generation_copy=True)
 PATHS = {"bf16": (("generate() defaults", HF), ("engine, LoRA unmerged", UNMERGED),
                   ("engine, merged copy", dict(backend="engine"))),
@@ -90,36 +93,39 @@ def perturb_adapters(model, seed, std=0.01):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
 
 
+def completions(model, prompt_ids, new_tokens, temperature, top_p, seed, **path):
+    """One full-length completion per prompt row through sampling.sample_completions, on the backend of `path`."""
+    settings = sampling.GenerationSettings(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p,
+                                           rollout_batch_size=len(prompt_ids), **path)
+    return sampling.sample_completions(model, prompt_ids, torch.ones_like(prompt_ids), 1, NO_EOS, EOS, settings,
+                                       seed)[0]
+
+
 def step_seconds(run, new_tokens, device, repeats):
     """(seconds per decode step or None below timer resolution, first call s, its graph warm-up s, its graphs)."""
-    stats = bench_gpu.engine_stats()
-    _, first_s = bench_gpu.timed(lambda: run(new_tokens), device)
-    graph_warmup_s = engine.STATS.warmup_s - stats.warmup_s
-    graphs = engine.STATS.captured_graphs + engine.STATS.compiled_graphs - stats.captured_graphs - stats.compiled_graphs
+    stats = common.engine_stats()
+    _, first_s = timed(lambda: run(new_tokens), device)
+    graph_warmup_s, graphs = engine.STATS.warmup_s - stats.warmup_s, common.new_graphs(stats)
     run(1)  # the short call's own shapes warmed too
     estimates = []
     for _ in range(repeats):
-        _, full_s = bench_gpu.timed(lambda: run(new_tokens), device)
-        _, short_s = bench_gpu.timed(lambda: run(1), device)
+        _, full_s = timed(lambda: run(new_tokens), device)
+        _, short_s = timed(lambda: run(1), device)
         estimates.append((full_s - short_s) / (new_tokens - 1))
     return (min(estimates) if min(estimates) > 0 else None), first_s, graph_warmup_s, graphs
 
 
-def greedy_check(model, prompt_ids, steps, rows, precision, run_kwargs):
+def greedy_check(model, prompt_ids, steps, rows, precision, engine_path):
     """Engine greedy tokens vs HF generate's (equal up to rounding), and teacher-forced: is each engine token the
     argmax of the full (unmerged) model's logits on the engine's own prefix; the largest gap where it is not."""
     ids = prompt_ids[:rows]
-    tokens = {name: sampling.sample_completions(model, ids, torch.ones_like(ids), 1, steps, [EOS], EOS, temperature=0.0,
-                                                rollout_batch_size=rows, ignore_eos=True, **kwargs)[0]
-              for name, kwargs in (("engine", run_kwargs), ("hf", HF))}
+    tokens = {name: completions(model, ids, steps, 0.0, 1.0, 0, **path)
+              for name, path in (("engine", engine_path), ("hf", HF))}
     device = next(model.parameters()).device
-    training = model.training
-    model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), models.dropout_off(model):
         full = torch.cat([ids, tokens["engine"]], 1).to(device)
         logits = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False,
                        logits_to_keep=steps + 1).logits[:, :-1].float()
-    model.train(training)
     chosen = logits.gather(-1, tokens["engine"].to(device)[..., None])[..., 0]
     gap = logits.amax(-1) - chosen
     return {"precision": precision, "rows": rows, "steps": steps,
@@ -129,7 +135,7 @@ def greedy_check(model, prompt_ids, steps, rows, precision, run_kwargs):
 
 
 def bench_decode(argv):
-    args = bench_gpu.parse_args("decode", argv, {"precisions": "bf16,4bit"})
+    args = common.parse_args("decode", argv, {"precisions": "bf16,4bit"}, __doc__.split("\n\n")[0])
     shapes, device, trainer = args.shapes, args.device, args.trainer
     batch, width, new_tokens = shapes.decode_batch, shapes.decode_prompt_tokens, shapes.decode_new_tokens
     if new_tokens < 2:
@@ -141,24 +147,21 @@ def bench_decode(argv):
     print(f"bandwidth: spec {bandwidth_spec and bandwidth_spec / 1e9} GB/s, measured copy {bandwidth_copy / 1e9:.1f}"
           f" GB/s; the bound uses {'spec' if bandwidth_spec else 'measured copy'}. Batch {batch}, prompt {width} + "
           f"{new_tokens} new tokens (mean context {context}), T = {trainer.temperature}, best of {args.repeats}")
-    rows, checks, weights, kv_bytes = [], [], [], None
+    rows, checks, weights, kv_bytes, length_rows = [], [], [], None, []
     print_header(COLUMNS)
-    for precision in bench_gpu.runnable_precisions(args):
-        model = bench_gpu.build_policy(args.model, tiny=args.tiny, device=device, precision=precision, args=trainer,
-                                       seed=args.seed)
+    for precision in common.runnable_precisions(args):
+        model = common.build_policy(args.model, tiny=args.tiny, device=device, precision=precision, args=trainer,
+                                    seed=args.seed)
         perturb_adapters(model, args.seed)
-        model_config = engine.hf_model(model).config
-        prompt_ids = bench_gpu.random_prompts(model_config.vocab_size, batch, width, args.seed)
-        kv_bytes = bench_gpu.kv_cache_bytes(model_config, batch, context, 4 if precision == "fp32" else 2)
+        model_config = models.hf_model(model).config
+        prompt_ids = common.random_prompts(model_config.vocab_size, batch, width, args.seed)
+        kv_bytes = common.kv_cache_bytes(model_config, batch, context, 4 if precision == "fp32" else 2)
         weights.append(weight_bytes(model, 2 if precision == "4bit" else None))  # 4-bit: the bf16 copy
         bound_s = decode_bound_s(weights[-1], kv_bytes, bandwidth)
         generate_s = None
         for path, kwargs in PATHS[precision]:
             def run(tokens, kwargs=kwargs):
-                return sampling.sample_completions(
-                    model, prompt_ids, torch.ones_like(prompt_ids), 1, tokens, [EOS], EOS,
-                    temperature=trainer.temperature, top_p=trainer.top_p, rollout_batch_size=batch, seed=args.seed,
-                    ignore_eos=True, **kwargs)
+                return completions(model, prompt_ids, tokens, trainer.temperature, trainer.top_p, args.seed, **kwargs)
 
             step_s, first_s, graph_warmup_s, graphs = step_seconds(run, new_tokens, device, args.repeats)
             generate_s = step_s if path == "generate() defaults" else generate_s
@@ -172,9 +175,9 @@ def bench_decode(argv):
                                    PATHS[precision][-1][1]))
         if precision != "4bit":
             length_rows = dropped_rows_check(model, prompt_ids, LENGTHS[args.tiny], precision, args.seed, device)
-        del model
+        model = None  # free the GPU memory before the next precision
         engine.release()
-        bench_gpu.free(device)
+        common.free(device)
     print_targets(rows, args.tiny)
     print("\n## Greedy check: engine vs HF generate tokens; engine tokens vs the full model's argmax (teacher forced)")
     print_header(CHECK_COLUMNS)
@@ -182,14 +185,15 @@ def bench_decode(argv):
         print_row(check, CHECK_COLUMNS)
     result = {"args": vars(args), "bandwidth_spec": bandwidth_spec, "bandwidth_copy": bandwidth_copy,
               "weight_bytes": weights, "kv_bytes": kv_bytes, "rows": rows, "checks": checks, "lengths": length_rows}
-    bench_gpu.save_json(args, "decode", result)
+    common.save_json(args.out_dir, "decode", result)
     return result
 
 
 def dropped_rows_check(model, prompt_ids, lengths, precision, seed, device):
-    """Completions of uneven length: EOS forced at lengths uniform in [shortest, longest]; the engine with finished
-    rows dropped (every CHECK_EVERY steps) vs never dropped. x_ideal_work = row-steps / sum of the lengths (1.0:
-    each row decoded exactly its own length; rows x longest without dropping)."""
+    """Completions of uneven length: EOS forced at lengths uniform in [shortest, longest] (engine.generate's
+    forced_lengths); the engine with finished rows dropped (every CHECK_EVERY steps) vs never dropped.
+    x_ideal_work = row-steps / sum of the lengths (1.0: each row decoded exactly its own length; rows x longest
+    without dropping)."""
     width, shortest, longest = lengths
     ids = prompt_ids[:, -width:].to(device)
     rows = ids.shape[0]
@@ -199,14 +203,15 @@ def dropped_rows_check(model, prompt_ids, lengths, precision, seed, device):
     print_header(LENGTH_COLUMNS)
 
     def run(check_every):
-        return engine.generate(model, ids, torch.ones_like(ids), torch.arange(rows), longest, [EOS], EOS,
-                               temperature=1.0, seed=seed, max_rows=rows, forced_lengths=forced,
-                               check_every=check_every)
+        with models.dropout_off(model):
+            return engine.generate(model, ids, torch.ones_like(ids), torch.arange(rows), longest, [EOS], EOS,
+                                   temperature=1.0, seed=seed, max_rows=rows, forced_lengths=forced,
+                                   check_every=check_every)
 
-    run(engine.CHECK_EVERY)  # records this cache length's graphs (every row bucket) before timing
+    run(CHECK_EVERY)  # records this cache length's graphs (every row bucket) before timing
     result, never_s = [], None
-    for dropped, check_every in ((False, longest + 1), (True, engine.CHECK_EVERY)):
-        before = bench_gpu.engine_stats()
+    for dropped, check_every in ((False, longest + 1), (True, CHECK_EVERY)):
+        before = common.engine_stats()
         seconds = min(timed(lambda: run(check_every), device)[1] for _ in range(2))   # best of 2
         row_steps = (engine.STATS.row_steps - before.row_steps) // 2
         never_s = seconds if not dropped else never_s
@@ -229,9 +234,9 @@ def print_targets(rows, tiny):
         elif row["precision"] == "4bit":
             speedup = TODAY_4BIT_STEP_MS / row["step_ms"]
             print(f"4bit: {speedup:.2f}x faster than {TODAY_4BIT_STEP_MS:g} ms per step "
-                  f"({bench_gpu.verdict(speedup >= TARGET_4BIT_SPEEDUP)}), {row['vs_generate'] or 0:.2f}x vs "
+                  f"({verdict(speedup >= TARGET_4BIT_SPEEDUP)}), {row['vs_generate'] or 0:.2f}x vs "
                   f"generate() on the 4-bit model here")
         else:
             x_bound, vs = row["x_bound"], row["vs_generate"]
-            print(f"{row['precision']}: {x_bound:.2f}x bound ({bench_gpu.verdict(x_bound <= TARGET_X_BOUND)}), "
-                  f"{vs or 0:.2f}x vs generate() defaults ({bench_gpu.verdict(bool(vs) and vs >= TARGET_VS_GENERATE)})")
+            print(f"{row['precision']}: {x_bound:.2f}x bound ({verdict(x_bound <= TARGET_X_BOUND)}), "
+                  f"{vs or 0:.2f}x vs generate() defaults ({verdict(bool(vs) and vs >= TARGET_VS_GENERATE)})")

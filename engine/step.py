@@ -1,14 +1,16 @@
-"""One decode step of a Llama-family model, written by hand over its Hugging Face modules (used by engine.py).
+"""One decode step of a Llama-family model, written by hand over its Hugging Face modules (engine/decode.py).
 
 Paper Algorithm 1, line 1 (sampling rollouts), at the level of one token: the decoder layers over a preallocated
 KV cache (attention by SDPA over the valid positions), the prefill of distinct prompts, and the choice of the next
 token (greedy, or softmax(logits / T) within the top-p nucleus, sampled by inverse CDF from a hashed uniform).
-Everything here works in place on fixed-shape tensors, so engine.py can record a step as one CUDA graph.
+Everything here works in place on fixed-shape tensors, so the engine can record a step as one CUDA graph.
 Simplifications: Llama/Qwen2/Mistral layouts only (pre-norm, rotary, gated MLP); no sliding window.
 """
 
 import torch
 import torch.nn.functional as F
+
+from grpo_loss import position_ids_from_mask
 
 
 def mix32(x):
@@ -21,7 +23,7 @@ def mix32(x):
 
 
 def row_noise_keys(seed, rows):
-    """32-bit noise keys of rows 0..rows-1 of a chunk sampled with `seed` (any int, e.g. sampling.chunk_seed)."""
+    """32-bit noise keys of rows 0..rows-1 of a chunk sampled with `seed` (any int, e.g. sampling.derived_seed)."""
     seed = int(seed) % 2 ** 64
     return mix32(mix32(mix32(torch.tensor(seed & 0xFFFFFFFF)) ^ (seed >> 32)) ^ torch.arange(rows))
 
@@ -110,6 +112,6 @@ def prefill(dec, prompt_ids, prompt_mask):
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         # A padding query sees itself, so no softmax row is empty (no NaN); no real query sees padding.
         allowed = (causal & mask[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device)
-        run_layers(dec, dec.embed(prompt_ids[:, :length]), (mask.long().cumsum(-1) - 1).clamp(min=0), keys[::2],
+        run_layers(dec, dec.embed(prompt_ids[:, :length]), position_ids_from_mask(mask), keys[::2],
                    keys[1::2], torch.arange(length, device=device), allowed[:, None])
     return keys[::2], keys[1::2]

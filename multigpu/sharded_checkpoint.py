@@ -15,7 +15,8 @@ checkpoint and latest.txt intact, and checkpoint.latest_checkpoint / find_checkp
 
 For evaluation a checkpoint becomes a plain model in one process (`load_merged_model`, `export_hf`):
 
-    python -m checkpoint_dcp export runs/e/checkpoints/step_000100 runs/e/hf_step_000100
+    python -m multigpu export runs/e/checkpoints/step_000100 runs/e/hf_step_000100   # then eval.py --model
+    python -m multigpu eval --checkpoint runs/e                                          # or every checkpoint directly
 
 Simplifications: several nodes need a file system shared by all ranks; an exact resume needs as many
 processes as the run that saved (each rank's RNG streams are replayed); the weights themselves reshard to
@@ -25,7 +26,6 @@ any number of processes (export reads them in one).
 import argparse
 import dataclasses
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 import checkpoint
-import distributed
+import models
+import multigpu.distributed as distributed
 
 # Checkpoints hold the trainable parameters only (LoRA: the adapter; the frozen rest comes from the base
 # model), so loading is non-strict; dcp.load itself fails on a trainable key the checkpoint lacks.
@@ -89,7 +90,7 @@ def load_sharded_checkpoint(path, model, optimizer, ctx):
     if state["world_size"] != ctx.world_size:
         raise ValueError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
                          f"{ctx.world_size}: resume with --nproc-per-node {state['world_size']}, or export it "
-                         "(python -m checkpoint_dcp export) and start a new run from the exported weights")
+                         "(python -m multigpu export) and start a new run from the exported weights")
     state_dicts = _trainable_state(model, optimizer)
     dcp.load(state_dicts, checkpoint_id=path / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state_dicts["model"],
@@ -97,20 +98,6 @@ def load_sharded_checkpoint(path, model, optimizer, ctx):
     rng = torch.load(path / "rng" / f"rank_{ctx.rank:05d}.pt", map_location="cpu", weights_only=False)
     checkpoint.restore_rng_states(rng)
     return state
-
-
-def save_run_checkpoint(run_dir, step, model, optimizer, trainer_state, config, ctx, keep_last=0):
-    """train.py's save: sharded (this module) under torchrun, checkpoint.save_checkpoint in one process."""
-    if ctx.enabled:
-        return save_sharded_checkpoint(run_dir, step, model, optimizer, trainer_state, config, ctx, keep_last)
-    return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep_last)
-
-
-def load_run_checkpoint(path, model, optimizer, ctx):
-    """train.py's resume: the counterpart of save_run_checkpoint; returns the trainer state dict."""
-    if ctx.enabled:
-        return load_sharded_checkpoint(path, model, optimizer, ctx)
-    return checkpoint.load_checkpoint(path, model, optimizer)
 
 
 def _config_and_base(checkpoint_dir, base_model_name):
@@ -128,8 +115,6 @@ def load_merged_model(checkpoint_dir, base_model_name=None, *, dtype=torch.float
     eval.py. base_model_name (anything models.load_policy takes; default: config.json's "model") gives the
     architecture and the frozen weights; LoRA settings come from config.json. DCP reshards whatever number
     of ranks wrote the checkpoint."""
-    import models
-
     checkpoint_dir = Path(checkpoint_dir)
     config, base_model_name = _config_and_base(checkpoint_dir, base_model_name)
     lora = dict(lora_rank=config.get("lora_rank") or 0, lora_alpha=config.get("lora_alpha"))
@@ -149,8 +134,6 @@ def load_merged_model(checkpoint_dir, base_model_name=None, *, dtype=torch.float
 def export_hf(checkpoint_dir, out_dir, base_model_name=None):
     """`load_merged_model` saved as a plain Hugging Face folder (save_pretrained, float32, plus the base's
     tokenizer) for eval.py --model or any other tool; returns out_dir."""
-    import models
-
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     _, base_model_name = _config_and_base(checkpoint_dir, base_model_name)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -164,18 +147,11 @@ def export_hf(checkpoint_dir, out_dir, base_model_name=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m checkpoint_dcp", description="Export a sharded checkpoint "
+    parser = argparse.ArgumentParser(prog="python -m multigpu export", description="Export a sharded checkpoint "
                                      "(written under torchrun) to a plain Hugging Face model folder.")
-    parser.add_argument("command", choices=["export"])
     parser.add_argument("checkpoint", help="a checkpoint folder <run>/checkpoints/step_XXXXXX with dcp/")
     parser.add_argument("out_dir", help="a new (or empty) folder for the model")
     parser.add_argument("--base-model", help="override the base model named in the checkpoint's config.json")
     args = parser.parse_args(argv)
     print(f"exported to {export_hf(args.checkpoint, args.out_dir, args.base_model)}")
 
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
-        sys.exit(f"checkpoint_dcp: error: {error}")

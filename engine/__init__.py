@@ -1,0 +1,33 @@
+"""Decode engine: the fast path of rollout generation (paper Algorithm 1, line 1) for Llama-family models.
+
+PODS (§1, §3) rests on inference being cheap next to the update; HF `generate` is not (small kernel launches
+per token, a recompile per prompt width, an unmerged LoRA adapter on every projection). So this package decodes
+by hand over the model's own modules, with one idea: every shape comes from a few buckets, so a decode step is
+one fixed-shape function, recorded as a CUDA graph (optionally compiled first) once per bucket and process, and
+replayed per token.
+
+- Prefill: each distinct prompt (all but its last token) runs once; its K/V is copied to its n rows.
+- Decode: a preallocated cache [rows, kv_heads, cache_len, head_dim] per layer (cache_len = prompt width - 1 +
+  max_new_tokens, or the caller's cache_tokens if larger, rounded up to CACHE_BUCKET_TOKENS; rows = the next of
+  `row_buckets`). A step embeds the last tokens, writes their K/V, attends over the valid positions, samples
+  (inverse CDF with one uniform per row hashed from (seed, row, step): no RNG state to capture, and a row's tokens
+  do not depend on its batch) and records the token, in place. Every `check_every` steps the host checks the rows left; when they fit a smaller bucket they
+  are gathered into it, so a chunk costs about the sum of its rows' lengths, not rows x the longest.
+- Weights: LoRA is merged into a separate copy of the adapted projections, refreshed at every call (Qwen2.5-3B:
+  2.77 B params, 5.5 GB in bf16). The training weights are never touched (peft's in-place merge_adapter() /
+  unmerge_adapter() would leave a bf16 rounding error in the frozen base weights at every step). 4-bit models:
+  the copy (dequantized + merged, bf16: the same 5.5 GB next to ~1.4 GB of 4-bit projections) is opt-in with
+  generation_copy=True; without it the bitsandbytes modules run eagerly.
+- FSDP2 (torchrun, multigpu/): the gathered full weights are freed and re-allocated around every unshard, so
+  a graph recorded over them would read stale addresses: a sharded model decodes eagerly (capture=None, the
+  default, decides), one kernel launch per op and token (on GPU several times slower per token than a replayed
+  graph; the cost of the multi-GPU path until weights get a fixed home).
+Simplifications: batch-synchronous (no continuous batching, no paged attention); attention reads the whole
+bucketed cache under a mask; other architectures go through Hugging Face generate (sampling.py).
+
+Files: decode.py (the loop, buckets, graphs), step.py (one decode step, the prefill, token choice), weights.py (the
+merged LoRA copies). sampling.py calls `generate`; benchmarks also use `forced_lengths` (synthetic EOS positions).
+"""
+
+from engine.decode import (CHECK_EVERY, STATS, DecodeStats, engine_for, fsdp_sharded, generate, release,  # noqa: F401
+                           row_buckets, unsupported_reason)
