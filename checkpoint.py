@@ -22,7 +22,9 @@ a half-written temporary folder is removed by the next save.
 
 What a resume restores besides weights and optimizer is a `TrainerState` (step, training seconds, data
 position, counters, the size metrics.jsonl had at save time: `open_metrics_log` cuts the lines written after
-the checkpoint). A checkpoint is never written from non-finite weights.
+the checkpoint). A checkpoint is never written from non-finite weights. Opening one never runs code from it: its
+.pt files are read with torch.load(weights_only=True) (`load_state_file`), so a run folder someone shared is safe to
+evaluate or resume.
 
 Exact resume also needs the same prompts and the same random draws after the restart: the prompt order
 is a pure function of (seed, data position) (`next_prompt_indices`), and the RNG streams that shape the
@@ -33,6 +35,7 @@ global RNG states cover everything else.
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -42,6 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# What a trainer_state.pt holds besides tensors and plain values: numpy's RNG state (an array of uint32).
+_core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+NUMPY_RNG_GLOBALS = [_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 LATEST_FILE = "latest.txt"
 TMP_PREFIX = ".tmp_"
 METRICS_FILE = "metrics.jsonl"
@@ -123,6 +129,19 @@ def restore_rng_states(states):
             torch.cuda.set_rng_state(state, index)
     elif cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
+
+
+def load_state_file(path):
+    """A .pt file of a checkpoint (trainer state, RNG states), read with weights_only=True: tensors, numbers,
+    strings, containers and numpy's RNG state only. A file needing anything else (a pickle that would run code) is
+    refused with a ValueError; nothing of it runs."""
+    try:
+        with torch.serialization.safe_globals(NUMPY_RNG_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).split("\n")[-1].strip() or "not a plain state file"
+        raise ValueError(f"refusing to open {path}: it holds Python objects that train.py never writes, and "
+                         f"loading them could run code ({reason[:200]})") from None
 
 
 def _fsync_tree(folder):
@@ -241,8 +260,7 @@ def load_checkpoint(path, model, optimizer):
         if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
             raise ValueError(f"checkpoint {path} does not match the model (missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]})")
-    # Our own file (written by save_checkpoint); RNG states need full unpickling.
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = load_state_file(path / "trainer_state.pt")
     optimizer.load_state_dict(state.pop("optimizer"))
     restore_rng_states(state.pop("rng"))
     return state
@@ -292,7 +310,7 @@ def checkpoint_progress(checkpoint):
     state_path = Path(checkpoint) / "trainer_state.pt"
     if not state_path.is_file():
         return {"step": None, "elapsed_s": None}
-    state = torch.load(state_path, map_location="cpu", weights_only=False)  # ours; RNG states need unpickling
+    state = load_state_file(state_path)
     return {"step": state.get("step"), "elapsed_s": state.get("elapsed_s")}
 
 

@@ -260,8 +260,10 @@ def _check_device_flags(args):
 
 
 def _check_variant_flags(args):
-    if args.clip_eps_high is not None and not args.clip_eps_high > 0:
-        raise ValueError(f"--clip-eps-high must be > 0, got {args.clip_eps_high}")
+    if args.clip_eps_high is not None and not args.clip_eps_high >= args.clip_eps:
+        # Clip-higher (DAPO) widens the upper bound only; a narrower one clips the ratio of every improving token.
+        raise ValueError(f"--clip-eps-high {args.clip_eps_high} must be >= --clip-eps {args.clip_eps} (clip-higher "
+                         "only widens the upper clip; leave it unset for the symmetric clip)")
     if args.selection_scope == "batch" and args.rule != "max_variance":
         raise ValueError(f"incompatible flags: --selection-scope batch is the max-variance rule across prompts; "
                          f"it needs --rule max_variance, got --rule {args.rule}")

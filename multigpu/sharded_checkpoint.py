@@ -85,8 +85,7 @@ def load_sharded_checkpoint(path, model, optimizer, ctx):
     if not checkpoint.is_sharded(path):
         raise ValueError(f"{path} was written by one process (adapter/ or model/), not by torchrun: resume it "
                          "with python train.py, or start a new multi-process run from its weights")
-    # Our own file (written above); RNG states need full unpickling.
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = checkpoint.load_state_file(path / "trainer_state.pt")
     if state["world_size"] != ctx.world_size:
         raise ValueError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
                          f"{ctx.world_size}: resume with --nproc-per-node {state['world_size']}, or export it "
@@ -95,7 +94,7 @@ def load_sharded_checkpoint(path, model, optimizer, ctx):
     dcp.load(state_dicts, checkpoint_id=path / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state_dicts["model"],
                    optim_state_dict=state_dicts["optimizer"], options=STATE_OPTIONS)
-    rng = torch.load(path / "rng" / f"rank_{ctx.rank:05d}.pt", map_location="cpu", weights_only=False)
+    rng = checkpoint.load_state_file(path / "rng" / f"rank_{ctx.rank:05d}.pt")
     checkpoint.restore_rng_states(rng)
     return state
 

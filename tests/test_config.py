@@ -47,7 +47,8 @@ def test_presets_baseline_and_overrides():
     (["--top-p", "1.5"], "top-p"),
     (["--num-train-rows", "0"], "--num-train-rows"),
     (["--selection-scope", "batch", "--rule", "random"], "--selection-scope batch .* needs --rule max_variance"),
-    (["--clip-eps-high", "0"], "--clip-eps-high must be > 0"),
+    (["--clip-eps-high", "0"], "--clip-eps-high 0.0 must be >= --clip-eps 0.2"),
+    (["--clip-eps-high", "0.1"], "must be >= --clip-eps 0.2"),
 ])
 def test_bad_flags_fail_before_loading(argv, message):
     with pytest.raises(ValueError, match=message):
