@@ -225,6 +225,9 @@ def main(argv=None, load_sharded=None):
                    "one_shot": settings["one_shot"], "prefill_think": settings["prefill_think"]}
     saved = load_results(out_path, eval_config)
     todo = [path for path in checkpoints if path.name not in saved["results"]]
+    # Each checkpoint's step and training time, read first: a trainer_state.pt that is not plain data (it could run
+    # code when unpickled) is refused before any model loads (checkpoint.load_state_file).
+    progress = {path: checkpoint.checkpoint_progress(path) for path in todo}
     if checkpoints and not todo:
         print(f"all {len(checkpoints)} checkpoints already in {out_path}")
         return saved
@@ -259,9 +262,9 @@ def main(argv=None, load_sharded=None):
         per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, generation,
                                       samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
                                       seed=args.seed, progress=not args.no_progress)
-        progress = checkpoint.checkpoint_progress(path) if path is not None else {"step": 0, "elapsed_s": 0.0}
         name = path.name if path is not None else "base"
-        entry = {"checkpoint": str(path) if path else settings["model"], **progress,
+        entry = {"checkpoint": str(path) if path else settings["model"],
+                 **progress.get(path, {"step": 0, "elapsed_s": 0.0}),
                  "num_prompts": len(prompts), **summarize_repeats(per_repeat)}
         saved["results"][name] = entry
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """checkpoint.py: atomic save (a crash mid-save keeps the last good checkpoint), exact restore of adapter,
-optimizer and RNG states, and PeftModel.from_pretrained compatibility."""
+optimizer and RNG states, PeftModel.from_pretrained compatibility, and a hostile trainer_state.pt refused unopened."""
 
 import json
 import random
@@ -140,3 +140,44 @@ def test_metrics_log_appends_and_resume_cuts_later_lines(tmp_path):
     assert lines == [{"step": 1}, {"step": 2, "resumed": True}]
     with checkpoint.open_metrics_log(tmp_path) as log:  # a new run starts an empty log
         assert log.tell() == 0
+
+
+class RunsCode:
+    """What a crafted trainer_state.pt may hold: unpickling it calls os.system (here: creates a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_by_eval_and_resume(tmp_path, lora_setup, smollm2_tokenizer):
+    """A run folder someone shared: eval.py and --resume refuse its crafted trainer_state.pt with one line (a
+    ValueError, which both command lines print as one line), and its code never runs; our own files still load."""
+    import eval as eval_module
+    import train
+
+    model, optimizer = lora_setup
+    run = tmp_path / "run"
+    base = tmp_path / "base"
+    models.tiny_random_model("llama", vocab_size=256).save_pretrained(base)
+    smollm2_tokenizer.save_pretrained(base)
+    config = {"model": str(base), "dataset": "arithmetic", "lora_rank": 4, "lora_alpha": 8, "preset": "demo"}
+    path = checkpoint.save_checkpoint(run, 1, model, optimizer, {"elapsed_s": 1.0}, config)
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "metrics.jsonl").write_text("")
+    assert checkpoint.checkpoint_progress(path) == {"step": 1, "elapsed_s": 1.0}  # ours: plain data, loads
+    marker = tmp_path / "code_ran"
+    torch.save({"step": 1, "elapsed_s": 1.0, "payload": RunsCode(marker)}, path / "trainer_state.pt")
+    with pytest.raises(ValueError, match="refusing to open .*trainer_state.pt") as refused:
+        eval_module.main(["--checkpoint", str(run), "--num-prompts", "4", "--no-progress"])
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="refusing to open"):
+        train.main(["--output-dir", str(run), "--resume", "--no-progress"])
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="refusing to open"):  # the same file through torch.load's own path
+        checkpoint.load_state_file(path / "trainer_state.pt")
+    assert not marker.exists()
