@@ -154,7 +154,8 @@ def _fsync_tree(folder):
             os.close(fd)
 
 
-def _write_text_atomic(path, text):
+def write_text_atomic(path, text):
+    """Replace `path` with `text` at once (temp file, flushed, renamed): a crash leaves the old or the new file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
     with os.fdopen(fd, "w") as handle:
@@ -199,7 +200,7 @@ def publish(staging, step, keep_last=0):
     if final.exists():  # the same step saved again after a resume: the new copy replaces it
         shutil.rmtree(final)
     os.replace(staging, final)
-    _write_text_atomic(root / LATEST_FILE, name + "\n")
+    write_text_atomic(root / LATEST_FILE, name + "\n")
     if keep_last > 0:
         for old in sorted(root.glob("step_*"))[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)

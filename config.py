@@ -74,7 +74,7 @@ DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewar
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                  "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size")
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
-                "num_threads", "weight_decay", "kl_coef", "lora_rank")
+                "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 
 
 def build_parser():
@@ -153,6 +153,10 @@ def build_parser():
     add("--eval-interval", type=int, help="held-out evaluation every K steps (also at step 0 and the end)")
     add("--eval-samples", type=int, help="held-out prompts (fixed sample of the test split); 0 = no eval")
     add("--eval-temperature", type=float, help="0 = greedy")
+    add("--log-completions-interval", type=int,
+        help="every K-th step, write each rollout (prompt, completion, rewards, kept or not, advantage) to "
+             "<out>/completions/, and each evaluation a sample of its graded completions (default: --eval-interval; "
+             "0 = never); view them with python eval.py rollouts RUN")
     add("--output-dir", help="default: runs/<preset>-<method>-s<seed>-<time>")
     add("--resume", action="store_true",
         help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
@@ -196,6 +200,8 @@ def parse_args(argv=None, restarted=False):
 def check_args(args, restarted=False):
     """Every error visible before loading anything: flag values and combinations, reward weights (parsed here,
     once, into a dict), the run folder, the data and the model source."""
+    if args.log_completions_interval is None:
+        args.log_completions_interval = args.eval_interval
     for name in POSITIVE_INTS:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -17,6 +17,9 @@ folder is read through checkpoint.py.
     python eval.py --model smollm2-135m-offline --dataset arithmetic --out base.json
 
 A checkpoint written by several processes (dcp/) is evaluated with `python -m multigpu eval` and the same flags.
+
+    python eval.py rollouts runs/demo --step 5 --prompt 0   # one prompt's logged rollouts: what PODS kept
+    python eval.py rollouts runs/demo --eval                # the newest evaluation's logged completions
 """
 
 import argparse
@@ -53,9 +56,11 @@ def _check_args(prompts, answers, samples_per_prompt, repeats, temperature):
 
 
 def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
-                     progress=False):
+                     progress=False, samples_out=None):
     """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them). settings:
     sampling.GenerationSettings (train.py passes its run's, so held-out evaluation reuses its decode graphs).
+    samples_out: a list that receives every graded completion of the first repeat ({prompt, answer, completion,
+    correct, formatted}, in prompt order).
 
     Prompts are generated in chunks of rollout_batch_size // K prompts (K samples each, so about rollout_batch_size
     rows per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
@@ -93,6 +98,9 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
                      for i, text in zip(rows, rollouts.texts)]
             is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows])
             is_formatted = rewards.format_rewards(None, texts)
+            if samples_out is not None and repeat == 0:
+                samples_out.extend({"prompt": prompts[i], "answer": answers[i], "completion": text, "correct": a > 0,
+                                    "formatted": f > 0} for i, text, a, f in zip(rows, texts, is_correct, is_formatted))
             correct += sum(a > 0 for a in is_correct)
             formatted += sum(f > 0 for f in is_formatted)
             both += sum(a > 0 and f > 0 for a, f in zip(is_correct, is_formatted))
@@ -108,10 +116,10 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
 
 
 def evaluate(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
-             progress=False):
+             progress=False, samples_out=None):
     """Accuracy over all prompts x samples x repeats (repeats have equal size, so this is their mean)."""
     return _pool(evaluate_repeats(model, tokenizer, prompts, answers, settings, samples_per_prompt=samples_per_prompt,
-                                  repeats=repeats, seed=seed, progress=progress))
+                                  repeats=repeats, seed=seed, progress=progress, samples_out=samples_out))
 
 
 def _pool(per_repeat):
@@ -198,10 +206,32 @@ def run_settings(args, checkpoints):
     return settings
 
 
+def show_rollouts(argv):
+    """`python eval.py rollouts RUN`: print the completions log of a training step (one prompt's n rollouts sorted
+    by reward, the kept ones marked with their advantages) or of an evaluation; returns the printed lines."""
+    import report
+
+    parser = argparse.ArgumentParser(prog="eval.py rollouts", description=show_rollouts.__doc__.split(": ")[1])
+    parser.add_argument("run", help="a run folder (train.py --output-dir)")
+    parser.add_argument("--step", type=int, help="a logged step (default: the newest)")
+    parser.add_argument("--prompt", type=int, default=0, help="which prompt of the step (0 = the first)")
+    parser.add_argument("--eval", action="store_true", help="the evaluation's logged completions instead")
+    parser.add_argument("--width", type=int, default=100, help="characters of each completion shown")
+    args = parser.parse_args(argv)
+    step, rows = report.read_completions(args.run, args.step, "eval_step" if args.eval else "step")
+    lines = [f"{args.run}: {'evaluation at ' if args.eval else ''}step {step}"]
+    lines += report.eval_table(rows, args.width) if args.eval else report.rollout_table(rows, args.prompt, args.width)
+    print("\n".join(lines))
+    return lines
+
+
 def main(argv=None, load_sharded=None):
     """The command line. load_sharded(path, base model, dtype, device) -> model: how a checkpoint written by several
     processes (dcp/) is read (`python -m multigpu eval` passes it); None: such a checkpoint is refused."""
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["rollouts"]:
+        return show_rollouts(argv[1:])
+    args = parse_args(argv)
     import checkpoint
     import data
     import models

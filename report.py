@@ -10,6 +10,13 @@ Every numeric field of a metrics line is sent as a scalar at the line's "step" (
 lines share the step axis, as in the jsonl). metrics.jsonl stays the record compare.py reads; the other sinks are
 views of it. Simplification: a resumed run re-sends the steps after its checkpoint (TensorBoard: the events past
 that step are purged; W&B: a new run in the same project).
+
+The completions log shows the method's one decision, which m of the n rollouts it trains on (paper §3.2): for every
+--log-completions-interval-th step, <out>/completions/step_XXXXXX.jsonl holds each prompt once and each rollout with
+its completion, every reward function's value and the weighted total, length, truncation, whether the rule kept it
+and the advantage the loss used; eval_step_XXXXXX.jsonl holds a sample of each evaluation's completions and grades.
+`show_rollouts` prints one prompt's rollouts sorted by reward (`python eval.py rollouts RUN`); TensorBoard gets the
+same as text, W&B as a table.
 `timed` is the one stopwatch of the project: a step's phases (train.py), the decode engine's prefill and decode
 (engine/), the benchmarks.
 """
@@ -17,6 +24,7 @@ that step are purged; W&B: a new run in the same project).
 import contextlib
 import importlib.util
 import io
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -30,25 +38,35 @@ PHASE_KEYS = ("generate_s", "reward_s", "select_s", "update_s")  # a step's phas
 TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")
 REPORT_TO = ("none", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
+COMPLETIONS_DIR = "completions"
+EVAL_COMPLETIONS_LOGGED = 16  # held-out completions kept per evaluation (the first prompts of the fixed sample)
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 @dataclass
 class ScoredRound:
-    """One rollout batch after scoring and selection: what the step's metrics are computed from (small: no texts)."""
+    """One rollout batch after scoring and selection: the step's metrics and its completions log come from it."""
     rewards: torch.Tensor        # [P, n] weighted total
     per_func: dict               # reward function -> [P*n] (NaN: not applicable)
     kept_rows: torch.Tensor      # [R] rollout rows trained on (m per prompt, or fewer/more: update.kept_rows)
+    advantages: torch.Tensor     # [P*n] the advantage the loss used (NaN: not kept)
     zero_variance_dropped: int   # prompts left out by --drop-zero-variance
     lengths: torch.Tensor        # [P*n] completion tokens
     truncated: torch.Tensor      # [P*n] bool: no EOS within the budget
     prompt_tokens: int           # tokens of the P prompts, x n (each rollout re-reads its prompt)
+    prompts: list                # [P] rendered prompt texts
+    answers: list                # [P] reference answers
+    texts: list                  # [P*n] completions
 
     @classmethod
-    def of(cls, rollouts, rewards, per_func, kept_rows, zero_variance_dropped):
-        """From a sampling.Rollouts and what was computed from it."""
-        return cls(rewards, per_func, kept_rows, zero_variance_dropped, rollouts.lengths, rollouts.truncated,
-                   int(rollouts.prompt_mask.sum()) * rewards.shape[1])
+    def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped):
+        """From a sampling.Rollouts, its data.Examples and what was computed from them (kept_advantages: one per
+        kept row, in kept_rows order, as the update received them)."""
+        advantages = torch.full((rewards.numel(),), math.nan)
+        advantages[kept_rows] = kept_advantages.float()
+        return cls(rewards, per_func, kept_rows, advantages, zero_variance_dropped, rollouts.lengths,
+                   rollouts.truncated, int(rollouts.prompt_mask.sum()) * rewards.shape[1],
+                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts))
 
 
 @contextlib.contextmanager
@@ -119,6 +137,106 @@ def scalars(record):
             and math.isfinite(value)}
 
 
+# ------------------------------------------------------------------------------------------ the completions log
+
+def _finite_or_none(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def completions_record(step, scored):
+    """The completions log of a training step (its ScoredRounds): per prompt one "prompt" row (prompt_id counts
+    over every rollout batch of the step), then its n "rollout" rows."""
+    rows, prompt_id = [], -1
+    for scored_round in scored:
+        num_prompts, n = scored_round.rewards.shape
+        kept = torch.zeros(num_prompts * n, dtype=torch.bool)
+        kept[scored_round.kept_rows] = True
+        for i in range(num_prompts):
+            prompt_id += 1
+            rows.append({"type": "prompt", "prompt_id": prompt_id, "prompt": scored_round.prompts[i],
+                         "answer": scored_round.answers[i]})
+            for j in range(n):
+                r = i * n + j
+                rows.append({"type": "rollout", "prompt_id": prompt_id, "rollout": j,
+                             "completion": scored_round.texts[r], "reward": float(scored_round.rewards[i, j]),
+                             "rewards": {name: _finite_or_none(values[r])
+                                         for name, values in scored_round.per_func.items()},
+                             "length": int(scored_round.lengths[r]), "truncated": bool(scored_round.truncated[r]),
+                             "kept": bool(kept[r]), "advantage": _finite_or_none(scored_round.advantages[r])})
+    return {"type": "completions", "name": f"step_{step:06d}", "step": step, "rows": rows}
+
+
+def eval_completions_record(step, samples):
+    """The completions log of a held-out evaluation: eval.py's graded samples (prompt, answer, completion, correct,
+    formatted) of its first prompts."""
+    return {"type": "completions", "name": f"eval_step_{step:06d}", "step": step,
+            "rows": [dict(sample, type="eval") for sample in samples]}
+
+
+def write_completions(run_dir, record):
+    folder = Path(run_dir) / COMPLETIONS_DIR
+    folder.mkdir(exist_ok=True)
+    lines = [json.dumps({"type": "step", "step": record["step"]})] + [json.dumps(row) for row in record["rows"]]
+    checkpoint.write_text_atomic(folder / f"{record['name']}.jsonl", "\n".join(lines) + "\n")
+
+
+def drop_completions_after(run_dir, step):
+    """A resumed run re-logs the steps after its checkpoint (identically): their files written before the restart
+    go, so that none is left from steps the resumed run does not reach; so does a file a kill left half-written."""
+    for path in (Path(run_dir) / COMPLETIONS_DIR).glob("*"):
+        if path.name.startswith(checkpoint.TMP_PREFIX) or int(path.stem.rpartition("_")[2]) > step:
+            path.unlink()
+
+
+def read_completions(run_dir, step=None, name="step"):
+    """(step, rows) of a run's completions log at `step` (None: the newest); name "step" or "eval_step"."""
+    files = {int(p.stem.rpartition("_")[2]): p for p in (Path(run_dir) / COMPLETIONS_DIR).glob(f"{name}_*.jsonl")
+             if p.stem.rpartition("_")[0] == name}
+    if not files:
+        raise ValueError(f"{run_dir}: no {name} completions logged (see --log-completions-interval)")
+    step = max(files) if step is None else step
+    if step not in files:
+        raise ValueError(f"{run_dir}: no {name} completions at step {step}; logged steps: "
+                         f"{', '.join(map(str, sorted(files)))}")
+    return step, [json.loads(line) for line in files[step].read_text().splitlines()][1:]
+
+
+def _clip(text, width):
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def rollout_table(rows, prompt_id, width=100):
+    """Lines: one prompt's rollouts sorted by reward (best first), the kept ones marked * with their advantage."""
+    prompt = next((row for row in rows if row["type"] == "prompt" and row["prompt_id"] == prompt_id), None)
+    if prompt is None:
+        count = sum(row["type"] == "prompt" for row in rows)
+        raise ValueError(f"no prompt {prompt_id}; this step has prompts 0-{count - 1}")
+    rollouts = sorted((row for row in rows if row["type"] == "rollout" and row["prompt_id"] == prompt_id),
+                      key=lambda row: -row["reward"])
+    names = list(rollouts[0]["rewards"]) if rollouts else []
+    lines = [f"prompt {prompt_id} (answer {prompt['answer']!r}): {_clip(prompt['prompt'][-300:], width + 40)}",
+             f"{len(rollouts)} rollouts, {sum(r['kept'] for r in rollouts)} kept (*), by reward:",
+             "  reward " + "".join(f"{name[:9]:>10}" for name in names) + "  tokens  kept advantage  completion"]
+    for row in rollouts:
+        values = "".join(f"{'-' if v is None else format(v, '.2f'):>10}" for v in row["rewards"].values())
+        kept = f"   *  {row['advantage']:+9.3f}" if row["kept"] else " " * 16
+        length = f"{row['length']}{'+' if row['truncated'] else ''}"
+        lines.append(f"{row['reward']:8.2f}{values}{length:>8}{kept}  {_clip(row['completion'], width)}")
+    return lines
+
+
+def eval_table(rows, width=100):
+    lines = ["correct formatted  answer      completion"]
+    for row in rows:
+        lines.append(f"{'yes' if row['correct'] else 'no':>7} {'yes' if row['formatted'] else 'no':>9}  "
+                     f"{_clip(str(row['answer']), 10):<10}  {_clip(row['completion'], width)}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ sinks
+
 def _tensorboard_sink(run_dir, first_step):
     from torch.utils.tensorboard import SummaryWriter
 
@@ -126,6 +244,11 @@ def _tensorboard_sink(run_dir, first_step):
     writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=first_step or None)
 
     def write(record):
+        if record["type"] == "completions":  # text, as the viewer prints it: every prompt of the step
+            rows = record["rows"]
+            lines = eval_table(rows) if rows and rows[0]["type"] == "eval" else \
+                [line for i in range(sum(r["type"] == "prompt" for r in rows)) for line in rollout_table(rows, i)]
+            writer.add_text(record["name"].rpartition("_")[0], "    " + "\n    ".join(lines), record["step"])
         for key, value in scalars(record).items():
             writer.add_scalar(key, value, global_step=record["step"])
         writer.flush()  # a killed run keeps what was written, as metrics.jsonl does
@@ -139,6 +262,13 @@ def _wandb_sink(run_dir, run_config):
     run = wandb.init(dir=str(run_dir), name=Path(run_dir).name, config=run_config)
 
     def write(record):
+        if record["type"] == "completions":
+            rows = [{k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()} for row in record["rows"]
+                    if row["type"] != "prompt"]
+            columns = list(rows[0]) if rows else []
+            table = wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
+            run.log({record["name"].rpartition("_")[0]: table}, step=record["step"])
+            return
         run.log(scalars(record), step=record["step"])
 
     return write, run.finish
@@ -146,14 +276,17 @@ def _wandb_sink(run_dir, run_config):
 
 @contextlib.contextmanager
 def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_config=None, enabled=True):
-    """(metrics.jsonl handle, write(record)): `write` appends the line to metrics.jsonl (checkpoint.append_metrics)
-    and sends it to the --report-to sink. keep_bytes: see checkpoint.open_metrics_log; first_step: the step a
-    resumed run writes (its earlier TensorBoard events are kept, later ones purged; 0: a new run). enabled False (torchrun ranks but 0):
-    nothing is written; the handle is an empty in-memory file."""
+    """(metrics.jsonl handle, write(record)): `write` appends a metrics line to metrics.jsonl
+    (checkpoint.append_metrics) or a completions record to its own file under completions/, and sends either to the
+    --report-to sink. keep_bytes: see checkpoint.open_metrics_log; first_step: the step a resumed run writes (its
+    earlier TensorBoard events and completion files are kept, later ones dropped; 0: a new run). enabled False
+    (torchrun ranks but 0): nothing is written; the handle is an empty in-memory file."""
     check_report_to(report_to)
     if not enabled:
         yield io.StringIO(), (lambda record: None)
         return
+    if first_step:
+        drop_completions_after(run_dir, first_step - 1)
     with checkpoint.open_metrics_log(run_dir, keep_bytes) as log:
         send, close = (lambda record: None), (lambda: None)
         if report_to == "tensorboard":
@@ -162,7 +295,10 @@ def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_c
             send, close = _wandb_sink(run_dir, run_config or {})
 
         def write(record):
-            checkpoint.append_metrics(log, record)
+            if record["type"] == "completions":
+                write_completions(run_dir, record)
+            else:
+                checkpoint.append_metrics(log, record)
             send(record)
 
         try:

@@ -100,7 +100,8 @@ def score(rollouts, examples, args):
 
 def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess()):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
-    scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> the step's metrics."""
+    scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
+    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage)."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
@@ -122,14 +123,15 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
                     drop_zero_variance=args.drop_zero_variance,
                     generator=torch.Generator().manual_seed(sampling.derived_seed(seed, first_chunk)))
             batches.append(update.kept_batch(rollouts, kept, advantages))
-            scored.append(report.ScoredRound.of(rollouts, reward_matrix, per_func,
-                                                update.kept_rows(kept, args.num_rollouts), dropped))
+            scored.append(report.ScoredRound.of(rollouts, examples, reward_matrix, per_func,
+                                                update.kept_rows(kept, args.num_rollouts), batches[-1].advantages,
+                                                dropped))
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
         result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
     costs["peak_mem_gib"] = update.peak_memory_gib(args.device)
     scored, result, costs = processes.merged((scored, result, costs))
-    return report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
+    return report.step_metrics(scored, result, optimizer, costs, args.mask_truncated), scored
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -154,10 +156,13 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes):
     """Held-out accuracy of the current policy, logged (fixed sample and seed: runs are compared paired)."""
     examples, first_chunk, chunk = processes.eval_share(eval_set, args.rollout_batch_size)
     settings = config.generation_settings(args, temperature=args.eval_temperature, rollout_batch_size=chunk)
+    samples = []  # graded completions, for the completions log
     with processes.full_weights(model), cuda_oom_hint(args, "evaluation"):
         result = heldout.evaluate(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
-                                  settings, seed=first_chunk)
+                                  settings, seed=first_chunk, samples_out=samples)
     result = processes.merged(result)
+    if args.log_completions_interval:
+        write(report.eval_completions_record(state.step, samples[:report.EVAL_COMPLETIONS_LOGGED]))
     state.evaluated_step = state.step
     write({"type": "eval", "step": state.step, "elapsed_s": state.elapsed_s, "eval/accuracy": result.accuracy,
            "eval/format_accuracy": result.format_accuracy, "eval/both_accuracy": result.both_accuracy,
@@ -213,9 +218,11 @@ def train(args, processes=OneProcess()):
                 indices, state.position = checkpoint.next_prompt_indices(len(train_set), args.prompts_per_step,
                                                                          args.seed, state.position)
                 rounds.append([train_set[i] for i in indices])
-            metrics = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes)
+            metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes)
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
+            if args.log_completions_interval and state.step % args.log_completions_interval == 0:
+                write(report.completions_record(state.step, scored))  # what PODS kept, and with what advantage
             if state.nonfinite_streak >= NONFINITE_STOP:
                 raise update.TrainingError(
                     f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "

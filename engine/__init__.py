@@ -11,8 +11,9 @@ replayed per token.
   max_new_tokens, or the caller's cache_tokens if larger, rounded up to CACHE_BUCKET_TOKENS; rows = the next of
   `row_buckets`). A step embeds the last tokens, writes their K/V, attends over the valid positions, samples
   (inverse CDF with one uniform per row hashed from (seed, row, step): no RNG state to capture, and a row's tokens
-  do not depend on its batch) and records the token, in place. Every `check_every` steps the host checks the rows left; when they fit a smaller bucket they
-  are gathered into it, so a chunk costs about the sum of its rows' lengths, not rows x the longest.
+  do not depend on its batch) and records the token, in place. Every `check_every` steps the host checks the rows
+  left; when they fit a smaller bucket they are gathered into it, so a chunk costs about the sum of its rows'
+  lengths, not rows x the longest.
 - Weights: LoRA is merged into a separate copy of the adapted projections, refreshed at every call (Qwen2.5-3B:
   2.77 B params, 5.5 GB in bf16). The training weights are never touched (peft's in-place merge_adapter() /
   unmerge_adapter() would leave a bf16 rounding error in the frozen base weights at every step). 4-bit models:

@@ -172,8 +172,9 @@ def run_train(ctx, out):
     torch.save(generate_rows(model, ctx, 3 + 2 * ctx.rank), out / f"generated_rank{ctx.rank}.pt")
     results["step1"] = train_step(model, optimizer, global_batch(1), ctx)
     results["state1"] = full_state(model, optimizer)
-    sharded_checkpoint.save_sharded_checkpoint(out / "run", 1, model, optimizer, checkpoint.TrainerState(position=(0, 8)),
-                                           {"model": "tiny", "lora_rank": 0}, ctx)
+    sharded_checkpoint.save_sharded_checkpoint(out / "run", 1, model, optimizer,
+                                               checkpoint.TrainerState(position=(0, 8)),
+                                               {"model": "tiny", "lora_rank": 0}, ctx)
     torch.save(torch.rand(3), out / f"draw_rank{ctx.rank}.pt")  # the next draw of this rank's RNG
     results["step2"] = train_step(model, optimizer, global_batch(2), ctx)
     lora_model, lora_optimizer = build(ctx, lora=True)
@@ -206,7 +207,7 @@ def run_resume(ctx, out):
     results["step2"] = train_step(model, optimizer, global_batch(2), ctx)
     results["state2"] = full_state(model, optimizer)
     sharded_checkpoint.save_sharded_checkpoint(out / "run", 2, model, optimizer, {"position": (0, 16)},
-                                           {"model": "tiny", "lora_rank": 0}, ctx)
+                                               {"model": "tiny", "lora_rank": 0}, ctx)
     if ctx.is_main:
         torch.save(results, out / "resume.pt")
     distributed.barrier()

@@ -1,5 +1,6 @@
 """report.py: the metrics line's scalars, metrics.jsonl plus the --report-to sinks (TensorBoard event files read
-back, W&B through a stand-in module), resume purging, and the missing-package error."""
+back, W&B through a stand-in module), resume purging, the missing-package error, and the completions log (rows from
+scored rounds, the viewer's table, files kept and dropped at resume, the TensorBoard text and W&B table)."""
 
 import importlib.machinery
 import json
@@ -8,8 +9,12 @@ import types
 
 import pytest
 
+import torch
+
 import checkpoint
+import data
 import report
+import sampling
 
 LINES = [{"type": "eval", "step": 0, "elapsed_s": 0.0, "eval/accuracy": 0.25},
          {"type": "train", "step": 1, "elapsed_s": 1.5, "loss": 0.5, "num_zero_variance_dropped": 2, "label": "x",
@@ -75,3 +80,87 @@ def test_unknown_sink_or_missing_package_is_one_line(monkeypatch):
     with pytest.raises(ValueError, match="pip install tensorboard"):
         report.check_report_to("tensorboard")
     report.check_report_to("none")
+
+
+def scored_round():
+    """2 prompts x 4 rollouts; rows 1, 2 (prompt 0) and 4, 7 (prompt 1) kept, with their advantages."""
+    rewards = torch.tensor([[0.0, 2.0, 1.0, 0.5], [3.0, 1.0, 1.0, 0.0]])
+    rollouts = sampling.Rollouts(prompt_ids=torch.ones(2, 3, dtype=torch.long), prompt_mask=torch.ones(2, 3),
+                                 completion_ids=torch.zeros(8, 2), completion_mask=torch.ones(8, 2),
+                                 texts=[f"completion {r}\nline 2" for r in range(8)], lengths=torch.arange(8) + 1,
+                                 truncated=torch.arange(8) == 7, prompt_index=torch.arange(2).repeat_interleave(4))
+    examples = [data.Example(text="Q0?", prompt=[], answer="7"), data.Example(text="Q1?", prompt=[], answer="8")]
+    per_func = {"accuracy": rewards.flatten() / 3, "format": torch.full((8,), float("nan"))}
+    return report.ScoredRound.of(rollouts, examples, rewards, per_func, torch.tensor([1, 2, 4, 7]),
+                                 torch.tensor([0.7, -0.7, 0.9, -0.9]), 0)
+
+
+def test_completions_rows_hold_every_rollout_and_what_was_kept():
+    record = report.completions_record(5, [scored_round(), scored_round()])
+    rows = record["rows"]
+    assert record["name"] == "step_000005" and [r["prompt_id"] for r in rows if r["type"] == "prompt"] == [0, 1, 2, 3]
+    rollouts = [r for r in rows if r["type"] == "rollout"]
+    assert len(rollouts) == 16 and [r["rollout"] for r in rollouts[:4]] == [0, 1, 2, 3]
+    assert [r["kept"] for r in rollouts[:8]] == [False, True, True, False, True, False, False, True]
+    assert [r["advantage"] for r in rollouts[:8] if r["kept"]] == pytest.approx([0.7, -0.7, 0.9, -0.9])
+    assert all(r["advantage"] is None for r in rollouts if not r["kept"])
+    assert rollouts[1]["reward"] == 2.0 and rollouts[1]["rewards"] == {"accuracy": pytest.approx(2 / 3), "format": None}
+    assert rollouts[7]["truncated"] and rollouts[7]["length"] == 8
+    assert rollouts[3]["completion"] == "completion 3\nline 2"
+    json.dumps(record)  # plain JSON: no NaN, no tensors
+
+
+def test_the_viewer_sorts_by_reward_and_marks_the_kept_rollouts():
+    rows = report.completions_record(5, [scored_round()])["rows"]
+    lines = report.rollout_table(rows, 1)
+    assert lines[0].startswith("prompt 1 (answer '8')") and "4 rollouts, 2 kept" in lines[1]
+    body = lines[3:]
+    assert [line.split()[0] for line in body] == ["3.00", "1.00", "1.00", "0.00"]  # best first
+    assert "*" in body[0] and "+0.900" in body[0] and "*" in body[3] and "-0.900" in body[3]  # top and bottom kept
+    assert "*" not in body[1] + body[2] and "8+" in body[3]  # truncated rows' lengths carry a +
+    assert "completion 4\\nline 2" in body[0]  # one line per rollout
+    with pytest.raises(ValueError, match="no prompt 2; this step has prompts 0-1"):
+        report.rollout_table(rows, 2)
+
+
+def test_completion_files_of_steps_after_the_checkpoint_go_at_resume(tmp_path):
+    with report.open_metrics(tmp_path) as (_, write):
+        for step in (2, 4, 6):
+            write(report.completions_record(step, [scored_round()]))
+        write(report.eval_completions_record(4, [{"prompt": "Q", "answer": "1", "completion": "1", "correct": True,
+                                                  "formatted": False}]))
+        write(LINES[1])
+    assert report.read_completions(tmp_path)[0] == 6 and len(report.read_completions(tmp_path, 2)[1]) == 10
+    assert report.read_completions(tmp_path, name="eval_step")[1][0]["correct"] is True
+    metrics = (tmp_path / checkpoint.METRICS_FILE).read_text()
+    assert metrics.splitlines() == [json.dumps(LINES[1])]  # completions never go to metrics.jsonl
+    with report.open_metrics(tmp_path, keep_bytes=len(metrics), first_step=5):  # resumed from step 4's checkpoint
+        pass
+    assert sorted(p.name for p in (tmp_path / report.COMPLETIONS_DIR).iterdir()) == [
+        "eval_step_000004.jsonl", "step_000002.jsonl", "step_000004.jsonl"]
+    with pytest.raises(ValueError, match="no step completions at step 6; logged steps: 2, 4"):
+        report.read_completions(tmp_path, 6)
+
+
+def test_tensorboard_text_and_wandb_table_of_the_completions(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with report.open_metrics(tmp_path, "tensorboard") as (_, write):
+        write(report.completions_record(3, [scored_round()]))
+    events = EventAccumulator(str(tmp_path / report.TENSORBOARD_DIR), size_guidance={"tensors": 0})
+    events.Reload()
+    [text] = events.Tensors("step/text_summary")
+    assert text.step == 3 and b"2 kept" in text.tensor_proto.string_val[0]
+    tables = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.Table = lambda columns, data: tables.append((columns, data)) or "table"
+    fake.init = lambda **kwargs: types.SimpleNamespace(log=lambda values, step: tables.append((step, values)),
+                                                       finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    (tmp_path / "w").mkdir()
+    with report.open_metrics(tmp_path / "w", "wandb") as (_, write):
+        write(report.completions_record(3, [scored_round()]))
+    columns, table_rows = tables[0]
+    assert "kept" in columns and "advantage" in columns and len(table_rows) == 8 and tables[1] == (3, {"step": "table"})

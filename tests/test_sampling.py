@@ -109,7 +109,7 @@ def test_seed_reproducible_and_caller_rng_untouched(tiny_model, smollm2_tokenize
 
 def test_derived_seeds_differ_by_every_part():
     seeds = {derived_seed(0, step, r) for step in range(1, 50) for r in range(3)}
-    assert len(seeds) == 147 and derived_seed(0, 5, 0) == derived_seed(0, 5, 0) and derived_seed(1, 5) != derived_seed(5, 1)
+    assert len(seeds) == 147 and derived_seed(1, 5) != derived_seed(5, 1)
 
 
 def test_chunking_guarantees(tiny_model, smollm2_tokenizer):

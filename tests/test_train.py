@@ -18,6 +18,7 @@ import torch
 
 import config
 import data
+import eval as eval_module
 import grpo_loss
 import models
 import pods
@@ -98,7 +99,7 @@ def varied_rewards_one_thread(monkeypatch):
 def test_every_rule_runs_one_step(rule, lora_model, smollm2_tokenizer):
     args = step_args(rule=rule, update_size=4 if rule == "none" else 2)
     optimizer = make_optimizer(lora_model, args)
-    metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
     assert metrics["update_rows"] == 2 * args.update_size
     for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/char_sum/mean", "completions/mean_length",
                 "completions/clipped_ratio", "clip_ratio/region_mean", "kl", "loss", "grad_norm", "learning_rate",
@@ -123,7 +124,7 @@ def test_mu_above_one_uses_old_logprobs_and_kl_uses_adapter_off(lora_model, smol
     args = step_args(updates_per_batch=3, kl_coef=0.05)
     optimizer = make_optimizer(lora_model, args)
     lora_b = [p.detach().clone() for name, p in lora_model.named_parameters() if "lora_B" in name]
-    metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
     # Update 1 has pi = pi_old = pi_ref (LoRA B starts at 0); updates 2-3 moved away from both.
     assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-6) and metrics["kl"] > 0
     assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "clip_ratio/region_mean"))
@@ -134,7 +135,7 @@ def test_mu_above_one_uses_old_logprobs_and_kl_uses_adapter_off(lora_model, smol
 def test_grad_accum_rounds_use_every_round(lora_model, smollm2_tokenizer):
     args = step_args(grad_accum_steps=2)
     optimizer = make_optimizer(lora_model, args)
-    metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES, EXAMPLES[:1]], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES, EXAMPLES[:1]], args, step=1)
     assert metrics["update_rows"] == 3 * args.update_size
 
 
@@ -192,7 +193,7 @@ def test_batch_scope_trains_on_the_rows_of_the_cross_prompt_mask(lora_model, smo
 
     monkeypatch.setattr(update, "update_policy", spy_update)
     args = step_args(selection_scope="batch", scale_rewards="batch")
-    metrics = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, 1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, 1)
     rollouts, [batch] = seen["rollouts"], seen["batches"]
     reward_matrix = rewards_constant_for_answer("5")(None, rollouts.texts, ["5"] * 4 + ["17"] * 4).total.view(2, 4)
     keep = pods.select_across_prompts(reward_matrix, 2)
@@ -207,7 +208,7 @@ def test_a_step_whose_prompts_are_all_dropped_takes_no_optimizer_step(lora_model
                         rewards.RewardResult(total=torch.ones(len(completions)), per_func={}))
     args = step_args(drop_zero_variance=True, loss_aggregation="token", weight_decay=0.1)
     optimizer = make_optimizer(lora_model, args)
-    metrics = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
     assert (metrics["num_zero_variance_dropped"], metrics["update_rows"], metrics["optimizer_steps"]) == (2, 0, 0)
     assert "reward_selected" not in metrics and all(math.isfinite(v) for v in metrics.values())
     assert not optimizer.state and metrics["frac_reward_zero_std"] == 1.0
@@ -232,6 +233,47 @@ def test_run_writes_metrics_config_and_loadable_adapter(tiny_dir, tmp_path):
     assert max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n) > 0  # LoRA moved
     with pytest.raises(ValueError, match="already holds a run"):
         train.main(tiny_argv(tiny_dir, run_dir))
+
+
+@pytest.mark.parametrize("method", ["pods", "grpo"])
+def test_the_completions_log_holds_every_rollout_and_what_the_loss_trained_on(method, tiny_dir, tmp_path, monkeypatch):
+    """Per logged step: n rollouts per prompt with their texts and rewards, exactly m kept per prompt for PODS (all for
+    GRPO), the kept ones with the advantages the update received; the viewer shows them; evaluations log a sample."""
+    seen = []
+    real_generate, real_update = sampling.generate_rollouts, update.update_policy
+    monkeypatch.setattr(sampling, "generate_rollouts",
+                        lambda *args, **kwargs: seen.append(real_generate(*args, **kwargs)) or seen[-1])
+
+    def spy_update(model, optimizer, batches, settings, **kwargs):
+        seen.append(batches[0])
+        return real_update(model, optimizer, batches, settings, **kwargs)
+
+    monkeypatch.setattr(update, "update_policy", spy_update)
+    extra = ["--rule", "none", "-m", "4"] if method == "grpo" else []
+    run_dir = train.main(tiny_argv(tiny_dir, tmp_path / "run", "--log-completions-interval", "2", *extra))
+    last = max(i for i, item in enumerate(seen) if isinstance(item, update.UpdateBatch))
+    rollouts, batch = seen[last - 1], seen[last]  # step 2's (evaluations generate rollouts too)
+    step, rows = report.read_completions(run_dir)
+    assert step == 2
+    with pytest.raises(ValueError, match="logged steps: 2"):
+        report.read_completions(run_dir, 1)  # interval 2: step 1 is not logged
+    prompts = [row for row in rows if row["type"] == "prompt"]
+    logged = [row for row in rows if row["type"] == "rollout"]
+    n, m = 4, 4 if method == "grpo" else 2
+    assert len(prompts) == 2 and len(logged) == 2 * n and [row["completion"] for row in logged] == rollouts.texts
+    assert [sum(row["kept"] for row in logged if row["prompt_id"] == i) for i in (0, 1)] == [m, m]
+    width = batch.completion_ids.shape[1]
+    trained = [next(r for r in range(2 * n) if torch.equal(rollouts.completion_ids[r, :width], ids))
+               for ids in batch.completion_ids]  # the rollout row of each row the update received
+    assert sorted(trained) == [r for r, row in enumerate(logged) if row["kept"]]
+    assert [logged[r]["advantage"] for r in trained] == pytest.approx(batch.advantages.tolist())
+    expected = fake_compute_rewards(None, rollouts.texts, None).total
+    assert [row["reward"] for row in logged] == pytest.approx(expected.tolist())
+    lines = eval_module.main(["rollouts", str(run_dir), "--prompt", "1"])
+    assert sum("   *  " in line for line in lines) == m and len(lines) == 4 + n
+    evaluations = sorted(p.name for p in (run_dir / report.COMPLETIONS_DIR).glob("eval_*"))
+    assert evaluations == ["eval_step_000000.jsonl", "eval_step_000002.jsonl"]
+    assert len(report.read_completions(run_dir, 2, "eval_step")[1]) == 2  # --eval-samples 2
 
 
 def test_run_with_every_variant_flag_logs_the_new_counters(tiny_dir, tmp_path):
@@ -336,7 +378,7 @@ train.main(sys.argv[1:])
 def test_sigkill_then_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
     script = tmp_path / "run_train.py"
     script.write_text(WRAPPER.format(root=str(ROOT), tests=str(ROOT / "tests"), pause=0.5))
-    argv = ["--max-steps", "3"]
+    argv = ["--max-steps", "3", "--log-completions-interval", "1"]
     killed_dir, full_dir = tmp_path / "killed", tmp_path / "full"
     env = dict(os.environ, PYTHONHASHSEED="0")
     killed = subprocess.Popen([sys.executable, str(script), *tiny_argv(tiny_dir, killed_dir, *argv)], env=env,
@@ -361,6 +403,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
     resumed, full = comparable(killed_dir), comparable(full_dir)
     assert [line["step"] for line in resumed if line["type"] == "train"] == [1, 2, 3]
     assert resumed == full
+    logs = {run: {p.name: p.read_text() for p in (run / report.COMPLETIONS_DIR).iterdir()} for run in (killed_dir,
+                                                                                                      full_dir)}
+    assert logs[killed_dir] == logs[full_dir] and len(logs[full_dir]) == 3 + 3  # steps 1-3, evaluations 0, 2, 3
     from safetensors.torch import load_file
 
     final = "checkpoints/step_000003/adapter/adapter_model.safetensors"
