@@ -40,13 +40,11 @@ PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(mo
 # 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step).
 DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"
 PRESETS = {
-    # One thread: on the shared 2-core machine two torch threads ran 1.5-5x slower (spinning OpenMP workers).
     "demo": dict(model=models.SMOLLM2_ALIAS, dataset="arithmetic", one_shot=True, num_rollouts=16,
                  update_size=4, rule="max_variance", prompts_per_step=4, learning_rate=5e-4, lora_rank=16,
                  lora_alpha=32, system_prompt=DEMO_SYSTEM_PROMPT, temperature=1.0, max_prompt_tokens=256,
                  max_completion_tokens=32, rollout_batch_size=64, micro_batch_size=16, eval_samples=100,
-                 eval_interval=5, eval_temperature=0.9, max_time_s=600.0, checkpoint_interval_s=120.0,
-                 num_threads=1),
+                 eval_interval=5, eval_temperature=0.9, max_time_s=600.0, checkpoint_interval_s=120.0),
     "a": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", num_rollouts=64, update_size=16,
               learning_rate=5e-6),
     "b": dict(PAPER_COMMON, model="meta-llama/Llama-3.2-3B-Instruct", dataset="gsm8k", num_rollouts=64,
@@ -77,8 +75,15 @@ NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", 
                 "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (what is wrong, and where the flags are listed), not the usage text."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (python {self.prog} --help lists the flags)\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.")
+    parser = OneLineParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.")
     add = parser.add_argument_group("preset").add_argument
     add("--preset", choices=sorted(PRESETS), default="demo",
         help="paper setting (a)-(d), (e)/(f) (full parameter, 8 GPUs: torchrun -m multigpu) or the CPU demo")
@@ -144,7 +149,8 @@ def build_parser():
     add("--micro-batch-size", type=int, help="sequences per forward/backward (memory bound of the update)")
     add = parser.add_argument_group("run").add_argument
     add("--seed", type=int, default=0)
-    add("--num-threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    add("--num-threads", type=int, default=0,
+        help="CPU threads for torch (0 = torch's default, one per physical core; give 1 to runs that share a machine)")
     add("--max-steps", type=int, default=0, help="0 = no step limit")
     add("--max-time-s", type=float, default=0.0,
         help="training wall-clock budget (evaluation excluded): no step starts that would likely end past it")
@@ -227,6 +233,10 @@ def check_args(args, restarted=False):
     _check_run_dir(args, restarted)
     _check_data(args)
     models.check_model_source(args.model)  # missing local path or demo package -> clear error, nothing loaded
+    limit = models.max_positions(args.model)
+    if limit is not None and args.max_prompt_tokens + args.max_completion_tokens > limit:
+        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-completion-tokens "
+                         f"{args.max_completion_tokens} exceed the {limit} positions {args.model} was built for")
     if args.bf16 and not str(args.device).startswith("cuda"):
         warnings.warn("--bf16 on CPU: allowed, but slow and less precise than float32 (--no-bf16)")
 

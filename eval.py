@@ -160,7 +160,9 @@ def load_results(path, eval_config):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="eval.py", description=__doc__.split("\n\n")[0])
+    import config
+
+    parser = config.OneLineParser(prog="eval.py", description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--checkpoint", help="a checkpoint dir (adapter/ + config.json) or a run dir: "
                                             "evaluates every checkpoint in <run>/checkpoints/")
@@ -182,7 +184,8 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the model's own")
     parser.add_argument("--out", help="results JSON (default: <run>/eval_<split>.json, or eval_<split>.json)")
-    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--num-threads", type=int, default=0,
+                        help="torch CPU threads (0 = torch's default, one per physical core)")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
@@ -274,6 +277,7 @@ def main(argv=None, load_sharded=None):
     except data.HubUnavailable as error:  # the user's situation, one line (see __main__)
         raise ValueError(str(error)) from error
     prompts, answers = [e.text for e in examples], [e.answer for e in examples]
+    longest = max(len(tokenizer(text, add_special_tokens=False).input_ids) for text in prompts)
     base = None
     for path in todo or [None]:
         if path is not None and checkpoint.is_sharded(path):  # written under torchrun: LoRA merged, one process
@@ -289,6 +293,9 @@ def main(argv=None, load_sharded=None):
                 model = PeftModel.from_pretrained(base, str(path / "adapter"))
         generation = sampling.GenerationSettings(settings["max_completion_tokens"], args.temperature, args.top_p,
                                                  args.batch_size)
+        sampling.check_generation_fits(model, args.batch_size, longest + generation.max_new_tokens,
+                                       f"--batch-size (now {args.batch_size}) or --max-completion-tokens (now "
+                                       f"{generation.max_new_tokens})")
         per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, generation,
                                       samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
                                       seed=args.seed, progress=not args.no_progress)

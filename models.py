@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,6 +97,28 @@ def _from_pretrained(auto_class, source, name_or_path, **kwargs):
                          "that holds the model (save_pretrained output)") from error
 
 
+def _light_source(name_or_path):
+    """(source, from_pretrained keywords) for reading a tokenizer or a config: the demo model's GGUF file itself
+    while its converted copy does not exist yet (converting takes ~20 s)."""
+    if name_or_path == SMOLLM2_ALIAS and not _smollm2_cache_target().joinpath("config.json").is_file():
+        return smollm2_gguf_location()[0], {"gguf_file": SMOLLM2_GGUF_FILE}
+    return _pretrained_source(name_or_path)
+
+
+def max_positions(name_or_path):
+    """The model's maximum sequence length (max_position_embeddings) read from its config alone, or None where the
+    config is not at hand: a Hub id not yet cached, or a GGUF file (its header takes seconds to parse). Then
+    sampling.check_generation_fits checks the loaded model before its first generation."""
+    source, kwargs = _light_source(name_or_path)
+    if "gguf_file" in kwargs:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+    except (OSError, ValueError):
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
 def check_model_source(name_or_path):
     """Fail fast (before any weights load) on a missing local path or a missing demo package."""
     if name_or_path == SMOLLM2_ALIAS:
@@ -117,10 +139,7 @@ def load_tokenizer(name_or_path):
 
     Many chat models have no pad token; we reuse EOS. Pad == EOS means padding cannot be told from a
     real EOS by id, which is why completion masks are cut at the *first* EOS (sampling.py)."""
-    if name_or_path == SMOLLM2_ALIAS and not _smollm2_cache_target().joinpath("config.json").is_file():
-        source, kwargs = smollm2_gguf_location()[0], {"gguf_file": SMOLLM2_GGUF_FILE}  # skip model conversion
-    else:
-        source, kwargs = _pretrained_source(name_or_path)
+    source, kwargs = _light_source(name_or_path)
     tokenizer = _from_pretrained(AutoTokenizer, source, name_or_path, **kwargs)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:

@@ -14,7 +14,9 @@ Flags and presets: config.py; the run folder and its checkpoints: checkpoint.py;
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -32,6 +34,10 @@ import sampling
 import update
 
 NONFINITE_STOP = 3  # consecutive steps whose update was skipped
+
+
+class Stopped(SystemExit):
+    """The run stopped on SIGTERM or SIGINT after checkpointing its last completed step; exit status 128 + signal."""
 
 
 class OneProcess:
@@ -85,6 +91,31 @@ def cuda_oom_hint(args, phase):
                                    f"{args.rollout_batch_size}) for generation/evaluation or --micro-batch-size (now "
                                    f"{args.micro_batch_size}) for the update; --gradient-checkpointing and "
                                    "--load-in-4bit also help.") from error
+
+
+@contextlib.contextmanager
+def stop_on_signal():
+    """SIGTERM (a cluster preempting the job) or SIGINT (Ctrl-C) asks the run to stop at the next step boundary: the
+    yielded dict gets the signal's number; a second signal exits at once (the last checkpoint stays intact). The
+    previous handlers come back afterwards. Outside the main thread no handler can be set: nothing is caught."""
+    requested = {}
+
+    def handler(signum, frame):
+        if requested:
+            raise SystemExit(128 + signum)
+        requested["signal"] = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint (again: stop now)",
+              file=sys.stderr, flush=True)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield requested
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 # ------------------------------------------------------------------------------------------ one step
@@ -148,6 +179,11 @@ def load(args, processes):
     torch.manual_seed(args.seed)  # LoRA initialisation; right here, as imports above may draw random numbers
     model = processes.load_policy(args)
     model.train()  # checkpointing acts in training mode; dropout is off where it would run (sampling, update)
+    longest = max([args.max_prompt_tokens] + [len(tokenizer(e.text, add_special_tokens=False).input_ids)
+                                              for e in eval_set])  # held-out prompts are not cut to the limit
+    sampling.check_generation_fits(model, args.rollout_batch_size, longest + args.max_completion_tokens,
+                                   f"--rollout-batch-size (now {args.rollout_batch_size}) or --max-completion-tokens "
+                                   f"(now {args.max_completion_tokens})")
     optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     return tokenizer, train_set, eval_set, model, optimizer
 
@@ -193,7 +229,7 @@ def train(args, processes=OneProcess()):
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
-    step_s, accuracy = 0.0, None
+    step_s, accuracy, stop = 0.0, None, None
     last_checkpoint_s = state.elapsed_s
 
     def save():
@@ -204,7 +240,7 @@ def train(args, processes=OneProcess()):
 
     with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
                              first_step=state.step + 1 if args.resume else 0, run_config=run_config,
-                             enabled=processes.is_main) as (log, write):
+                             enabled=processes.is_main) as (log, write), stop_on_signal() as signalled:
         if eval_set and state.step == 0:
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
         bar = tqdm(total=args.max_steps or None, initial=state.step, disable=not (args.progress and processes.is_main),
@@ -212,6 +248,9 @@ def train(args, processes=OneProcess()):
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
                 not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):
+            if processes.total(len(signalled)):  # a signal reached some process: every process stops here
+                stop = signalled.get("signal", signal.SIGTERM)
+                break
             step_start = time.perf_counter()
             rounds = []  # G = --grad-accum-steps prompt lists, from the seeded order (exact resume)
             for _ in range(args.grad_accum_steps):
@@ -235,10 +274,15 @@ def train(args, processes=OneProcess()):
             bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}",
                             t=f"{state.elapsed_s:.0f}s")
         bar.close()
-        if eval_set and state.evaluated_step != state.step:
+        if eval_set and state.evaluated_step != state.step and stop is None:
             evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
-        if args.checkpoint_interval_s >= 0 and saved != (state.step, state.evaluated_step):
+        if (args.checkpoint_interval_s >= 0 or stop) and saved != (state.step, state.evaluated_step):
             save()  # the final state, unless saved already
+    if stop is not None:
+        if processes.is_main:
+            print(f"stopped by {signal.Signals(stop).name} after step {state.step}, saved in {run_dir}; continue "
+                  f"with --output-dir {run_dir} --resume", file=sys.stderr)
+        raise Stopped(128 + stop)
     if processes.is_main:
         print(f"done: {state.step} steps, {state.elapsed_s:.0f} s of training -> {run_dir}")
     return run_dir

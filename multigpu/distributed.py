@@ -81,14 +81,22 @@ def shutdown():
 def run_main(main, *args, **kwargs):
     """Run this rank's `main`; an exception prints the rank and its traceback and exits 1. torchrun then
     stops the other ranks (maybe blocked in a collective waiting for this one) and prints a summary naming
-    the rank, with the traceback `record` saved. os._exit: teardown can block on a live process group."""
+    the rank, with the traceback `record` saved. A deliberate exit (SystemExit, e.g. train.Stopped after a
+    preemption's checkpoint) keeps its status, without a traceback. os._exit: teardown can block on a live process
+    group."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
         return record(_waiting_on_peer_failure(main))(*args, **kwargs)
-    except BaseException as error:  # noqa: B036 (KeyboardInterrupt and SystemExit(!=0) end the rank too)
+    except BaseException as error:  # noqa: B036 (KeyboardInterrupt ends the rank too)
         if isinstance(error, SystemExit) and error.code in (0, None):
             raise
+        if isinstance(error, SystemExit):
+            if isinstance(error.code, str):
+                print(error.code, file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(error.code if isinstance(error.code, int) else 1)
         traceback.print_exc()
         print(f"[rank {os.environ.get('RANK', '0')}] failed: {type(error).__name__}: {error}", file=sys.stderr)
         sys.stdout.flush()

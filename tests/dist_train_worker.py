@@ -6,8 +6,9 @@ test_distributed.py, which runs the same argv in one process as the reference.
 
 Attempt 0: runs "full" (full parameter, 2 steps), "lora" (3 steps) and "killed" (the same as "lora"; rank 1
 SIGKILLs itself when step 3 starts, after the step-2 checkpoint). The launcher restarts both ranks; attempt 1:
-"killed" again with the same argv, which resumes from its latest checkpoint (restart count > 0), then "fail",
-where rank 1 raises in step 1 while rank 0 waits in a collective, which ends the launch.
+"killed" again with the same argv, which resumes from its latest checkpoint (restart count > 0), then "preempted"
+(as "lora"; rank 1 alone gets SIGTERM in step 2: both ranks stop after it with a checkpoint), then "fail", where
+rank 1 raises in step 1 while rank 0 waits in a collective, which ends the launch.
 """
 
 import os
@@ -53,6 +54,8 @@ def faulty_step(real_step):
         attempt = distributed.restart_count()
         if processes.rank == 1 and CURRENT["name"] == "killed" and step == 3 and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run; the launcher ends rank 0 and restarts both
+        if processes.rank == 1 and CURRENT["name"] == "preempted" and step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption that reaches one rank first
         if processes.rank == 1 and CURRENT["name"] == "fail":
             (Path(CURRENT["out"]) / "raised_at.txt").write_text(repr(time.time()))
             raise RuntimeError("boom on purpose")
@@ -61,10 +64,13 @@ def faulty_step(real_step):
 
 
 def scenario(out, model_dir):
-    names = ("full", "lora", "killed") if distributed.restart_count() == 0 else ("killed", "fail")
+    names = ("full", "lora", "killed") if distributed.restart_count() == 0 else ("killed", "preempted", "fail")
     for name in names:
         CURRENT.update(name=name, out=out)
-        run.main(run_argv(model_dir, out, name))
+        try:
+            run.main(run_argv(model_dir, out, name))
+        except train.Stopped:  # "preempted": every rank stops after the same step; the next scenario follows
+            pass
     distributed.shutdown()
 
 

@@ -172,6 +172,9 @@ def test_cli_base_model_and_full_checkpoint(tmp_path, tiny_model, smollm2_tokeni
                       "--max-new-tokens", "3", "--temperature", "0", "--out", str(out), "--no-progress"])
     base = json.loads(out.read_text())["results"]["base"]
     assert base["num_samples"] == 2 and base["accuracy"]["std"] == 0.0
+    with pytest.raises(ValueError, match="exceed the model's 2048 positions: lower --batch-size"):  # before generating
+        eval_module.main(["--model", str(model_dir), "--dataset", "arithmetic", "--num-prompts", "2",
+                          "--max-new-tokens", "5000", "--out", str(tmp_path / "long.json"), "--no-progress"])
     # A full fine-tuning checkpoint (model/ instead of adapter/), evaluated on its own.
     full = tmp_path / "step_000001"
     tiny_model.save_pretrained(full / "model")

@@ -306,6 +306,15 @@ def test_a_killed_train_py_run_resumes_exactly(train_runs):
     assert not list((two / "killed" / "checkpoints").glob(".tmp_*"))
 
 
+def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(train_runs):
+    two, output = train_runs["two"], train_runs["output"]
+    assert "stopped by SIGTERM after step 2" in output  # rank 0 says so: it learned of rank 1's signal
+    assert [(line["type"], line["step"]) for line in metric_lines(two / "preempted")] == [
+        ("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+    assert metric_lines(two / "preempted") == metric_lines(two / "lora")[:4]  # the same steps, then the stop
+    assert (two / "preempted" / "checkpoints" / "latest.txt").read_text().strip() == "step_000002"
+
+
 def test_an_exception_on_a_train_py_rank_ends_the_run_naming_it(train_runs):
     output = train_runs["output"]
     assert train_runs["returncode"] != 0

@@ -350,6 +350,21 @@ def test_three_non_finite_steps_in_a_row_stop_the_run(tiny_dir, tmp_path, monkey
     assert (tmp_path / "run/checkpoints/latest.txt").read_text().strip() == "step_000003"  # finite weights only
 
 
+def test_impossible_lengths_and_sizes_fail_before_anything_is_allocated(tiny_dir, tmp_path, monkeypatch):
+    """Prompt + completion beyond the model's positions: refused while parsing the flags (the config is local);
+    a generation whose KV cache and logits exceed the memory left: refused after loading, before generating."""
+    with pytest.raises(ValueError, match="exceed the 2048 positions"):
+        config.parse_args(tiny_argv(tiny_dir, tmp_path / "a", "--max-completion-tokens", "100000"))
+    generated = []
+    monkeypatch.setattr(sampling, "generate_rollouts", lambda *args, **kwargs: generated.append(1))
+    with pytest.raises(ValueError, match=r"needs ~\d+\.\d GiB .* lower --rollout-batch-size \(now 100000\)"):
+        train.main(tiny_argv(tiny_dir, tmp_path / "b", "--rollout-batch-size", "100000"))
+    monkeypatch.setattr(sampling, "available_memory_bytes", lambda device: 2 ** 20)  # 1 MiB left
+    with pytest.raises(ValueError, match="but 0.0 GiB are free on cpu: lower --rollout-batch-size"):
+        train.main(tiny_argv(tiny_dir, tmp_path / "c"))
+    assert not generated
+
+
 def test_cli_errors_are_one_line(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--reward-weights", "accuracy=1"],
                             capture_output=True, text=True, timeout=120)
@@ -361,56 +376,99 @@ def test_cli_errors_are_one_line(tmp_path):
 
 WRAPPER = """
 import sys, time
+from pathlib import Path
 sys.path[:0] = [{root!r}, {tests!r}]
 import rewards, train
 from test_train import fake_compute_rewards
 rewards.compute_rewards = fake_compute_rewards
 original_step = train.train_step
-def slow_step(*args, **kwargs):  # gives the test time to kill the run between steps
-    out = original_step(*args, **kwargs)
-    time.sleep({pause})
+def slow_step(model, tokenizer, optimizer, rounds, args, step, *rest):
+    Path({marker!r}).write_text(str(step))  # the step now running
+    out = original_step(model, tokenizer, optimizer, rounds, args, step, *rest)
+    time.sleep({pause})  # gives the test time to act between steps
     return out
 train.train_step = slow_step
 train.main(sys.argv[1:])
 """
+RESUME_ARGV = ["--max-steps", "4", "--log-completions-interval", "1"]
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
-    script = tmp_path / "run_train.py"
-    script.write_text(WRAPPER.format(root=str(ROOT), tests=str(ROOT / "tests"), pause=0.5))
-    argv = ["--max-steps", "3", "--log-completions-interval", "1"]
-    killed_dir, full_dir = tmp_path / "killed", tmp_path / "full"
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    killed = subprocess.Popen([sys.executable, str(script), *tiny_argv(tiny_dir, killed_dir, *argv)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_dir, tmp_path_factory):
+    """The 4-step run that a killed or stopped and then resumed run must equal."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rewards, "compute_rewards", fake_compute_rewards)
+        return train.main(tiny_argv(tiny_dir, tmp_path_factory.mktemp("full") / "run", *RESUME_ARGV))
+
+
+def start_and_wait_for_step(script_dir, run_dir, tiny_dir, step):
+    """train.py in a subprocess (the WRAPPER); returns it once training step `step` is running."""
+    script, marker = script_dir / "run_train.py", script_dir / "running_step"
+    script.write_text(WRAPPER.format(root=str(ROOT), tests=str(ROOT / "tests"), marker=str(marker), pause=0.5))
+    process = subprocess.Popen([sys.executable, str(script), *tiny_argv(tiny_dir, run_dir, *RESUME_ARGV)],
+                               env=dict(os.environ, PYTHONHASHSEED="0"), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and killed.poll() is None:
-        metrics = killed_dir / "metrics.jsonl"
-        if metrics.exists() and '"step": 2, "elapsed_s"' in metrics.read_text():
-            break
+    while time.time() < deadline and process.poll() is None and not (marker.exists() and
+                                                                      marker.read_text() == str(step)):
         time.sleep(0.02)
-    assert killed.poll() is None, killed.stderr.read().decode()[-2000:]
-    os.kill(killed.pid, signal.SIGKILL)
-    killed.wait()
-    # Uninterrupted reference, and the resumed run, in this process (same code path as the subprocess).
-    train.main(tiny_argv(tiny_dir, full_dir, *argv))
-    train.main(["--output-dir", str(killed_dir), "--resume", "--no-progress"])
+    assert process.poll() is None, process.stderr.read()[-2000:]
+    return process
 
-    def comparable(run_dir):
-        return [{k: v for k, v in line.items() if k not in TIMING}
-                for line in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
-    resumed, full = comparable(killed_dir), comparable(full_dir)
-    assert [line["step"] for line in resumed if line["type"] == "train"] == [1, 2, 3]
-    assert resumed == full
-    logs = {run: {p.name: p.read_text() for p in (run / report.COMPLETIONS_DIR).iterdir()} for run in (killed_dir,
-                                                                                                      full_dir)}
-    assert logs[killed_dir] == logs[full_dir] and len(logs[full_dir]) == 3 + 3  # steps 1-3, evaluations 0, 2, 3
+def assert_resumed_run_equals(run_dir, full_dir):
+    """Every metrics line (timings aside), every completions file and the final adapter, bit for bit."""
     from safetensors.torch import load_file
 
-    final = "checkpoints/step_000003/adapter/adapter_model.safetensors"
-    a, b = load_file(killed_dir / final), load_file(full_dir / final)
+    def comparable(run):
+        return [{k: v for k, v in line.items() if k not in TIMING}
+                for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+    resumed, full = comparable(run_dir), comparable(full_dir)
+    assert [line["step"] for line in resumed if line["type"] == "train"] == [1, 2, 3, 4]
+    assert resumed == full
+    logs = {run: {p.name: p.read_text() for p in (run / report.COMPLETIONS_DIR).iterdir()} for run in (run_dir,
+                                                                                                      full_dir)}
+    assert logs[run_dir] == logs[full_dir] and len(logs[full_dir]) == 4 + 3  # steps 1-4, evaluations 0, 2, 4
+    final = "checkpoints/step_000004/adapter/adapter_model.safetensors"
+    a, b = load_file(run_dir / final), load_file(full_dir / final)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tiny_dir, tmp_path, uninterrupted):
+    killed_dir = tmp_path / "killed"
+    killed = start_and_wait_for_step(tmp_path, killed_dir, tiny_dir, 3)
+    os.kill(killed.pid, signal.SIGKILL)  # mid-step: checkpoints come after each step (--checkpoint-interval-s 0)
+    killed.wait()
+    train.main(["--output-dir", str(killed_dir), "--resume", "--no-progress"])
+    assert_resumed_run_equals(killed_dir, uninterrupted)
+
+
+def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_resume_continues_exactly(tiny_dir, tmp_path,
+                                                                                           uninterrupted):
+    """A cluster's preemption (SIGTERM during step 3): the step ends, its checkpoint is written, the run says how to
+    resume and exits 128 + 15; --resume then gives the uninterrupted run's metrics, completions and weights."""
+    stopped_dir = tmp_path / "stopped"
+    stopped = start_and_wait_for_step(tmp_path, stopped_dir, tiny_dir, 3)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=120) == 128 + signal.SIGTERM
+    message = stopped.stderr.read()
+    assert "stopped by SIGTERM after step 3" in message and "--resume" in message and "Traceback" not in message
+    latest = (stopped_dir / "checkpoints" / "latest.txt").read_text().strip()
+    assert latest == "step_000003" and [e["step"] for e in read_lines(stopped_dir, "eval")] == [0, 2]  # none at 3
+    train.main(["--output-dir", str(stopped_dir), "--resume", "--no-progress"])
+    assert_resumed_run_equals(stopped_dir, uninterrupted)
+
+
+def test_a_second_signal_stops_at_once_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with train.stop_on_signal() as signalled:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signalled == {"signal": signal.SIGINT}
+        with pytest.raises(SystemExit) as exited:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exited.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.slow
