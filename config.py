@@ -53,11 +53,9 @@ PRESETS = {
               learning_rate=5e-6),
     "d": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="chemistry", num_rollouts=64,
               update_size=16, learning_rate=5e-6),
-    # (e), (f): full parameter on 8 GPUs (torchrun --nproc-per-node 8), GRPO-PODS with 4 GA steps of rollout batch
-    # 128 -> update batch 32 (effective n = 512, m = 128), max sequence length 2048 = 512 prompt + 1536 completion
-    # tokens (the authors' launch file generated at most 1024). Each rollout batch holds 8 prompts, one per GPU: a
-    # rank generates the 128 rollouts of its prompt and keeps 32 (the authors: 4 prompts per GA step on 8 GPUs;
-    # here a prompt's rollouts stay on one rank, so its selection needs no communication).
+    # (e), (f): full parameter on 8 GPUs, 4 GA steps of rollout batch 128 -> update batch 32 (effective n = 512,
+    # m = 128), 512 prompt + 1536 completion tokens (the authors generated at most 1024). One prompt per GPU and
+    # rollout batch, so a prompt's selection needs no communication (the authors: 4 prompts per GA step).
     "e": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", lora_rank=0, learning_rate=2e-5,
               num_rollouts=128, update_size=32, grad_accum_steps=4, prompts_per_step=8, max_completion_tokens=1536),
 }
@@ -142,8 +140,8 @@ def build_parser():
     add("--temperature", type=float)
     add("--top-p", type=float, default=1.0)
     add("--generation-copy", action=argparse.BooleanOptionalAction, default=None,
-        help="decode from a 16-bit copy of the LoRA-merged weights (default: on, except with --load-in-4bit, where "
-             "the copy costs ~2 bytes per base parameter, e.g. 5.5 GB for a 3B model, but decodes ~5x faster)")
+        help="decode from a copy of the weights with LoRA merged in (plain GEMMs, CUDA graphs); default: on, except "
+             "with --load-in-4bit, where the bf16 copy costs ~2 bytes per base parameter (5.5 GB for a 3B model)")
     add("--max-completion-tokens", type=int)
     add("--rollout-batch-size", type=int, help="sequences per generate call (memory bound of generation)")
     add("--micro-batch-size", type=int, help="sequences per forward/backward (memory bound of the update)")
@@ -221,10 +219,9 @@ def check_args(args, restarted=False):
                          f"{args.update_size}, n = {args.num_rollouts}; pick a PODS rule or set m = n")
     if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1:
         raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0 and 0 < --top-p <= 1")
-    if args.num_train_rows is not None and args.num_train_rows < 1:
-        raise ValueError(f"--num-train-rows must be >= 1, got {args.num_train_rows}")
-    if args.lora_alpha is not None and args.lora_alpha <= 0:
-        raise ValueError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    for name in ("num_train_rows", "lora_alpha"):  # optional counts
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _check_variant_flags(args)
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
@@ -232,11 +229,7 @@ def check_args(args, restarted=False):
     _check_device_flags(args)
     _check_run_dir(args, restarted)
     _check_data(args)
-    models.check_model_source(args.model)  # missing local path or demo package -> clear error, nothing loaded
-    limit = models.max_positions(args.model)
-    if limit is not None and args.max_prompt_tokens + args.max_completion_tokens > limit:
-        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-completion-tokens "
-                         f"{args.max_completion_tokens} exceed the {limit} positions {args.model} was built for")
+    models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
     if args.bf16 and not str(args.device).startswith("cuda"):
         warnings.warn("--bf16 on CPU: allowed, but slow and less precise than float32 (--no-bf16)")
 
@@ -302,8 +295,7 @@ def _check_run_dir(args, restarted):
 
 
 def _check_data(args):
-    """The dataset can be read: synthetic, its files in the data folder (--data-dir, $PODS_DATA_DIR or
-    ../shared/data), or, with no data folder at all, its Hub source."""
+    """The dataset is readable: synthetic, files in the data folder (data.default_data_dir) or its Hub source."""
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir} is not a folder")
     data.check_data_source(args.dataset, args.data_dir, splits=("train", "test") if args.eval_samples else ("train",))

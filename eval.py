@@ -22,7 +22,6 @@ A checkpoint written by several processes (dcp/) is evaluated with `python -m mu
     python eval.py rollouts runs/demo --eval                # the newest evaluation's logged completions
 """
 
-import argparse
 import json
 import math
 import sys
@@ -212,9 +211,11 @@ def run_settings(args, checkpoints):
 def show_rollouts(argv):
     """`python eval.py rollouts RUN`: print the completions log of a training step (one prompt's n rollouts sorted
     by reward, the kept ones marked with their advantages) or of an evaluation; returns the printed lines."""
+    import config
     import report
 
-    parser = argparse.ArgumentParser(prog="eval.py rollouts", description=show_rollouts.__doc__.split(": ")[1])
+    parser = config.OneLineParser(prog="eval.py rollouts", description="Show a run's logged rollouts: one prompt's "
+                                  "n rollouts sorted by reward, the kept ones marked with their advantages.")
     parser.add_argument("run", help="a run folder (train.py --output-dir)")
     parser.add_argument("--step", type=int, help="a logged step (default: the newest)")
     parser.add_argument("--prompt", type=int, default=0, help="which prompt of the step (0 = the first)")

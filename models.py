@@ -7,7 +7,7 @@ disabled = the base model), so no second model is held in memory.
 Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 (peft holds the adapter in
 fp32); --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4:
-the step rounds away). Generation then runs on the fp32 weights (correct, slower; a static KV cache is fp32).
+the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 
 `dropout_off` is the one place that switches dropout off (generation, the log-prob pass, the update).
 Simplifications: one device (multigpu/ shards this same model with FSDP2); 4-bit is bitsandbytes NF4 (QLoRA) only.
@@ -119,12 +119,17 @@ def max_positions(name_or_path):
     return getattr(config, "max_position_embeddings", None)
 
 
-def check_model_source(name_or_path):
-    """Fail fast (before any weights load) on a missing local path or a missing demo package."""
+def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=0):
+    """Fail fast (before any weights load) on a missing local path or a missing demo package, and on prompt +
+    completion tokens beyond the model's positions where its config is at hand (`max_positions`)."""
     if name_or_path == SMOLLM2_ALIAS:
         smollm2_gguf_location()
     else:
         _pretrained_source(name_or_path)
+    limit = max_positions(name_or_path) if max_completion_tokens else None
+    if limit is not None and max_prompt_tokens + max_completion_tokens > limit:
+        raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} + --max-completion-tokens {max_completion_tokens} "
+                         f"exceed the {limit} positions {name_or_path} was built for")
 
 
 def compute_dtypes(bf16, lora_rank):

@@ -4,6 +4,7 @@ checkpoints in one process."""
 import sys
 
 import eval as heldout
+import multigpu
 from multigpu import distributed, run, sharded_checkpoint
 
 
@@ -13,6 +14,8 @@ def load_sharded(path, base_model, dtype, device):
 
 
 def main(argv):
+    if argv[:1] in (["-h"], ["--help"]):
+        return print(multigpu.__doc__.split("\n\n")[1])  # the three commands
     if argv[:1] == ["export"]:
         return sharded_checkpoint.main(argv[1:])
     if argv[:1] == ["eval"]:

@@ -132,8 +132,11 @@ def check_args(args, world_size):
 def main(argv=None):
     """One rank of `torchrun -m multigpu`: train.train with this rank's Processes; returns the run directory."""
     restarted = distributed.restart_count() > 0  # torchrun --max-restarts: resume from the latest checkpoint
-    args = config.parse_args(argv, restarted=restarted)
-    check_args(args, distributed.world_size_from_env())
+    try:
+        args = config.parse_args(argv, restarted=restarted)
+        check_args(args, distributed.world_size_from_env())
+    except (ValueError, FileNotFoundError) as error:  # a bad flag: one line per rank (as train.py), no traceback
+        raise SystemExit(f"python -m multigpu: error: {error}") from None
     ctx = distributed.init_from_env(args.device, timeout_s=args.dist_timeout_s)
     args.device = str(ctx.device)  # this rank's GPU
     args.output_dir = distributed.agree(str(config.run_dir(args)))  # one folder, named by rank 0

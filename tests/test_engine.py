@@ -284,3 +284,20 @@ def test_bad_inputs_raise():
         engine.generate(model, ids, mask, torch.arange(2), 4, [], EOS, forced_lengths=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="backend"):
         run(model, ids, mask, 1, 4, backend="vllm")
+
+
+@pytest.mark.slow
+def test_greedy_engine_equals_hf_generate_on_the_real_demo_model(smollm2_tokenizer):
+    """SmolLM2-135M-Instruct (the offline demo model): the engine's greedy completions are HF generate's, text for
+    text, on chat prompts of different lengths (left padding) with two rows each."""
+    import data
+    import sampling
+
+    model = models.load_policy(models.SMOLLM2_ALIAS)
+    prompts = data.render_prompts(smollm2_tokenizer, [[{"role": "user", "content": question}] for question in (
+        "What is 2 + 3?", "Name three prime numbers larger than ten, and explain how you checked each one.",
+        "Write the word hello backwards.")])
+    runs = [sampling.generate_rollouts(model, smollm2_tokenizer, prompts, 2, sampling.GenerationSettings(
+        max_new_tokens=32, temperature=0.0, backend=backend)) for backend in ("engine", "hf")]
+    assert runs[0].texts == runs[1].texts and torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert len(set(runs[0].texts)) == 3  # three different answers, not one degenerate string

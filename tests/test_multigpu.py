@@ -339,6 +339,14 @@ def test_torchrun_launches_are_checked_before_loading(argv, changed, message):
     run.check_args(config.parse_args(["--prompts-per-step", "2"]), world_size=2)
 
 
+def test_a_bad_flag_under_torchrun_is_one_line_on_every_rank(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exited:  # run_main prints the message and exits 1, no traceback
+        run.main(["--prompts-per-step", "3"])
+    assert str(exited.value.code).startswith("python -m multigpu: error: --prompts-per-step 3 cannot be split")
+
+
 def test_train_py_under_torchrun_points_to_the_multigpu_entry_and_the_entry_needs_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     result = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env=dict(env, RANK="0", WORLD_SIZE="2"),
