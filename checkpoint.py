@@ -157,8 +157,8 @@ def _fsync_tree(folder):
 def write_text_atomic(path, text):
     """Replace `path` with `text` at once (temp file, flushed, renamed): a crash leaves the old or the new file."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
+    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}_{path.name}")  # open(), not mkstemp: the umask's permissions
+    with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())

@@ -202,9 +202,12 @@ def read_completions(run_dir, step=None, name="step"):
     return step, [json.loads(line) for line in files[step].read_text().splitlines()][1:]
 
 
-def _clip(text, width):
+def _clip(text, width, end=False):
+    """One line of at most `width` characters: its start (end=True: its end), newlines shown as \\n."""
     text = text.replace("\n", "\\n")
-    return text if len(text) <= width else text[:width - 3] + "..."
+    if len(text) <= width:
+        return text
+    return "..." + text[3 - width:] if end else text[:width - 3] + "..."
 
 
 def rollout_table(rows, prompt_id, width=100):
@@ -216,7 +219,7 @@ def rollout_table(rows, prompt_id, width=100):
     rollouts = sorted((row for row in rows if row["type"] == "rollout" and row["prompt_id"] == prompt_id),
                       key=lambda row: -row["reward"])
     names = list(rollouts[0]["rewards"]) if rollouts else []
-    lines = [f"prompt {prompt_id} (answer {prompt['answer']!r}): {_clip(prompt['prompt'][-300:], width + 40)}",
+    lines = [f"prompt {prompt_id} (answer {prompt['answer']!r}): {_clip(prompt['prompt'], width + 40, end=True)}",
              f"{len(rollouts)} rollouts, {sum(r['kept'] for r in rollouts)} kept (*), by reward:",
              "  reward " + "".join(f"{name[:9]:>10}" for name in names) + "  tokens  kept advantage  completion"]
     for row in rollouts:

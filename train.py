@@ -63,7 +63,7 @@ class OneProcess:
         return contextlib.nullcontext()
 
     def total(self, value):
-        """A number summed over processes: the loss normaliser and the loss (update.update_policy)."""
+        """A number summed over processes: the loss normaliser and the loss (update.update_policy), stop signals."""
         return value
 
     def merged(self, record):
@@ -71,7 +71,7 @@ class OneProcess:
         return record
 
     def agree(self, value):
-        """Process 0's value, for the decisions every process takes alike (stop, evaluate, save)."""
+        """Process 0's value: the step time that the budget, evaluation and checkpoint decisions follow."""
         return value
 
     def save_checkpoint(self, run_dir, step, model, optimizer, state, run_config, keep_last):

@@ -1,5 +1,6 @@
 """config.py: presets, --baseline, precedence (flags > resumed config > baseline > preset), reward weights parsed
-once, and every bad flag, path or combination failing in parse_args, before anything loads."""
+once, every bad flag, path or combination failing in parse_args, before anything loads, and every selection flag
+arriving through train.train_step at the update (against pods.select called directly with the flag's value)."""
 
 import json
 
@@ -7,7 +8,12 @@ import pytest
 import torch
 
 import config
+import data
 import models
+import pods
+import rewards
+import sampling
+import train
 import update
 
 
@@ -186,3 +192,102 @@ def test_a_resumed_run_keeps_its_preset_unless_given_again(tmp_path):
     args = config.parse_args(["--output-dir", str(run), "--resume"])
     assert args.preset == "c" and args.learning_rate == 0.125 and args.num_rollouts == 4  # all from config.json
     assert config.parse_args(["--output-dir", str(run), "--resume", "--preset", "demo"]).preset == "demo"
+
+
+# ------------------------------------------- every selection flag arrives: command line -> train_step -> the update
+
+SELECT_BASE = ["--model", models.SMOLLM2_ALIAS, "--device", "cpu", "--lora-rank", "4", "-n", "4", "-m", "2",
+               "--max-completion-tokens", "4", "--micro-batch-size", "8", "--learning-rate", "0.01", "--seed", "3"]
+SELECT_EXAMPLES = [data.Example(text="What is 2 + 3?", prompt=[], answer="5"),
+                   data.Example(text="Add 10 and 7, then say hi:", prompt=[], answer="17"),
+                   data.Example(text="Say nothing.", prompt=[], answer="0")]
+SELECT_STEP = 2
+
+
+def text_rewards(prompts, completions, answers, **kwargs):
+    """A deterministic reward of the completion text that varies between texts (a random model's rollouts would all
+    score 0 under the real rewards); every rollout of the prompt whose answer is "0" gets 0.5: zero variance."""
+    values = torch.tensor([0.5 if answer == "0" else float(sum(map(ord, text)) % 101) / 100
+                           for text, answer in zip(completions, answers)])
+    return rewards.RewardResult(total=values, per_func={"char_sum": values})
+
+
+def expected_selection(rollouts, args, round_index=0):
+    """(kept rows as an UpdateBatch, prompts dropped) of one rollout batch by pods.select called directly with the
+    flags' values, the rewards recomputed from the texts, and train.py's seed for the random rule (one process:
+    first chunk 0)."""
+    num_prompts = rollouts.prompt_ids.shape[0]
+    answers = [SELECT_EXAMPLES[i].answer for i in rollouts.prompt_index.tolist()]
+    reward_matrix = text_rewards(None, rollouts.texts, answers).total.view(num_prompts, -1)
+    seed = sampling.derived_seed(args.seed, SELECT_STEP, round_index)
+    kept, advantages, dropped = pods.select(
+        reward_matrix, args.update_size, args.rule, normalize=args.advantage_normalization,
+        scale_rewards=args.scale_rewards, scope=args.selection_scope, drop_zero_variance=args.drop_zero_variance,
+        generator=torch.Generator().manual_seed(sampling.derived_seed(seed, 0)))
+    return update.kept_batch(rollouts, kept, advantages), dropped
+
+
+def same_rows(one, other):
+    return one.completion_ids.shape == other.completion_ids.shape and \
+        torch.equal(one.completion_ids, other.completion_ids) and torch.equal(one.prompt_ids, other.prompt_ids)
+
+
+SELECT_FLAG_CASES = [  # (flags, the flags whose selection they must change (power); None: the paper's defaults)
+    ([], None),
+    (["--rule", "random"], []),
+    (["--rule", "random", "--seed", "4"], ["--rule", "random"]),
+    (["--rule", "percentile"], []),
+    (["--rule", "max_reward"], []),
+    (["--rule", "none", "-m", "4"], []),
+    (["-m", "3"], []),
+    (["-n", "6", "-m", "3"], ["-n", "6"]),
+    (["--advantage-normalization", "group"], []),
+    (["--scale-rewards", "batch"], []),
+    (["--scale-rewards", "none"], []),
+    (["--selection-scope", "batch"], []),
+    (["--selection-scope", "batch", "--advantage-normalization", "group", "--scale-rewards", "none"],
+     ["--selection-scope", "batch"]),
+    (["--drop-zero-variance"], []),
+    (["--drop-zero-variance", "--rule", "random", "--scale-rewards", "batch"],
+     ["--rule", "random", "--scale-rewards", "batch"]),
+]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("argv, baseline", SELECT_FLAG_CASES,
+                         ids=[" ".join(case[0]) or "paper" for case in SELECT_FLAG_CASES])
+def test_every_selection_flag_arrives_at_the_update(argv, baseline, tiny_model, smollm2_tokenizer, monkeypatch):
+    """Each selection-phase flag (rule, -n/-m, --advantage-normalization, --scale-rewards, --selection-scope,
+    --drop-zero-variance, --seed for the random rule), parsed from the command line, reaches train.train_step's
+    selection: the rollouts generated, the rows and advantages update.update_policy receives and the dropped count
+    are those of pods.select called directly with the flags' values on the same rewards. The flag matters here: the
+    same call with the compared flags (the defaults) keeps other rows or gives other advantages, so a flag that
+    train.py drops or mixes up fails."""
+    seen = {"rollouts": [], "batches": []}
+    real_generate, real_update = sampling.generate_rollouts, update.update_policy
+
+    def spy_generate(*args, **kwargs):
+        seen["rollouts"].append(real_generate(*args, **kwargs))
+        return seen["rollouts"][-1]
+
+    def spy_update(model, optimizer, batches, settings, **kwargs):
+        seen["batches"] = batches
+        return real_update(model, optimizer, batches, settings, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate_rollouts", spy_generate)
+    monkeypatch.setattr(update, "update_policy", spy_update)
+    monkeypatch.setattr(rewards, "compute_rewards", text_rewards)
+    args = config.parse_args([*SELECT_BASE, *argv])
+    model = models.prepare_for_training(tiny_model, lora_rank=4, lora_alpha=8)
+    optimizer = update.make_optimizer(model, args.learning_rate)
+    metrics, _ = train.train_step(model, smollm2_tokenizer, optimizer, [SELECT_EXAMPLES], args, SELECT_STEP)
+    [rollouts], [batch] = seen["rollouts"], seen["batches"]
+    assert rollouts.completion_ids.shape[0] == len(SELECT_EXAMPLES) * args.num_rollouts
+    expected, dropped = expected_selection(rollouts, args)
+    assert same_rows(batch, expected), f"kept rows differ from pods.select's for {argv}"
+    torch.testing.assert_close(batch.advantages, expected.advantages)
+    assert metrics["num_zero_variance_dropped"] == dropped and metrics["update_rows"] == len(expected.advantages)
+    if baseline is not None:
+        other, _ = expected_selection(rollouts, config.parse_args([*SELECT_BASE, *baseline]))
+        assert not same_rows(expected, other) or not torch.allclose(expected.advantages, other.advantages), \
+            f"{argv} selects the same as {baseline} on these rewards: the test has no power"
