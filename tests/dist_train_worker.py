@@ -24,15 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from multigpu import distributed, run  # noqa: E402
 import rewards  # noqa: E402
+from run_helpers import fake_compute_rewards  # noqa: E402
 import train  # noqa: E402
 
 CURRENT = {}  # the run this rank is in
-
-
-def fake_compute_rewards(prompts, completions, answers, **kwargs):
-    """test_train.fake_compute_rewards: varies between any two texts, so a random model gets advantages."""
-    values = torch.tensor([float(sum(map(ord, text)) % 101) / 100 for text in completions])
-    return rewards.RewardResult(total=values, per_func={"char_sum": values})
 
 
 def run_argv(model_dir, out_dir, name):

@@ -188,7 +188,8 @@ def test_a_resumed_run_keeps_its_preset_unless_given_again(tmp_path):
     (run / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
     (run / "checkpoints" / "latest.txt").write_text("step_000001\n")
     saved = vars(config.parse_args(["--preset", "demo", "--baseline", "--learning-rate", "0.125"]))
-    (run / "config.json").write_text(json.dumps(dict(saved, preset="c", reward_weights="accuracy=1,format=1,tag_count=1")))
+    weights = "accuracy=1,format=1,tag_count=1"
+    (run / "config.json").write_text(json.dumps(dict(saved, preset="c", reward_weights=weights)))
     args = config.parse_args(["--output-dir", str(run), "--resume"])
     assert args.preset == "c" and args.learning_rate == 0.125 and args.num_rollouts == 4  # all from config.json
     assert config.parse_args(["--output-dir", str(run), "--resume", "--preset", "demo"]).preset == "demo"

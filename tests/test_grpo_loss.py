@@ -1,5 +1,5 @@
-"""GRPO-PODS objective (grpo_loss.py): loss and gradient vs a naive per-token loop, clipping, masking,
-KL, and completion log-probabilities of a tiny real-architecture model with left padding."""
+"""GRPO-PODS objective (grpo_loss.py): loss and gradient vs a naive per-token loop, clipping, masking, KL, the loss
+aggregations, clip-higher and truncated rows. Completion log-probabilities: test_grpo_loss_logprobs.py."""
 
 import math
 
@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import grpo_loss as gl
-import models
 
 EPS = 0.2
 
@@ -311,118 +310,3 @@ def test_loss_denominator_is_additive_and_rejects_bad_input():
         gl.grpo_loss_sum(logp, old, adv, mask, aggregation="seq")
     with pytest.raises(ValueError, match="clip_eps_high must be > 0"):
         gl.grpo_loss(logp, old, adv, mask, clip_eps_high=0.0)
-
-
-# --- token_logprobs on a tiny real-architecture model -------------------------------------------
-
-VOCAB = 256
-
-
-def tiny_gpt2():
-    """Absolute position embeddings: the architecture where wrong left-pad positions are visible."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                        initializer_range=0.5)
-    return GPT2LMHeadModel(config)
-
-
-@pytest.fixture(params=["llama", "qwen2", "gpt2"])
-def small_model(request):
-    if request.param == "gpt2":
-        return tiny_gpt2().eval()
-    # A larger init scale than the default makes logits depend visibly on the context.
-    return models.tiny_random_model(request.param, vocab_size=VOCAB, seed=0, initializer_range=0.5).eval()
-
-
-def left_padded_batch(seed, prompt_lengths=(5, 2, 7), completion_len=4):
-    """Rows [pad..., prompt, completion] plus the unpadded rows for the reference."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(prompt_lengths) + completion_len
-    rows = [torch.randint(3, VOCAB, (p + completion_len,), generator=gen) for p in prompt_lengths]
-    ids = torch.full((len(rows), width), 2)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = row
-        mask[i, width - len(row) :] = 1
-    return ids, mask, rows
-
-
-def naive_completion_logprobs(model, row, completion_len, temperature=1.0):
-    logits = model(input_ids=row[None]).logits[0]  # every position, full vocabulary
-    logprobs = torch.log_softmax(logits.double() / temperature, dim=-1)
-    targets = row[-completion_len:]
-    return logprobs[-completion_len - 1 : -1].gather(-1, targets[:, None]).squeeze(-1)
-
-
-def test_token_logprobs_with_left_padding_match_unpadded_full_softmax(small_model):
-    ids, mask, rows = left_padded_batch(0)
-    for temperature in (1.0, 0.7):
-        got = gl.token_logprobs(small_model, ids, mask, 4, temperature=temperature)
-        assert got.shape == (3, 4) and got.dtype == torch.float32
-        with torch.no_grad():
-            for i, row in enumerate(rows):
-                want = naive_completion_logprobs(small_model, row, 4, temperature).float()
-                assert torch.allclose(got[i], want, atol=1e-4), (temperature, i, got[i], want)
-
-
-def test_left_padding_position_ids_finding():
-    # transformers 5 forward() falls back to arange(T) positions and ignores the mask. RoPE models
-    # (Llama, Qwen2) only see position differences, so a constant left-pad shift changes logits by
-    # float rounding only; absolute position embeddings (GPT-2) change visibly. token_logprobs passes
-    # position_ids_from_mask, which is exact for both (and matches what generate() uses).
-    ids, mask, rows = left_padded_batch(1)
-    positions = gl.position_ids_from_mask(mask)
-    assert positions[1].tolist() == [0] * 5 + list(range(6))
-    rope = models.tiny_random_model("llama", vocab_size=VOCAB, initializer_range=0.5).eval()
-    with torch.no_grad():
-        for model, shift_matters in ((tiny_gpt2().eval(), True), (rope, False)):
-            unpadded = model(input_ids=rows[1][None]).logits[0, -1]
-            with_pos = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[1, -1]
-            without = model(input_ids=ids, attention_mask=mask).logits[1, -1]
-            assert torch.allclose(with_pos, unpadded, atol=1e-4)
-            assert torch.allclose(without, unpadded, atol=1e-2) != shift_matters
-
-
-def test_token_logprobs_gradient_matches_naive_and_requests_only_completion_logits(small_model):
-    ids, mask, rows = left_padded_batch(2, prompt_lengths=(3, 6), completion_len=5)
-    seen = {}
-    original_forward = small_model.forward
-
-    def recording_forward(*args, **kwargs):
-        seen["logits_to_keep"] = kwargs.get("logits_to_keep")
-        out = original_forward(*args, **kwargs)
-        seen["logits_positions"] = out.logits.shape[1]
-        return out
-
-    small_model.forward = recording_forward
-    gl.token_logprobs(small_model, ids, mask, 5).sum().backward()
-    assert seen == {"logits_to_keep": 6, "logits_positions": 6}
-    got = {name: p.grad.clone() for name, p in small_model.named_parameters()}
-    small_model.zero_grad()
-    small_model.forward = original_forward
-    sum(naive_completion_logprobs(small_model, row, 5) for row in rows).sum().backward()
-    for name, p in small_model.named_parameters():
-        assert torch.allclose(got[name], p.grad, atol=1e-4, rtol=1e-3), name
-    assert any(g.abs().sum() > 0 for g in got.values())
-
-
-def test_token_logprobs_chunking_does_not_change_results(small_model, monkeypatch):
-    ids, mask, _ = left_padded_batch(3)
-    with torch.no_grad():
-        whole = gl.token_logprobs(small_model, ids, mask, 4)
-        monkeypatch.setattr(gl, "_LOGSUMEXP_CHUNK_ELEMENTS", 1)  # one row per chunk
-        chunked = gl.token_logprobs(small_model, ids, mask, 4)
-    assert torch.equal(whole, chunked)
-
-
-def test_token_logprobs_rejects_bad_sizes(small_model):
-    ids, mask, _ = left_padded_batch(0)
-    for bad in (0, ids.shape[1], 3.0):
-        with pytest.raises(ValueError, match="num_completion_tokens"):
-            gl.token_logprobs(small_model, ids, mask, bad)
-    with pytest.raises(ValueError, match="attention_mask"):
-        gl.token_logprobs(small_model, ids, mask[:, 1:], 2)
-    with pytest.raises(ValueError, match="temperature"):
-        gl.token_logprobs(small_model, ids, mask, 2, temperature=0.0)

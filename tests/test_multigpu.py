@@ -1,12 +1,10 @@
-"""distributed.py (and sharded_checkpoint.py across processes): two ranks under torch's elastic launcher (gloo, CPU,
-tiny random models) take the same step as one process on the same global batch (full-parameter and LoRA), a
-run whose rank is SIGKILLed resumes exactly from its sharded checkpoint after the launcher restarts it, mixed
-precision keeps float32 master weights, and a failing rank is named. One launch runs every scenario
-(dist_worker.py) while this process computes the single-process reference. Then the same for train.py itself
-(dist_train_worker.py): 2 ranks log the metrics and reach the weights of 1 process, full-parameter and LoRA; a
-killed run restarted by the launcher resumes exactly; a rank's exception ends the run naming it."""
+"""multigpu/distributed.py (and sharded_checkpoint.py across processes): two ranks under torch's elastic launcher
+(gloo, CPU, tiny random models) take the same step as one process on the same global batch (full-parameter and
+LoRA), a run whose rank is SIGKILLed resumes exactly from its sharded checkpoint after the launcher restarts it,
+mixed precision keeps float32 master weights, and a failing rank is named. One launch runs every scenario
+(dist_worker.py) while this process computes the single-process reference. The seams' shares of prompts and
+held-out chunks. train.py's own loop on 2 ranks: test_multigpu_train.py."""
 
-import json
 import os
 import re
 import signal
@@ -18,16 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import config
 import models
-import report
-import rewards
 import train
 from multigpu import distributed, run, sharded_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dist_train_worker  # noqa: E402
 import dist_worker  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -208,185 +202,3 @@ def test_the_seams_share_prompts_and_evaluation_chunks_as_one_process_would():
     assert train.OneProcess().share(prompts, 4, 8) == (prompts, 0)
     shares = [p.eval_share(list(range(5)), 4) for p in ranks]  # chunks of min(4, ceil(5 / 2)) = 3 prompts
     assert shares == [([0, 1, 2], 0, 3), ([3, 4], 1, 3)]
-
-
-# ------------------------------------------------------------------------------------ train.py under torchrun
-
-TIMING = set(report.TIMING_KEYS) | {"eval/eval_s"}
-TRAIN_WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
-
-
-def launch(worker, out, *args, timeout_s=180):
-    """Run a launcher script; (its return code, its stdout + stderr, the time it ended)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    with open(out / "launcher.log", "w") as log:
-        launcher = subprocess.Popen([sys.executable, str(worker), str(out), *map(str, args)], stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            yield launcher
-            launcher.wait(timeout=timeout_s)
-        finally:
-            if launcher.poll() is None:  # timed out or interrupted: the launcher and its ranks
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
-
-
-@pytest.fixture(scope="module")
-def train_runs(tmp_path_factory, smollm2_tokenizer):
-    """train.py on 2 ranks (dist_train_worker.py) and, meanwhile in this process, the "full" and "lora" runs on
-    one: {"two", "one": their folders, "output", "returncode", "stop_s"}."""
-    out = tmp_path_factory.mktemp("dist_train")
-    model_dir, two, one = out / "tiny", out / "two", out / "one"
-    models.tiny_random_model("llama").save_pretrained(model_dir)
-    smollm2_tokenizer.save_pretrained(model_dir)
-    two.mkdir()
-    runner = launch(TRAIN_WORKER, two, model_dir)
-    launcher = next(runner)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rewards, "compute_rewards", dist_train_worker.fake_compute_rewards)
-        for name in ("full", "lora"):
-            train.main(dist_train_worker.run_argv(model_dir, one, name))
-    next(runner, None)
-    ended_at = time.time()
-    output = (two / "launcher.log").read_text()
-    assert (two / "raised_at.txt").is_file(), output[-6000:]
-    return dict(two=two, one=one, output=output, returncode=launcher.returncode,
-                stop_s=ended_at - float((two / "raised_at.txt").read_text()))
-
-
-def metric_lines(run_dir):
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run_dir, step):
-    """The run's weights at `step` as a plain model (LoRA merged), whichever process count wrote them."""
-    path = run_dir / "checkpoints" / f"step_{step:06d}"
-    if (path / "dcp").is_dir():
-        return sharded_checkpoint.load_merged_model(path).state_dict()
-    config = json.loads((path / "config.json").read_text())
-    model = models.load_policy(config["model"], dtype=torch.float32, lora_rank=config["lora_rank"],
-                               lora_alpha=config["lora_alpha"])
-    train.checkpoint.load_checkpoint(path, model, train.update.make_optimizer(model, 1e-3))
-    return (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).state_dict()
-
-
-@pytest.mark.parametrize("name, steps", [("full", 2), ("lora", 3)])
-def test_train_py_on_two_processes_logs_and_trains_what_one_process_does(train_runs, name, steps):
-    two, one = metric_lines(train_runs["two"] / name), metric_lines(train_runs["one"] / name)
-    assert [(line["type"], line["step"]) for line in two] == [(line["type"], line["step"]) for line in one]
-    assert [line["step"] for line in two if line["type"] == "train"] == list(range(1, steps + 1))
-    for line_two, line_one in zip(two, one):
-        assert line_two.keys() == line_one.keys()
-        for key, value in line_one.items():  # the same rollouts, rewards and selection; the loss up to rounding
-            assert line_two[key] == (pytest.approx(value, rel=1e-4, abs=1e-6) if isinstance(value, float) else value)
-    assert any(line["type"] == "eval" and line["eval/num_samples"] == 2 for line in two)
-    step_two, rows_two = report.read_completions(train_runs["two"] / name)  # rank 0 logs every rank's rollouts
-    assert (step_two, rows_two) == report.read_completions(train_runs["one"] / name) and len(rows_two) == 2 + 2 * 4
-    assert all(line["grad_norm"] > 0 for line in two if line["type"] == "train")  # a real update, every step
-    weights_two, weights_one = final_weights(train_runs["two"] / name, steps), final_weights(train_runs["one"] / name,
-                                                                                           steps)
-    initial = models.tiny_random_model("llama").state_dict()
-    moved = max(float((weights_one[k] - initial[k]).abs().max()) for k in weights_one)
-    assert moved > 1e-4  # training changed the weights the comparison covers
-    for key, value in weights_one.items():
-        torch.testing.assert_close(weights_two[key], value, rtol=1e-4, atol=1e-6, msg=key)
-
-
-def test_a_killed_train_py_run_resumes_exactly(train_runs):
-    two, output = train_runs["two"], train_runs["output"]
-    assert re.search(r"exitcode: -9\) local_rank: 1", output)  # rank 1 died of SIGKILL in step 3
-    assert "resumed" in output and "step_000002" in output  # attempt 1 continued from the step-2 checkpoint
-    assert metric_lines(two / "killed") == metric_lines(two / "lora")  # bit for bit, timings aside
-    killed, full = final_weights(two / "killed", 3), final_weights(two / "lora", 3)
-    assert all(torch.equal(killed[k], full[k]) for k in full)
-    assert sorted(p.name for p in (two / "killed" / "checkpoints").glob("step_*")) == [
-        "step_000001", "step_000002", "step_000003"]
-    assert not list((two / "killed" / "checkpoints").glob(".tmp_*"))
-
-
-def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(train_runs):
-    two, output = train_runs["two"], train_runs["output"]
-    assert "stopped by SIGTERM after step 2" in output  # rank 0 says so: it learned of rank 1's signal
-    assert [(line["type"], line["step"]) for line in metric_lines(two / "preempted")] == [
-        ("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
-    assert metric_lines(two / "preempted") == metric_lines(two / "lora")[:4]  # the same steps, then the stop
-    assert (two / "preempted" / "checkpoints" / "latest.txt").read_text().strip() == "step_000002"
-
-
-def test_an_exception_on_a_train_py_rank_ends_the_run_naming_it(train_runs):
-    output = train_runs["output"]
-    assert train_runs["returncode"] != 0
-    assert "[rank 1] failed: RuntimeError: boom on purpose" in output
-    root_cause = output[output.index("Root Cause"):]
-    assert re.search(r"rank\s*:\s*1\b", root_cause) and "boom on purpose" in root_cause
-    assert train_runs["stop_s"] < 30  # rank 0, waiting in a collective (timeout 60 s), was stopped
-
-
-@pytest.mark.parametrize("argv, changed, message", [
-    (["--prompts-per-step", "3"], {}, "cannot be split evenly over 2 processes"),
-    (["--prompts-per-step", "2", "--drop-zero-variance"], {}, "several processes"),
-    (["--prompts-per-step", "2", "--scale-rewards", "batch"], {}, "several processes"),
-    (["--prompts-per-step", "2"], {"optimizer": "adamw8bit"}, "FSDP2"),  # (on CPU config.py refuses it earlier)
-    (["--prompts-per-step", "2", "--eval-samples", "1"], {}, "fewer than the 2 processes"),
-])
-def test_torchrun_launches_are_checked_before_loading(argv, changed, message):
-    args = config.parse_args(argv)
-    vars(args).update(changed)
-    with pytest.raises(ValueError, match=message):
-        run.check_args(args, world_size=2)
-    run.check_args(config.parse_args(["--prompts-per-step", "2"]), world_size=2)
-
-
-def test_a_bad_flag_under_torchrun_is_one_line_on_every_rank(monkeypatch):
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as exited:  # run_main prints the message and exits 1, no traceback
-        run.main(["--prompts-per-step", "3"])
-    assert str(exited.value.code).startswith("python -m multigpu: error: --prompts-per-step 3 cannot be split")
-
-
-def test_train_py_under_torchrun_points_to_the_multigpu_entry_and_the_entry_needs_torchrun():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    result = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env=dict(env, RANK="0", WORLD_SIZE="2"),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "-m multigpu" in result.stderr and "Traceback" not in result.stderr
-    result = subprocess.run([sys.executable, "-m", "multigpu", "--preset", "e"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "runs under torchrun" in result.stderr and "Traceback" not in result.stderr
-
-
-def test_the_one_process_path_loads_no_multigpu_module():
-    code = ("import sys, train, eval, compare, study, config\n"
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('multigpu', 'bench')], sys.modules")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
-
-
-def test_the_decode_engine_decodes_fsdp_weights_eagerly_and_as_the_plain_model_does():
-    """Sharded over a 1-process gloo group: FSDP is detected (on CUDA no graph would be recorded over weights
-    FSDP re-allocates), and the engine's rollouts inside full_weights_for_generation equal the plain model's."""
-    import torch.distributed as dist
-
-    import engine
-    import sampling
-
-    plain = models.tiny_random_model("llama", vocab_size=dist_worker.VOCAB)
-    batch = dist_worker.global_batch(0, completion_len=1)
-    prompt = (batch["input_ids"][:4, :-1], batch["attention_mask"][:4, :-1])
-    sample = dict(n=2, eos_ids=[2], pad_id=2, seed=7, settings=sampling.GenerationSettings(
-        max_new_tokens=5, temperature=1.0, rollout_batch_size=4, backend="engine"))
-    expected = sampling.sample_completions(plain, *prompt, **sample)
-    assert not engine.fsdp_sharded(plain)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        sharded = distributed.shard_model(models.tiny_random_model("llama", vocab_size=dist_worker.VOCAB),
-                                          distributed.DistContext(enabled=True), mixed_precision=False)
-        assert engine.fsdp_sharded(sharded)
-        with distributed.full_weights_for_generation(sharded):
-            assert engine.engine_for(sharded).capture is False  # auto: FSDP-sharded
-            actual = sampling.sample_completions(sharded, *prompt, **sample)
-    finally:
-        dist.destroy_process_group()
-    for got, want in zip(actual, expected):
-        assert torch.equal(got, want)

@@ -1,15 +1,13 @@
 """update.py: kept-row mapping (indices, masks, rows), micro-batch column trimming, the old/reference log-prob pass,
 the loss normaliser of every aggregation (micro-batches = one batch) and summed over processes, the empty update,
-dropout off during the update, the non-finite guard, fp32 master weights under bf16 autocast, a random batch
-through update_policy (as the benchmarks call it), and every update flag from the command line to the loss, the
-gradient and the weights (each against grpo_loss computed directly with that flag's value)."""
+dropout off during the update, the non-finite guard, fp32 master weights under bf16 autocast, and a random batch
+through update_policy (as the benchmarks call it). Every update flag from the command line: test_update_flags.py."""
 
 import math
 
 import pytest
 import torch
 
-import config
 import grpo_loss
 import models
 import sampling
@@ -287,160 +285,3 @@ def test_an_update_with_no_rows_takes_no_step():
     metrics = update.update_policy(model, optimizer, [empty], settings)
     assert (metrics.rows, metrics.optimizer_steps, metrics.skipped_steps, metrics.loss) == (0, 0, 0, 0.0)
     assert all(torch.equal(before[n], p) for n, p in trainable(model).items()) and not optimizer.state
-
-
-# ------------------------------------------------------- every update flag, from the command line to the gradient
-
-FLAG_BASE = ["--model", models.SMOLLM2_ALIAS, "--device", "cpu", "--lora-rank", "4", "--max-completion-tokens", "6",
-             "--micro-batch-size", "2", "--learning-rate", "0.5"]
-
-
-def flag_args(*argv):
-    """Real command-line flags through config.parse_args, as train.py gets them (6 completion tokens = the width of
-    `varied_batch`, so its full-length rows are the truncated ones)."""
-    return config.parse_args([*FLAG_BASE, *argv])
-
-
-def restore(model, weights):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in weights:
-                p.copy_(weights[name])
-                p.grad = None
-
-
-def stale_logprobs(model, batch, temperature):
-    """Log-probs of an older policy than the current one (current ones at this temperature + fixed noise, spread so
-    that the ratio leaves [1 - eps, 1 + eps] on many tokens in both directions): the clip acts with mu = 1."""
-    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
-    attention = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
-    with torch.no_grad():
-        current = grpo_loss.token_logprobs(model, ids, attention, ids.shape[1] - batch.prompt_ids.shape[1],
-                                           temperature)
-    return current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(7))
-
-
-def direct_update(model, batch, args):
-    """The update the flags describe, written out with grpo_loss alone on the whole batch at once: mu plain SGD steps
-    (lr = args.learning_rate) on grpo_loss.grpo_loss with every flag's value, the gradient clipped to
-    args.max_grad_norm. -> (mean loss, the last step's clipped gradient, the weights after)."""
-    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
-    attention = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
-    width = batch.completion_ids.shape[1]
-    mask = grpo_loss.mask_truncated(batch.completion_mask, batch.truncated) if args.mask_truncated \
-        else batch.completion_mask
-    params = [p for p in model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        old = batch.old_logprobs if batch.old_logprobs is not None else \
-            grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-        ref = None
-        if args.kl_coef > 0:
-            with model.disable_adapter():
-                ref = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-    losses = []
-    for _ in range(args.updates_per_batch):
-        for p in params:
-            p.grad = None
-        logprobs = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, args.clip_eps, ref, args.kl_coef,
-                                      clip_eps_high=args.clip_eps_high, aggregation=args.loss_aggregation,
-                                      max_completion_tokens=args.max_completion_tokens)
-        loss.backward()
-        norm = float(torch.cat([p.grad.flatten() for p in params]).norm())
-        scale = min(1.0, args.max_grad_norm / (norm + 1e-6)) if args.max_grad_norm > 0 else 1.0
-        with torch.no_grad():
-            for p in params:
-                p.grad.mul_(scale)
-                p.sub_(args.learning_rate * p.grad)
-        losses.append(loss.item())
-    return sum(losses) / len(losses), grads(model), trainable(model)
-
-
-@pytest.fixture(scope="module")
-def flag_model():
-    model = lora_model()
-    move_lora_b(model)  # policy != reference: the KL term is not 0
-    return model, trainable(model)
-
-
-def run_both(model, weights, batch_of, argv):
-    """(update_policy's (loss, gradient, weights), direct_update's (loss, gradient, weights)) for these
-    flags, both from the same weights and batch. update_policy runs as train.py runs it: settings from
-    config.update_settings, then fill_logprobs, then update_policy with a plain SGD optimizer."""
-    args = flag_args(*argv)
-    restore(model, weights)
-    batch = batch_of(model, args)
-    expected = direct_update(model, batch, args)
-    restore(model, weights)
-    batch = batch_of(model, args)
-    settings = config.update_settings(args)
-    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
-    stale = batch.old_logprobs
-    update.fill_logprobs(model, [batch], settings)
-    if stale is not None:
-        batch.old_logprobs = stale  # the rollouts came from an older policy than the one fill_logprobs saw
-    metrics = update.update_policy(model, sgd, [batch], settings)
-    assert metrics.optimizer_steps == args.updates_per_batch and metrics.skipped_steps == 0
-    return (metrics.loss, grads(model), trainable(model)), expected
-
-
-def fresh_batch(model, args):
-    return varied_batch(6, seed=1)
-
-
-def stale_batch(model, args):
-    batch = varied_batch(6, seed=1)
-    batch.old_logprobs = stale_logprobs(model, batch, args.temperature)
-    return batch
-
-
-def assert_same_update(actual, expected):
-    loss, gradient, weights = actual
-    torch.testing.assert_close(gradient, expected[1], rtol=1e-4, atol=2e-5)  # mu steps of lr 0.5 widen rounding
-    assert loss == pytest.approx(expected[0], rel=1e-4, abs=1e-6)
-    for name, value in expected[2].items():
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=2e-5)
-
-
-def differs(one, other):
-    """Loss, gradient or weights apart by clearly more than the tolerance of `assert_same_update`."""
-    return abs(one[0] - other[0]) > 1e-3 or not torch.allclose(one[1], other[1], rtol=1e-2, atol=1e-4) or \
-        any(not torch.allclose(one[2][k], other[2][k], rtol=1e-2, atol=1e-4) for k in one[2])
-
-
-UPDATE_FLAG_CASES = [  # (flags, the flags they are compared with (power), batch: stale old log-probs or none)
-    (["--clip-eps", "0.1"], [], stale_batch),
-    (["--clip-eps-high", "0.5"], [], stale_batch),
-    (["--clip-eps", "0.1", "--clip-eps-high", "0.3"], ["--clip-eps", "0.1"], stale_batch),
-    (["--kl-coef", "0.5"], [], fresh_batch),
-    (["--kl-coef", "0.5", "--temperature", "0.6"], ["--temperature", "0.6"], fresh_batch),
-    (["--loss-aggregation", "token"], [], stale_batch),
-    (["--loss-aggregation", "fixed"], [], stale_batch),
-    (["--loss-aggregation", "fixed", "--max-completion-tokens", "9"], ["--loss-aggregation", "fixed"], fresh_batch),
-    (["--mask-truncated"], [], stale_batch),
-    (["--mask-truncated", "--loss-aggregation", "token"], ["--loss-aggregation", "token"], fresh_batch),
-    (["--temperature", "0.6"], [], fresh_batch),
-    (["--temperature", "0.6", "--mu", "2"], ["--mu", "2"], fresh_batch),
-    (["--max-grad-norm", "0.2"], [], fresh_batch),
-    (["--max-grad-norm", "0"], [], fresh_batch),
-    (["--mu", "3"], [], fresh_batch),
-    (["--updates-per-batch", "2"], [], stale_batch),
-    (["--clip-eps", "0.15", "--clip-eps-high", "0.25", "--kl-coef", "0.2", "--loss-aggregation", "token",
-      "--mask-truncated", "--temperature", "0.8", "--max-grad-norm", "0.5", "--mu", "2"], [], stale_batch),
-]
-
-
-@pytest.mark.parametrize("argv, baseline, batch_of", UPDATE_FLAG_CASES,
-                         ids=[" ".join(case[0]) for case in UPDATE_FLAG_CASES])
-def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_of, flag_model):
-    """Each update-phase flag, parsed from the command line and carried by config.update_settings (train.py's path),
-    changes update_policy's loss, last gradient and weights exactly as grpo_loss computed directly with that flag's
-    value does, over micro-batches of 2, mu SGD steps and gradient clipping; and the flag matters for this input:
-    the direct update with the compared flags (the defaults) differs. So a flag dropped anywhere between the
-    command line and the loss (parser, update_settings, fill_logprobs, micro_batch_loss, the step loop) fails."""
-    model, weights = flag_model
-    actual, expected = run_both(model, weights, batch_of, argv)
-    assert_same_update(actual, expected)
-    restore(model, weights)
-    without = direct_update(model, batch_of(model, flag_args(*baseline)), flag_args(*baseline))
-    assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
