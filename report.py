@@ -26,6 +26,7 @@ import importlib.util
 import io
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,18 +182,30 @@ def write_completions(run_dir, record):
     checkpoint.write_text_atomic(folder / f"{record['name']}.jsonl", "\n".join(lines) + "\n")
 
 
+def _logged_files(run_dir, name):
+    """{step: path} of the completions files named `name` ("step" or "eval_step") in a run folder."""
+    files = {}
+    for path in (Path(run_dir) / COMPLETIONS_DIR).glob(f"{name}_*.jsonl"):
+        match = re.fullmatch(rf"{name}_(\d+)\.jsonl", path.name)
+        if match:
+            files[int(match[1])] = path
+    return files
+
+
 def drop_completions_after(run_dir, step):
     """A resumed run re-logs the steps after its checkpoint (identically): their files written before the restart
     go, so that none is left from steps the resumed run does not reach; so does a file a kill left half-written."""
-    for path in (Path(run_dir) / COMPLETIONS_DIR).glob("*"):
-        if path.name.startswith(checkpoint.TMP_PREFIX) or int(path.stem.rpartition("_")[2]) > step:
-            path.unlink()
+    for path in (Path(run_dir) / COMPLETIONS_DIR).glob(checkpoint.TMP_PREFIX + "*"):
+        path.unlink()
+    for name in ("step", "eval_step"):
+        for logged_step, path in _logged_files(run_dir, name).items():
+            if logged_step > step:
+                path.unlink()
 
 
 def read_completions(run_dir, step=None, name="step"):
     """(step, rows) of a run's completions log at `step` (None: the newest); name "step" or "eval_step"."""
-    files = {int(p.stem.rpartition("_")[2]): p for p in (Path(run_dir) / COMPLETIONS_DIR).glob(f"{name}_*.jsonl")
-             if p.stem.rpartition("_")[0] == name}
+    files = _logged_files(run_dir, name)
     if not files:
         raise ValueError(f"{run_dir}: no {name} completions logged (see --log-completions-interval)")
     step = max(files) if step is None else step

@@ -134,10 +134,12 @@ def test_completion_files_of_steps_after_the_checkpoint_go_at_resume(tmp_path):
     assert report.read_completions(tmp_path, name="eval_step")[1][0]["correct"] is True
     metrics = (tmp_path / checkpoint.METRICS_FILE).read_text()
     assert metrics.splitlines() == [json.dumps(LINES[1])]  # completions never go to metrics.jsonl
+    (tmp_path / report.COMPLETIONS_DIR / "notes_step_9.txt").write_text("a user's file stays")
+    (tmp_path / report.COMPLETIONS_DIR / f"{checkpoint.TMP_PREFIX}1_step_000006.jsonl").write_text('{"half')  # killed
     with report.open_metrics(tmp_path, keep_bytes=len(metrics), first_step=5):  # resumed from step 4's checkpoint
         pass
     assert sorted(p.name for p in (tmp_path / report.COMPLETIONS_DIR).iterdir()) == [
-        "eval_step_000004.jsonl", "step_000002.jsonl", "step_000004.jsonl"]
+        "eval_step_000004.jsonl", "notes_step_9.txt", "step_000002.jsonl", "step_000004.jsonl"]
     with pytest.raises(ValueError, match="no step completions at step 6; logged steps: 2, 4"):
         report.read_completions(tmp_path, 6)
 
