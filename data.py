@@ -303,14 +303,19 @@ def render_prompts(tokenizer, prompts, prefill_think=False, *, use_chat_template
             for messages in prompts]
 
 
+def prompt_token_counts(texts, tokenizer):
+    """Tokens of each rendered prompt, counted as the sampler tokenizes them: add_special_tokens=False (the template
+    already holds them)."""
+    return [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]] if texts else []
+
+
 def filter_long_prompts(texts, tokenizer, max_prompt_tokens):
-    """(indices of texts with at most max_prompt_tokens tokens, number dropped). Counted as the sampler
-    tokenizes rendered prompts: add_special_tokens=False (the template already holds them). None: keep all."""
+    """(indices of texts of at most max_prompt_tokens tokens (`prompt_token_counts`), number dropped); None: all."""
     if max_prompt_tokens is None:
         return list(range(len(texts))), 0
     if max_prompt_tokens <= 0:
         raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
-    lengths = [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    lengths = prompt_token_counts(texts, tokenizer)
     kept = [i for i, length in enumerate(lengths) if length <= max_prompt_tokens]
     dropped = len(texts) - len(kept)
     if dropped:

@@ -278,7 +278,7 @@ def main(argv=None, load_sharded=None):
     except data.HubUnavailable as error:  # the user's situation, one line (see __main__)
         raise ValueError(str(error)) from error
     prompts, answers = [e.text for e in examples], [e.answer for e in examples]
-    longest = max(len(tokenizer(text, add_special_tokens=False).input_ids) for text in prompts)
+    longest = max(data.prompt_token_counts(prompts, tokenizer))
     base = None
     for path in todo or [None]:
         if path is not None and checkpoint.is_sharded(path):  # written under torchrun: LoRA merged, one process

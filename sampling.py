@@ -88,9 +88,8 @@ _WARNED = set()
 
 
 def resolve_backend(model, backend, cache_len=0):
-    """None -> 'engine' where the engine can decode the model, else 'hf' with a one-line warning (once per reason)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    """None -> 'engine' where the engine can decode the model, else 'hf' with a one-line warning (once per reason).
+    `backend` is one of BACKENDS (check_settings)."""
     if backend == "hf":
         return "hf"
     reason = engine.unsupported_reason(model, cache_len)

@@ -179,8 +179,8 @@ def load(args, processes):
     torch.manual_seed(args.seed)  # LoRA initialisation; right here, as imports above may draw random numbers
     model = processes.load_policy(args)
     model.train()  # checkpointing acts in training mode; dropout is off where it would run (sampling, update)
-    longest = max([args.max_prompt_tokens] + [len(tokenizer(e.text, add_special_tokens=False).input_ids)
-                                              for e in eval_set])  # held-out prompts are not cut to the limit
+    # held-out prompts are not cut to --max-prompt-tokens: the longest of them may be longer
+    longest = max([args.max_prompt_tokens] + data.prompt_token_counts([e.text for e in eval_set], tokenizer))
     sampling.check_generation_fits(model, args.rollout_batch_size, longest + args.max_completion_tokens,
                                    f"--rollout-batch-size (now {args.rollout_batch_size}) or --max-completion-tokens "
                                    f"(now {args.max_completion_tokens})")
