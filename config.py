@@ -22,6 +22,7 @@ import torch
 
 import checkpoint
 import data
+import dynamic_sampling
 import grpo_loss
 import models
 import pods
@@ -68,7 +69,8 @@ BASELINES = {preset: dict(num_rollouts=n, update_size=n) for preset, n in
 BASELINES.update({preset: dict(num_rollouts=32, update_size=32, grad_accum_steps=16) for preset in "ef"})
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
-                 "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size")
+                 "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size",
+                 "max_generation_rounds")
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
                 "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 
@@ -117,6 +119,11 @@ def build_parser():
              "prompts (max_variance only, pods.select_across_prompts)")
     add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
+    add("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
+        help="DAPO: set groups with all-equal rewards aside, draw more prompts until --prompts-per-step have a spread")
+    add("--dynamic-sampling-metric", choices=dynamic_sampling.METRICS, default="total",
+        help="the reward that must vary within a group: the weighted total (what the advantages use) or accuracy")
+    add("--max-generation-rounds", type=int, default=10, help="--dynamic-sampling: generation rounds per rollout batch")
     add("--reward-weights", default=DEFAULT_REWARD_WEIGHTS,
         help="name=weight for every reward function (paper: 1/1/1; weight 0 logs a reward without training on it)")
     add("--prompts-per-step", type=int)
@@ -311,7 +318,8 @@ def method_label(args):
     variants = [f"{args.loss_aggregation} loss", f"{args.scale_rewards} std", f"{args.selection_scope} scope",
                 f"clip-high {args.clip_eps_high:g}" if args.clip_eps_high not in (None, args.clip_eps) else "",
                 "truncated masked" if args.mask_truncated else "",
-                "zero-variance dropped" if args.drop_zero_variance else ""]
+                "zero-variance dropped" if args.drop_zero_variance else "",
+                f"dynamic sampling ({args.dynamic_sampling_metric})" if args.dynamic_sampling else ""]
     variants = [v for v in variants if v not in ("", "sequence loss", "group std", "prompt scope")]  # the paper's
     return label + (" + " + ", ".join(variants) if variants else "")
 

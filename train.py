@@ -25,6 +25,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import dynamic_sampling
 import eval as heldout
 import models
 import pods
@@ -129,40 +130,57 @@ def score(rollouts, examples, args):
     return result.total.view(len(examples), -1), result.per_func
 
 
-def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess()):
+def generate_and_score(model, tokenizer, examples, args, seed, costs, processes):
+    """n rollouts per prompt of this process's share of `examples`, scored: a dynamic_sampling.Generated."""
+    examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size)
+    with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
+        rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
+                                              config.generation_settings(args), seed, first_chunk)
+    with report.timed(costs, "reward_s"):
+        reward_matrix, per_func = score(rollouts, examples, args)
+    return dynamic_sampling.Generated(examples, rollouts, reward_matrix, per_func, first_chunk)
+
+
+def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess(), draw=None):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
-    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage)."""
+    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). With
+    --dynamic-sampling, `draw(count)` gives the next `count` examples of the prompt order for the refills."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
-    generation, settings = config.generation_settings(args), config.update_settings(args)
+    if args.dynamic_sampling and draw is None:
+        raise ValueError("train_step with --dynamic-sampling needs draw(count), the next examples of the prompt order")
+    settings = config.update_settings(args)
     scored, batches = [], []
     with processes.full_weights(model):
         for round_index, examples in enumerate(rounds):
-            examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size)
             seed = sampling.derived_seed(args.seed, step, round_index)  # a resumed step draws what it drew before
-            with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
-                rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples],
-                                                      args.num_rollouts, generation, seed, first_chunk)
-            with report.timed(costs, "reward_s"):
-                reward_matrix, per_func = score(rollouts, examples, args)
+            generated = [generate_and_score(model, tokenizer, examples, args, seed, costs, processes)]
+            if args.dynamic_sampling:  # DAPO: groups without a spread set aside, more prompts drawn in their place
+                generated = dynamic_sampling.refill(generated[0], lambda count, again: generate_and_score(
+                    model, tokenizer, draw(count), args, sampling.derived_seed(seed, again), costs, processes),
+                    len(examples), args.dynamic_sampling_metric, args.max_generation_rounds)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
                 kept, advantages, dropped = pods.select(
-                    reward_matrix, args.update_size, args.rule, normalize=args.advantage_normalization,
-                    scale_rewards=args.scale_rewards, scope=args.selection_scope,
-                    drop_zero_variance=args.drop_zero_variance,
-                    generator=torch.Generator().manual_seed(sampling.derived_seed(seed, first_chunk)))
-            batches.append(update.kept_batch(rollouts, kept, advantages))
-            scored.append(report.ScoredRound.of(rollouts, examples, reward_matrix, per_func,
-                                                update.kept_rows(kept, args.num_rollouts), batches[-1].advantages,
-                                                dropped))
+                    dynamic_sampling.entered_rewards(generated), args.update_size, args.rule,
+                    normalize=args.advantage_normalization, scale_rewards=args.scale_rewards,
+                    scope=args.selection_scope, drop_zero_variance=args.drop_zero_variance,
+                    generator=torch.Generator().manual_seed(sampling.derived_seed(seed, generated[0].first_chunk)))
+            for part, (batch, kept_rows) in zip(generated, dynamic_sampling.kept_batches(generated, kept, advantages)):
+                batches.append(batch)
+                scored.append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards, part.per_func,
+                                                    kept_rows, batch.advantages, dropped, part.filtered))
+                dropped = 0  # counted once per rollout batch
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
         result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
     costs["peak_mem_gib"] = update.peak_memory_gib(args.device)
     scored, result, costs = processes.merged((scored, result, costs))
-    return report.step_metrics(scored, result, optimizer, costs, args.mask_truncated), scored
+    metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
+    if args.dynamic_sampling:
+        metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
+    return metrics, scored
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -232,6 +250,11 @@ def train(args, processes=OneProcess()):
     step_s, accuracy, stop = 0.0, None, None
     last_checkpoint_s = state.elapsed_s
 
+    def draw(count):
+        """The next `count` training examples of the seeded prompt order (exact resume: state.position is saved)."""
+        indices, state.position = checkpoint.next_prompt_indices(len(train_set), count, args.seed, state.position)
+        return [train_set[i] for i in indices]
+
     def save():
         nonlocal saved, last_checkpoint_s
         state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
@@ -252,12 +275,8 @@ def train(args, processes=OneProcess()):
                 stop = signalled.get("signal", signal.SIGTERM)
                 break
             step_start = time.perf_counter()
-            rounds = []  # G = --grad-accum-steps prompt lists, from the seeded order (exact resume)
-            for _ in range(args.grad_accum_steps):
-                indices, state.position = checkpoint.next_prompt_indices(len(train_set), args.prompts_per_step,
-                                                                         args.seed, state.position)
-                rounds.append([train_set[i] for i in indices])
-            metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes)
+            rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
+            metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes, draw)
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
             if args.log_completions_interval and state.step % args.log_completions_interval == 0:

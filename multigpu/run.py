@@ -120,10 +120,11 @@ def check_args(args, world_size):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} cannot be split evenly over {world_size} "
                          f"processes: every rank takes P / {world_size} prompts of each rollout batch; make it a "
                          f"multiple of {world_size}")
-    if world_size > 1 and (args.selection_scope == "batch" or args.scale_rewards == "batch" or args.drop_zero_variance):
-        raise ValueError("--selection-scope batch, --scale-rewards batch and --drop-zero-variance need statistics "
-                         "over every prompt of a rollout batch or change each rank's number of kept rows; with "
-                         "several processes use the per-prompt defaults")
+    if world_size > 1 and (args.selection_scope == "batch" or args.scale_rewards == "batch" or args.drop_zero_variance
+                           or args.dynamic_sampling):
+        raise ValueError("--selection-scope batch, --scale-rewards batch, --drop-zero-variance and --dynamic-sampling "
+                         "need statistics over every prompt of a rollout batch or change each rank's number of kept "
+                         "rows; with several processes use the per-prompt defaults")
     if 0 < args.eval_samples < world_size:
         raise ValueError(f"--eval-samples {args.eval_samples} is fewer than the {world_size} processes, which "
                          "each evaluate a share: use 0 or at least one per process")

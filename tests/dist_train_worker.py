@@ -45,7 +45,7 @@ def run_argv(model_dir, out_dir, name):
 
 
 def faulty_step(real_step):
-    def step(model, tokenizer, optimizer, rounds, args, step, processes):
+    def step(model, tokenizer, optimizer, rounds, args, step, processes, *rest):
         attempt = distributed.restart_count()
         if processes.rank == 1 and CURRENT["name"] == "killed" and step == 3 and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run; the launcher ends rank 0 and restarts both
@@ -54,7 +54,7 @@ def faulty_step(real_step):
         if processes.rank == 1 and CURRENT["name"] == "fail":
             (Path(CURRENT["out"]) / "raised_at.txt").write_text(repr(time.time()))
             raise RuntimeError("boom on purpose")
-        return real_step(model, tokenizer, optimizer, rounds, args, step, processes)
+        return real_step(model, tokenizer, optimizer, rounds, args, step, processes, *rest)
     return step
 
 

@@ -128,6 +128,17 @@ def test_variant_flags_reach_the_update_settings_and_the_label():
     assert config.method_label(same_clip) == config.method_label(paper) == "PODS max_variance 16/4"
 
 
+def test_dynamic_sampling_flags_default_off_and_name_the_method():
+    paper = config.parse_args([])
+    assert (paper.dynamic_sampling, paper.dynamic_sampling_metric, paper.max_generation_rounds) == (False, "total", 10)
+    args = config.parse_args(["--dynamic-sampling", "--dynamic-sampling-metric", "accuracy",
+                              "--max-generation-rounds", "3"])
+    assert (args.dynamic_sampling, args.dynamic_sampling_metric, args.max_generation_rounds) == (True, "accuracy", 3)
+    assert config.method_label(args) == "PODS max_variance 16/4 + dynamic sampling (accuracy)"
+    with pytest.raises(ValueError, match="--max-generation-rounds must be >= 1, got 0"):
+        config.parse_args(["--dynamic-sampling", "--max-generation-rounds", "0"])
+
+
 @pytest.mark.parametrize("sink", ["tensorboard", "wandb"])
 def test_report_to_without_its_package_fails_before_loading(sink, monkeypatch):
     import importlib.util

@@ -145,6 +145,7 @@ def test_an_exception_on_a_train_py_rank_ends_the_run_naming_it(train_runs):
     (["--prompts-per-step", "3"], {}, "cannot be split evenly over 2 processes"),
     (["--prompts-per-step", "2", "--drop-zero-variance"], {}, "several processes"),
     (["--prompts-per-step", "2", "--scale-rewards", "batch"], {}, "several processes"),
+    (["--prompts-per-step", "2", "--dynamic-sampling"], {}, "several processes"),
     (["--prompts-per-step", "2"], {"optimizer": "adamw8bit"}, "FSDP2"),  # (on CPU config.py refuses it earlier)
     (["--prompts-per-step", "2", "--eval-samples", "1"], {}, "fewer than the 2 processes"),
 ])
