@@ -12,13 +12,15 @@ has. The rule keeps m rollouts of each group that entered: pods.select runs once
 
 - `Generated`: one generation round (its prompts, rollouts, rewards, and which groups were set aside).
 - `without_spread`: the groups whose metric is equal for all n rollouts (the weighted total by default, or accuracy).
-- `refill`: the generation rounds of one rollout batch.
-- `entered_rewards` / `kept_batches`: what the selection sees, and its result mapped back onto each round's rows.
+- `refill`: the generation rounds of one rollout batch; with several processes each refills its own share and every
+  process decides from every process's count (train.OneProcess.counts), so all agree on the rounds.
+- `entered_rewards` / `kept_batches` / `join`: what the selection sees, its result mapped back onto each round's rows,
+  and those rows as one update batch.
 - `step_metrics`: groups generated, fraction set aside, generation rounds, groups missing.
 
 Simplifications: a refill draws only the missing number of prompts (verl generates whole batches and drops the
-surplus with a spread), and a step whose rounds ran out trains on fewer groups (verl stops with an error). One process
-only: with several, each would hold a different number of groups (multigpu.run.check_args refuses it).
+surplus with a spread), and a step whose rounds ran out trains on fewer groups (verl stops with an error); with
+several processes, then on as many per process as the one with the fewest holds (`even_out`).
 """
 
 from dataclasses import dataclass
@@ -66,17 +68,41 @@ def entered(rounds):
     return sum(int((~part.filtered).sum()) for part in rounds)
 
 
-def refill(first, generate, wanted, metric="total", max_rounds=1):
-    """The generation rounds of one rollout batch: `first`, then `generate(count, index)` (round index 1, 2, ...:
-    `count` more prompts from the prompt order, generated and scored) while fewer than `wanted` groups have a spread
-    and fewer than `max_rounds` rounds were generated. Each round's `filtered` marks its groups without a spread."""
+def refill(first, generate, wanted, metric="total", max_rounds=1, counts=lambda value: [value]):
+    """The generation rounds of one rollout batch: `first`, then `generate(missing, index)` while some process holds
+    fewer than `wanted` groups with a spread and fewer than `max_rounds` rounds were generated. missing: the groups
+    each process lacks, in process order (one process: [P - groups with a spread]); round `index` (1, 2, ...) draws
+    sum(missing) prompts from the prompt order and this process generates and scores its missing ones. counts(value):
+    every process's value (one process: [value]). Each round's `filtered` marks its groups without a spread; when the
+    rounds run out, `even_out` leaves every process as many groups as the one with the fewest."""
     rounds = [first]
     first.filtered = without_spread(first.rewards, first.per_func, metric)
-    while entered(rounds) < wanted and len(rounds) < max_rounds:
-        part = generate(wanted - entered(rounds), len(rounds))
+    while True:
+        have = counts(entered(rounds))  # every process decides alike from every process's count
+        missing = [max(wanted - count, 0) for count in have]
+        if not any(missing) or len(rounds) >= max_rounds:
+            break
+        part = generate(missing, len(rounds))
         part.filtered = without_spread(part.rewards, part.per_func, metric)
         rounds.append(part)
+    even_out(rounds, min(have))
     return rounds
+
+
+def even_out(rounds, limit):
+    """Set aside the groups with a spread after the first `limit` (in draw order): several processes must train on
+    as many rows each (their updates run the same collectives); one process: limit = what it has, nothing changes."""
+    for part in rounds:
+        groups = (~part.filtered).nonzero().squeeze(1)
+        part.filtered[groups[limit:]] = True
+        limit = max(limit - len(groups), 0)
+
+
+def no_rollouts(n):
+    """The sampling.Rollouts of no prompt: a process's share of a refill that only other processes needed."""
+    empty = torch.zeros(0, 0, dtype=torch.long)
+    return sampling.Rollouts(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.long))
 
 
 def entered_rewards(rounds):
@@ -100,6 +126,25 @@ def kept_batches(rounds, kept, advantages):
             part_advantages = part_advantages[part_kept]
         batches.append((update.kept_batch(part.rollouts, rows, part_advantages.flatten()), rows))
     return batches
+
+
+def join(batches, pad_id):
+    """One update.UpdateBatch of a rollout batch's rounds (prompts padded on the left, completions on the right, as
+    generated): every process then runs as many micro-batches as the others."""
+    if len(batches) == 1:
+        return batches[0]
+    prompt_width = max(batch.prompt_ids.shape[1] for batch in batches)
+    completion_width = max(batch.completion_ids.shape[1] for batch in batches)
+
+    def padded(tensors, width, value, left):
+        return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
+                                                  value=value) for t in tensors])
+
+    return update.UpdateBatch(padded([b.prompt_ids for b in batches], prompt_width, pad_id, True),
+                              padded([b.prompt_mask for b in batches], prompt_width, 0, True),
+                              padded([b.completion_ids for b in batches], completion_width, pad_id, False),
+                              padded([b.completion_mask for b in batches], completion_width, 0, False),
+                              torch.cat([b.advantages for b in batches]), torch.cat([b.truncated for b in batches]))
 
 
 def step_metrics(scored, wanted):

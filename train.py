@@ -51,9 +51,14 @@ class OneProcess:
         return models.load_policy(args.model, dtype=models.compute_dtypes(args.bf16, args.lora_rank)[0],
                                   device=args.device, **config.model_options(args))
 
-    def share(self, examples, rows_per_example, chunk_rows):
-        """(this process's examples of a rollout batch, the index of its first generation chunk)."""
+    def share(self, examples, rows_per_example, chunk_rows, sizes=None):
+        """(this process's examples of a rollout batch, the index of its first generation chunk); sizes: how many
+        each process takes, in process order (None: as many each)."""
         return examples, 0
+
+    def counts(self, value):
+        """Every process's value, in process order: the groups with a spread each holds (--dynamic-sampling)."""
+        return [value]
 
     def eval_share(self, examples, chunk_prompts):
         """(this process's held-out examples, the index of its first chunk, prompts per chunk)."""
@@ -127,15 +132,18 @@ def score(rollouts, examples, args):
     result = rewards.compute_rewards([examples[i].prompt for i in rows],
                                      [data.graded_completion(text, args.prefill_think) for text in rollouts.texts],
                                      [examples[i].answer for i in rows], weights=args.reward_weights)
-    return result.total.view(len(examples), -1), result.per_func
+    return result.total.view(len(examples), args.num_rollouts), result.per_func
 
 
-def generate_and_score(model, tokenizer, examples, args, seed, costs, processes):
-    """n rollouts per prompt of this process's share of `examples`, scored: a dynamic_sampling.Generated."""
-    examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size)
+def generate_and_score(model, tokenizer, examples, args, seed, costs, processes, sizes=None):
+    """n rollouts per prompt of this process's share of `examples` (sizes: processes.share), scored: a
+    dynamic_sampling.Generated."""
+    examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size, sizes)
+    rollouts = dynamic_sampling.no_rollouts(args.num_rollouts)  # a refill only other processes needed
     with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
-        rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
-                                              config.generation_settings(args), seed, first_chunk)
+        if examples:
+            rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
+                                                  config.generation_settings(args), seed, first_chunk)
     with report.timed(costs, "reward_s"):
         reward_matrix, per_func = score(rollouts, examples, args)
     return dynamic_sampling.Generated(examples, rollouts, reward_matrix, per_func, first_chunk)
@@ -158,17 +166,19 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
             seed = sampling.derived_seed(args.seed, step, round_index)  # a resumed step draws what it drew before
             generated = [generate_and_score(model, tokenizer, examples, args, seed, costs, processes)]
             if args.dynamic_sampling:  # DAPO: groups without a spread set aside, more prompts drawn in their place
-                generated = dynamic_sampling.refill(generated[0], lambda count, again: generate_and_score(
-                    model, tokenizer, draw(count), args, sampling.derived_seed(seed, again), costs, processes),
-                    len(examples), args.dynamic_sampling_metric, args.max_generation_rounds)
+                generated = dynamic_sampling.refill(generated[0], lambda missing, again: generate_and_score(
+                    model, tokenizer, draw(sum(missing)), args, sampling.derived_seed(seed, again), costs, processes,
+                    missing), len(generated[0].examples), args.dynamic_sampling_metric, args.max_generation_rounds,
+                    processes.counts)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
                 kept, advantages, dropped = pods.select(
                     dynamic_sampling.entered_rewards(generated), args.update_size, args.rule,
                     normalize=args.advantage_normalization, scale_rewards=args.scale_rewards,
                     scope=args.selection_scope, drop_zero_variance=args.drop_zero_variance,
                     generator=torch.Generator().manual_seed(sampling.derived_seed(seed, generated[0].first_chunk)))
-            for part, (batch, kept_rows) in zip(generated, dynamic_sampling.kept_batches(generated, kept, advantages)):
-                batches.append(batch)
+            part_batches = dynamic_sampling.kept_batches(generated, kept, advantages)
+            batches.append(dynamic_sampling.join([batch for batch, _ in part_batches], tokenizer.pad_token_id or 0))
+            for part, (batch, kept_rows) in zip(generated, part_batches):
                 scored.append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards, part.per_func,
                                                     kept_rows, batch.advantages, dropped, part.filtered))
                 dropped = 0  # counted once per rollout batch

@@ -21,7 +21,7 @@ import rewards
 import sampling
 import train
 import update
-from run_helpers import TIMING, fake_compute_rewards, read_lines, tiny_argv
+from run_helpers import TIMING, every_third_constant, fake_compute_rewards, read_lines, tiny_argv
 
 pytestmark = pytest.mark.usefixtures("varied_rewards")
 
@@ -52,9 +52,9 @@ def test_refill_draws_what_is_missing_until_full_or_out_of_rounds(max_rounds, as
     queue = [[[0.0, 1.0], [1.0, 1.0]], [[0.5, 0.5]], [[0.0, 0.25]]]  # the rounds' rewards after the first
     calls = []
 
-    def generate(count, index):
-        calls.append((count, index))
-        return fake_round(queue.pop(0)[:count])
+    def generate(missing, index):
+        calls.append((missing[0], index))
+        return fake_round(queue.pop(0)[:missing[0]])
 
     rounds = dynamic_sampling.refill(fake_round([[1.0, 1.0], [0.0, 0.0], [0.0, 1.0]]), generate, 3, "total",
                                      max_rounds)
@@ -64,6 +64,39 @@ def test_refill_draws_what_is_missing_until_full_or_out_of_rounds(max_rounds, as
         :len(rounds)]
     assert 3 - dynamic_sampling.entered(rounds) == missing
     assert dynamic_sampling.entered_rewards(rounds).tolist() == [[0.0, 1.0], [0.0, 1.0], [0.0, 0.25]][:3 - missing]
+
+
+def test_with_several_processes_every_process_refills_its_own_share_and_all_stop_alike():
+    """Process 0 of two (2 groups each): the other process's counts (1, then 2) come from counts(); both missing
+    lists are passed on (the prompts drawn are their sum), and the rounds continue while either lacks a group. Out of
+    rounds, each keeps as many groups as the poorer has (even_out)."""
+    other = iter([1, 2, 2])
+    calls = []
+
+    def generate(missing, index):
+        calls.append(missing)
+        return fake_round([[0.0, 1.0]] if index == 1 else [[1.0, 1.0]])
+
+    counts = (lambda value: [value, next(other)])
+    rounds = dynamic_sampling.refill(fake_round([[0.0, 0.0], [0.0, 1.0]]), generate, 2, "total", 10, counts)
+    assert calls == [[1, 1]] and dynamic_sampling.entered(rounds) == 2
+    other = iter([0, 0])
+    rounds = dynamic_sampling.refill(fake_round([[0.0, 1.0], [0.0, 1.0]]), generate, 2, "total", 2, counts)
+    assert [part.filtered.tolist() for part in rounds] == [[True, True], [True]]  # the other process has none
+    assert dynamic_sampling.entered(rounds) == 0
+
+
+def test_join_pads_prompts_left_and_completions_right():
+    short = update.UpdateBatch(torch.tensor([[7]]), torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([[1]]),
+                               torch.tensor([0.5]), torch.tensor([True]))
+    long = update.UpdateBatch(torch.tensor([[8, 9]]), torch.tensor([[1, 1]]), torch.tensor([[3, 4, 2]]),
+                              torch.tensor([[1, 1, 1]]), torch.tensor([-0.5]), torch.tensor([False]))
+    joined = dynamic_sampling.join([short, long], pad_id=2)
+    assert joined.prompt_ids.tolist() == [[2, 7], [8, 9]] and joined.prompt_mask.tolist() == [[0, 1], [1, 1]]
+    assert joined.completion_ids.tolist() == [[5, 2, 2], [3, 4, 2]]
+    assert joined.completion_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert joined.advantages.tolist() == [0.5, -0.5] and joined.truncated.tolist() == [True, False]
+    assert dynamic_sampling.join([short], pad_id=2) is short
 
 
 def rollouts_of(num_prompts, n):
@@ -169,7 +202,8 @@ def expected_update(args, seen, prompts):
         groups = spread.nonzero().squeeze(1).tolist()
         rows = [g * 4 + int(j) for i, g in enumerate(groups) for j in kept[start + i]]
         part_advantages = [float(a) for i in range(len(groups)) for a in advantages[start + i]]
-        expected.append((rollouts.completion_ids[rows], torch.tensor(part_advantages), spread))
+        completions = [rollouts.completion_ids[r, :int(rollouts.completion_mask[r].sum())].tolist() for r in rows]
+        expected.append((completions, part_advantages, spread))
         start += len(groups)
     return expected
 
@@ -184,10 +218,12 @@ def test_the_flags_arrive_at_the_update_and_no_kept_group_lacks_a_spread(argv, t
     args, metrics, scored, seen = run_step(tiny_model, smollm2_tokenizer, argv, monkeypatch)
     prompts = [EXAMPLES, *seen["drawn"]]
     expected = expected_update(args, seen, prompts)
-    assert len(seen["batches"]) == len(expected) == len(scored) == metrics["dynamic_sampling/generation_rounds"] > 1
-    for batch, (completion_ids, advantages, spread), part in zip(seen["batches"], expected, scored):
-        assert torch.equal(batch.completion_ids, completion_ids[:, :batch.completion_ids.shape[1]])
-        torch.testing.assert_close(batch.advantages, advantages)
+    assert len(expected) == len(scored) == metrics["dynamic_sampling/generation_rounds"] > 1
+    [batch] = seen["batches"]  # one update batch: every round's kept rows, round by round
+    trained = [ids[:int(mask.sum())].tolist() for ids, mask in zip(batch.completion_ids, batch.completion_mask)]
+    assert trained == [row for completions, _, _ in expected for row in completions]
+    torch.testing.assert_close(batch.advantages, torch.tensor([a for _, advantages, _ in expected for a in advantages]))
+    for (_, _, spread), part in zip(expected, scored):
         assert torch.equal(part.filtered, ~spread)  # logged as set aside: exactly the groups without a spread
     entered = sum(int((~part.filtered).sum()) for part in scored)
     assert entered == 3 and metrics["dynamic_sampling/groups_missing"] == 0  # refilled to --prompts-per-step
@@ -217,13 +253,6 @@ def test_the_round_bound_is_honoured_and_logged_and_grad_accum_refills_each_batc
 
 
 # ------------------------------------------------------------------------------------------ whole runs
-
-def every_third_constant(prompts, completions, answers, **kwargs):
-    """fake_compute_rewards, but every rollout of a prompt whose answer is a multiple of 3 gets 0.5: no spread."""
-    result = fake_compute_rewards(prompts, completions, answers)
-    total = torch.where(torch.tensor([int(a) % 3 == 0 for a in answers]), 0.5, result.total)
-    return rewards.RewardResult(total=total, per_func={"char_sum": total})
-
 
 DYNAMIC_ARGV = ["--dynamic-sampling", "--max-steps", "4", "--eval-samples", "0", "--log-completions-interval", "1"]
 
