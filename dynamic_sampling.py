@@ -98,7 +98,7 @@ def even_out(rounds, limit):
         limit = max(limit - len(groups), 0)
 
 
-def no_rollouts(n):
+def no_rollouts():
     """The sampling.Rollouts of no prompt: a process's share of a refill that only other processes needed."""
     empty = torch.zeros(0, 0, dtype=torch.long)
     return sampling.Rollouts(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.long),

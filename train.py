@@ -139,7 +139,7 @@ def generate_and_score(model, tokenizer, examples, args, seed, costs, processes,
     """n rollouts per prompt of this process's share of `examples` (sizes: processes.share), scored: a
     dynamic_sampling.Generated."""
     examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size, sizes)
-    rollouts = dynamic_sampling.no_rollouts(args.num_rollouts)  # a refill only other processes needed
+    rollouts = dynamic_sampling.no_rollouts()  # a refill only other processes needed
     with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
         if examples:
             rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
