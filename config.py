@@ -11,6 +11,7 @@ uses a cosine schedule with 10% warm-up).
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -67,6 +68,7 @@ BASELINES = {preset: dict(num_rollouts=n, update_size=n) for preset, n in
              {"demo": 4, "a": 16, "b": 8, "c": 16, "d": 16}.items()}
 BASELINES.update({preset: dict(num_rollouts=32, update_size=32, grad_accum_steps=16) for preset in "ef"})
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
+LOSS_FLAGS = [option for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["help"]]
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                  "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size")
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
@@ -122,15 +124,9 @@ def build_parser():
     add("--prompts-per-step", type=int)
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
-    add("--clip-eps", type=float, default=0.2)
-    add("--clip-eps-high", type=float, help="upper clip of the ratio, 1 + this (DAPO clip-higher; default "
-        "--clip-eps; acts only with --updates-per-batch > 1, where the ratio differs from 1)")
-    add("--loss-aggregation", choices=grpo_loss.LOSS_AGGREGATIONS, default="sequence",
-        help="sequence: mean over rows of each row's token mean (paper); token: over all kept tokens (DAPO); "
-             "fixed: sum / (rows x --max-completion-tokens) (Dr. GRPO)")
-    add("--mask-truncated", action=argparse.BooleanOptionalAction, default=False,
-        help="completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
-    add("--kl-coef", type=float, default=0.0, help="KL beta (needs LoRA: the reference is the adapter switched off)")
+    for option in LOSS_FLAGS:  # the loss options, from grpo_loss.LossSettings
+        kind = option.metadata["argparse"] or dict(action=argparse.BooleanOptionalAction)  # a bool: --x / --no-x
+        add(grpo_loss.flag_name(option), default=option.default, help=option.metadata["help"], **kind)
     add = parser.add_argument_group("optimizer").add_argument
     add("--learning-rate", "--lr", type=float)
     add("--weight-decay", type=float, default=0.0)
@@ -273,6 +269,12 @@ def _check_variant_flags(args):
         # Clip-higher (DAPO) widens the upper bound only; a narrower one clips the ratio of every improving token.
         raise ValueError(f"--clip-eps-high {args.clip_eps_high} must be >= --clip-eps {args.clip_eps} (clip-higher "
                          "only widens the upper clip; leave it unset for the symmetric clip)")
+    if args.updates_per_batch == 1:  # the ratio is exactly 1: an option acting on it alone changes nothing
+        inert = [f"{grpo_loss.flag_name(option)} {getattr(args, _dest(option))}" for option in LOSS_FLAGS
+                 if option.metadata["ratio_only"] and getattr(args, _dest(option)) not in (None, option.default)]
+        if inert:
+            warnings.warn(f"{', '.join(inert)} cannot act with --updates-per-batch 1 (the ratio is exactly 1); "
+                          "it acts with --mu > 1")
     if args.selection_scope == "batch" and args.rule != "max_variance":
         raise ValueError(f"incompatible flags: --selection-scope batch is the max-variance rule across prompts; "
                          f"it needs --rule max_variance, got --rule {args.rule}")
@@ -340,11 +342,19 @@ def generation_settings(args, **overrides):
     return sampling.GenerationSettings(**dict(settings, **overrides))
 
 
+def _dest(option):
+    return grpo_loss.flag_name(option).removeprefix("--").replace("-", "_")
+
+
+def loss_settings(args):
+    """The flags of the loss as grpo_loss.LossSettings: each field from the flag of its name."""
+    return grpo_loss.LossSettings(**{option.name: getattr(args, _dest(option))
+                                     for option in dataclasses.fields(grpo_loss.LossSettings)})
+
+
 def update_settings(args):
     """The flags of the update phase as update.UpdateSettings."""
     return update.UpdateSettings(
-        micro_batch_size=args.micro_batch_size, temperature=args.temperature, clip_eps=args.clip_eps,
-        kl_coef=args.kl_coef, updates_per_batch=args.updates_per_batch, max_grad_norm=args.max_grad_norm,
-        autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1], clip_eps_high=args.clip_eps_high,
-        loss_aggregation=args.loss_aggregation, max_completion_tokens=args.max_completion_tokens,
-        mask_truncated=args.mask_truncated)
+        micro_batch_size=args.micro_batch_size, temperature=args.temperature, updates_per_batch=args.updates_per_batch,
+        max_grad_norm=args.max_grad_norm, autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1],
+        loss=loss_settings(args))

@@ -15,6 +15,7 @@ import rewards
 import sampling
 import train
 import update
+from grpo_loss import LossSettings
 
 
 @pytest.mark.filterwarnings("ignore:--bf16 on CPU")
@@ -108,9 +109,9 @@ def test_update_settings_follow_the_flags():
     args = config.parse_args(["--mu", "3", "--clip-eps", "0.3", "--micro-batch-size", "5", "--temperature", "0.7",
                               "--max-grad-norm", "0"])
     settings = config.update_settings(args)
-    assert settings == update.UpdateSettings(micro_batch_size=5, temperature=0.7, clip_eps=0.3, kl_coef=0.0,
-                                             updates_per_batch=3, max_grad_norm=0.0, autocast_dtype=None,
-                                             max_completion_tokens=32)
+    assert settings == update.UpdateSettings(micro_batch_size=5, temperature=0.7, updates_per_batch=3,
+                                             max_grad_norm=0.0, autocast_dtype=None,
+                                             loss=LossSettings(clip_eps=0.3, kl_coef=0.0, max_completion_tokens=32))
 
 
 def test_variant_flags_reach_the_update_settings_and_the_label():
@@ -120,8 +121,9 @@ def test_variant_flags_reach_the_update_settings_and_the_label():
     args = config.parse_args(["--loss-aggregation", "fixed", "--clip-eps-high", "0.28", "--mask-truncated",
                               "--scale-rewards", "none", "--selection-scope", "batch", "--drop-zero-variance"])
     settings = config.update_settings(args)
-    assert (settings.loss_aggregation, settings.clip_eps_high, settings.mask_truncated) == ("fixed", 0.28, True)
-    assert settings.max_completion_tokens == args.max_completion_tokens == 32
+    loss = settings.loss
+    assert (loss.aggregation, loss.clip_eps_high, loss.mask_truncated) == ("fixed", 0.28, True)
+    assert settings.loss.max_completion_tokens == args.max_completion_tokens == 32
     assert config.method_label(args) == ("PODS max_variance 16/4 + fixed loss, none std, batch scope, clip-high 0.28, "
                                          "truncated masked, zero-variance dropped")
     same_clip = config.parse_args(["--clip-eps-high", "0.2"])  # = --clip-eps: the paper's objective, same label

@@ -64,8 +64,9 @@ def direct_update(model, batch, args):
         for p in params:
             p.grad = None
         logprobs = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, args.clip_eps, ref, args.kl_coef,
-                                      clip_eps_high=args.clip_eps_high, aggregation=args.loss_aggregation,
+        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, ref_logprobs=ref, clip_eps=args.clip_eps,
+                                      kl_coef=args.kl_coef, clip_eps_high=args.clip_eps_high,
+                                      aggregation=args.loss_aggregation,
                                       max_completion_tokens=args.max_completion_tokens)
         loss.backward()
         norm = float(torch.cat([p.grad.flatten() for p in params]).norm())
