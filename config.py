@@ -109,14 +109,14 @@ def build_parser():
     add = parser.add_argument_group("PODS / GRPO").add_argument
     add("--num-rollouts", "-n", type=int, help="rollouts generated per prompt (n)")
     add("--update-size", "-m", type=int, help="rollouts per prompt kept for the update (m <= n)")
-    add("--rule", choices=pods.RULES, help="down-sampling rule; 'none' (m = n) is plain GRPO")
+    add("--rule", choices=list(pods.RULES), help="down-sampling rule (pods.RULES); 'none' (m = n) is plain GRPO")
     add("--advantage-normalization", choices=pods.NORMALIZE_MODES, default="selected",
         help="selected: stats of the m kept rewards (paper); group: stats of all n")
     add("--scale-rewards", choices=pods.SCALE_MODES, default="group",
         help="divide advantages by the group std (paper), the batch std (TRL 'batch') or nothing (Dr. GRPO)")
     add("--selection-scope", choices=pods.SELECTION_SCOPES, default="prompt",
         help="prompt: m per prompt (paper); batch: m x P from each rollout batch of P prompts, balanced across "
-             "prompts (max_variance only, pods.select_across_prompts)")
+             f"prompts ({' or '.join(pods.batch_scope_rules())} only, pods.select_across_prompts)")
     add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
     add("--reward-weights", default=DEFAULT_REWARD_WEIGHTS,
@@ -275,9 +275,9 @@ def _check_variant_flags(args):
         if inert:
             warnings.warn(f"{', '.join(inert)} cannot act with --updates-per-batch 1 (the ratio is exactly 1); "
                           "it acts with --mu > 1")
-    if args.selection_scope == "batch" and args.rule != "max_variance":
-        raise ValueError(f"incompatible flags: --selection-scope batch is the max-variance rule across prompts; "
-                         f"it needs --rule max_variance, got --rule {args.rule}")
+    if args.selection_scope == "batch" and args.rule not in pods.batch_scope_rules():
+        raise ValueError(f"incompatible flags: --selection-scope batch balances a rule across prompts; it needs "
+                         f"--rule {' or '.join(pods.batch_scope_rules())}, got --rule {args.rule}")
     report.check_report_to(args.report_to)
 
 

@@ -21,6 +21,9 @@ from the rewards alone and computes the group-relative advantages of the kept ro
   max-variance rule within each prompt and then selecting a balanced subset across prompts"); its
   exact rule is in its docstring.
 - `select` is what a training step calls: the rule, the scope and the zero-variance option in one place.
+- `RULES` is the registry of down-sampling rules (name -> `SelectionRule`), filled by `@register_rule`: the flag's
+  choices, `downsample`, the batch scope's check, the docs table and the tests' parametrisation read it, so a new
+  rule is one decorated function here plus its own test (docs/method.md, "Extending pods").
 
 Simplifications: rewards are one scalar per rollout (already summed over reward functions); ties are
 broken deterministically (stable sort by reward, then position; the smallest k among equal-variance
@@ -31,13 +34,41 @@ distinct positions along the last dim. Deterministic rules return them in ascend
 (max_reward: descending); random_indices in random order.
 """
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
 
-RULES = ("max_variance", "random", "percentile", "max_reward", "none")
 NORMALIZE_MODES = ("selected", "group")
 SCALE_MODES = ("group", "batch", "none")
 SELECTION_SCOPES = ("prompt", "batch")
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """A down-sampling rule: `indices(rewards (..., n), m)` -> LongTensor (..., m) of distinct positions."""
+    name: str
+    indices: Callable[..., Tensor]
+    summary: str                 # one line: --help and the docs table
+    random: bool = False         # also takes generator= (seeded per round: a resumed step draws the same subset)
+    batch_scope: bool = False    # fills each prompt's budget in the batch scope (select_across_prompts)
+
+
+RULES: dict[str, SelectionRule] = {}  # name -> rule, in registration order (the paper's rule first)
+
+
+def register_rule(name: str, summary: str, *, random: bool = False, batch_scope: bool = False):
+    """Decorator: add `indices(rewards, m[, generator])` to RULES under `name` (the --rule value)."""
+    def add(indices):
+        RULES[name] = SelectionRule(name, indices, summary, random, batch_scope)
+        return indices
+    return add
+
+
+def batch_scope_rules() -> tuple[str, ...]:
+    """The rules the batch selection scope can fill each prompt's budget with."""
+    return tuple(name for name, rule in RULES.items() if rule.batch_scope)
 
 
 def _check_rewards(rewards: Tensor, m: int | None = None, check_finite: bool = True) -> int:
@@ -74,6 +105,8 @@ def _sorted_ascending(rewards: Tensor) -> tuple[Tensor, Tensor]:
     return torch.sort(rewards, dim=-1, stable=True)
 
 
+@register_rule("max_variance", "a maximum-variance m-subset of each row (the paper's rule, Algorithm 2)",
+               batch_scope=True)
 def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
     """Indices (..., m) of a maximum-variance m-subset of each row of rewards (..., n) (Algorithm 2).
 
@@ -115,6 +148,7 @@ def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
     return order.gather(-1, torch.where(j >= m - best_k, j + (n - m), j))
 
 
+@register_rule("random", "m positions per row, uniform without replacement", random=True)
 def random_indices(rewards: Tensor, m: int, generator: torch.Generator | None = None) -> Tensor:
     """m distinct positions per row drawn uniformly without replacement (random-subset baseline)."""
     _check_rewards(rewards, m)
@@ -123,6 +157,8 @@ def random_indices(rewards: Tensor, m: int, generator: torch.Generator | None = 
     return keys.argsort(dim=-1)[..., :m].to(rewards.device)
 
 
+@register_rule("percentile", "the rewards at sorted positions floor((2j+1) n / (2m)), j = 0..m-1 (the (j+0.5)/m "
+               "quantiles; always distinct)")
 def percentile_indices(rewards: Tensor, m: int) -> Tensor:
     """The rewards at the (j + 0.5)/m quantiles, j = 0..m-1, of each sorted row.
 
@@ -135,33 +171,33 @@ def percentile_indices(rewards: Tensor, m: int) -> Tensor:
     return order[..., ((2 * j + 1) * n) // (2 * m)]
 
 
+@register_rule("max_reward", "the m highest rewards (descending; ties: lower position first)")
 def max_reward_indices(rewards: Tensor, m: int) -> Tensor:
     """The m highest rewards of each row, in descending order (ties: lower position first)."""
     _check_rewards(rewards, m)
     return torch.sort(rewards, dim=-1, descending=True, stable=True).indices[..., :m]
 
 
-def downsample(
-    rewards: Tensor, m: int, rule: str, generator: torch.Generator | None = None
-) -> Tensor:
-    """Single entry point: indices (..., m) of the rollouts to train on under `rule` (one of RULES).
-
-    "none" is plain GRPO and requires m == n; it returns arange(n) for every row.
-    """
-    if rule not in RULES:
-        raise ValueError(f"unknown down-sampling rule {rule!r}; expected one of {RULES}")
-    if rule == "max_variance":
-        return max_variance_indices(rewards, m)
-    if rule == "random":
-        return random_indices(rewards, m, generator=generator)
-    if rule == "percentile":
-        return percentile_indices(rewards, m)
-    if rule == "max_reward":
-        return max_reward_indices(rewards, m)
+@register_rule("none", "every rollout (plain GRPO): needs m == n, returns arange(n)")
+def all_indices(rewards: Tensor, m: int) -> Tensor:
+    """Every position of each row, arange(n): plain GRPO, so m must equal n."""
     n = _check_rewards(rewards, m)
     if m != n:
         raise ValueError(f"rule 'none' keeps every rollout, so it needs m == n; got m = {m}, n = {n}")
     return torch.arange(n, device=rewards.device).expand(rewards.shape).clone()
+
+
+def downsample(
+    rewards: Tensor, m: int, rule: str, generator: torch.Generator | None = None
+) -> Tensor:
+    """Single entry point: indices (..., m) of the rollouts to train on under `rule` (a name in RULES).
+
+    "none" is plain GRPO and requires m == n; it returns arange(n) for every row.
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown down-sampling rule {rule!r}; expected one of {tuple(RULES)}")
+    entry = RULES[rule]
+    return entry.indices(rewards, m, generator=generator) if entry.random else entry.indices(rewards, m)
 
 
 def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
@@ -274,8 +310,11 @@ def batch_budgets(rewards: Tensor, m: int) -> Tensor:
     return budgets
 
 
-def select_across_prompts(rewards: Tensor, m: int) -> Tensor:
+def select_across_prompts(rewards: Tensor, m: int, rule: str = "max_variance",
+                          generator: torch.Generator | None = None) -> Tensor:
     """Batch selection scope: bool mask [P, n] of the rollouts to train on, m x P slots in all.
+
+    rule: what fills each prompt's budget, one of `batch_scope_rules()` (the budgets are always those below).
 
     Rule. Prompts whose n rewards are all equal get nothing (any subset of them has zero advantages).
     The other P' prompts share M' = min(m P, P' n) slots as evenly as possible: q = M' // P' each, and
@@ -289,13 +328,20 @@ def select_across_prompts(rewards: Tensor, m: int) -> Tensor:
     scope (m each). Cost: O(P n log n): a few vectorised max-variance calls. The trainer trains on
     mask.sum() rows (fewer than m P only when P' n < m P; 0 when every prompt has zero variance).
     """
+    _check_batch_rule(rule)
     budgets = batch_budgets(rewards, m)
     keep = torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device)
     for size in budgets.unique().tolist():
         rows = (budgets == size).nonzero().squeeze(1)
         if size > 0:
-            keep[rows] = keep[rows].scatter(-1, max_variance_indices(rewards[rows], size), True)
+            keep[rows] = keep[rows].scatter(-1, downsample(rewards[rows], size, rule, generator), True)
     return keep
+
+
+def _check_batch_rule(rule: str, scope: str = "batch") -> None:
+    if scope not in SELECTION_SCOPES or (scope == "batch" and rule not in batch_scope_rules()):
+        raise ValueError(f"selection scope {scope!r} with rule {rule!r}: expected one of {SELECTION_SCOPES}, "
+                         f"'batch' only with {' or '.join(batch_scope_rules())}")
 
 
 def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", scale_rewards: str = "group",
@@ -309,16 +355,14 @@ def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", s
     rewards are all equal (zero advantages under any subset): with scope "prompt" the others keep m each; scope
     "batch" (select_across_prompts over m x P slots) never gives such prompts a slot, so their slots go to the
     others either way and the flag only counts them."""
-    if scope not in SELECTION_SCOPES or (scope == "batch" and rule != "max_variance"):
-        raise ValueError(f"selection scope {scope!r} with rule {rule!r}: expected one of {SELECTION_SCOPES}, "
-                         "'batch' only with max_variance")
+    _check_batch_rule(rule, scope)
     if scope == "prompt" and not drop_zero_variance:
         kept = downsample(rewards, m, rule, generator=generator)
         return kept, selected_advantages(rewards, kept, normalize, scale_rewards=scale_rewards), 0
     zero_variance = zero_variance_prompts(rewards)
     dropped = int(zero_variance.sum()) if drop_zero_variance else 0
     if scope == "batch":
-        keep = select_across_prompts(rewards, m)
+        keep = select_across_prompts(rewards, m, rule, generator)
         return keep, masked_advantages(rewards, keep, normalize, scale_rewards), dropped
     prompts = ~zero_variance
     keep, advantages = torch.zeros(rewards.shape, dtype=torch.bool), torch.zeros(rewards.shape)
