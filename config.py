@@ -119,8 +119,10 @@ def build_parser():
              f"prompts ({' or '.join(pods.batch_scope_rules())} only, pods.select_across_prompts)")
     add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
-    add("--reward-weights", default=DEFAULT_REWARD_WEIGHTS,
-        help="name=weight for every reward function (paper: 1/1/1; weight 0 logs a reward without training on it)")
+    add("--reward-weights", default="",
+        help=f"name=weight for the reward terms whose weight changes; the others keep theirs ({DEFAULT_REWARD_WEIGHTS}, "
+             "the paper's; weight 0 logs a reward without training on it)")
+    add("--reward-options", default="", help="term.option=value,... for reward terms with options (rewards.REWARD_TERMS)")
     add("--prompts-per-step", type=int)
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
@@ -222,6 +224,7 @@ def check_args(args, restarted=False):
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
     args.reward_weights = parse_reward_weights(args.reward_weights)
+    args.reward_options = parse_reward_options(args.reward_options)
     _check_device_flags(args)
     _check_run_dir(args, restarted)
     _check_data(args)
@@ -231,9 +234,9 @@ def check_args(args, restarted=False):
 
 
 def parse_reward_weights(spec):
-    """"accuracy=1,format=1,tag_count=1" (or the dict a config.json holds) -> {name: weight}, naming every
-    reward function and only those: a forgotten weight would silently change the objective."""
-    weights = {}
+    """"format=0.1" (or the dict a config.json holds) -> {name: weight} of every registered reward term: the named
+    ones changed, the others at their default weight (rewards.DEFAULT_REWARD_WEIGHTS). An unknown name is an error."""
+    weights = dict(rewards.DEFAULT_REWARD_WEIGHTS)
     items = spec.items() if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
     for name, value in items:
         name = name.strip()
@@ -244,11 +247,28 @@ def parse_reward_weights(spec):
             weights[name] = float(value) if value != "" else 1.0
         except (TypeError, ValueError):
             raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
-    missing = sorted(set(rewards.REWARD_FUNCS) - set(weights))
-    if missing:
-        raise ValueError(f"--reward-weights names no weight for {missing}: give every reward function a weight "
-                         f"(0 logs it without training on it), e.g. {DEFAULT_REWARD_WEIGHTS}")
     return weights
+
+
+def parse_reward_options(spec):
+    """"term.option=value,..." (or the dict a config.json holds) -> {term: {option: value}}, each value of its
+    default's type (rewards.REWARD_TERMS); an unknown term or option, or a value of the wrong type, is an error."""
+    items = ((f"{term}.{key}", value) for term, given in spec.items() for key, value in given.items()) \
+        if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
+    options = {}
+    for key, value in items:
+        term, _, option = key.strip().partition(".")
+        known = rewards.REWARD_TERMS[term].options if term in rewards.REWARD_TERMS else {}
+        if option not in known:
+            raise ValueError(f"--reward-options: no option {key.strip()!r}; reward terms' options: "
+                             f"{[f'{t.name}.{o}' for t in rewards.REWARD_TERMS.values() for o in t.options]}")
+        kind = type(known[option])
+        try:
+            parsed = value if kind is not bool or isinstance(value, bool) else {"true": True, "false": False}[str(value).lower()]
+            options.setdefault(term, {})[option] = kind(parsed)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"--reward-options: {key.strip()} needs a {kind.__name__}, got {value!r}") from None
+    return options
 
 
 def _check_device_flags(args):
@@ -303,18 +323,50 @@ def _check_data(args):
     data.check_data_source(args.dataset, args.data_dir, splits=("train", "test") if args.eval_samples else ("train",))
 
 
+# The method label names what a run optimises (compare.py groups runs by it): the rule and n/m, then each flag below
+# whose value differs from the preset's default, in this order, worded by its entry ("" adds nothing); then any
+# other loss option (grpo_loss.LossSettings) as "flag value".
+LABEL_FLAGS = {
+    "loss_aggregation": lambda value, args: f"{value} loss",
+    "scale_rewards": lambda value, args: f"{value} std",
+    "selection_scope": lambda value, args: f"{value} scope",
+    "clip_eps_high": lambda value, args: f"clip-high {value:g}" if value != args.clip_eps else "",
+    "mask_truncated": lambda value, args: "truncated masked" if value else "",
+    "drop_zero_variance": lambda value, args: "zero-variance dropped" if value else "",
+    "advantage_normalization": lambda value, args: f"{value} normalization",
+    "clip_eps": lambda value, args: f"clip {value:g}",
+    "kl_coef": lambda value, args: f"kl {value:g}",
+    "updates_per_batch": lambda value, args: f"mu {value}",
+    "reward_weights": lambda value, args: "rewards " + ",".join(
+        f"{name}={weight:g}" for name, weight in value.items() if weight != rewards.DEFAULT_REWARD_WEIGHTS.get(name)),
+    "reward_options": lambda value, args: "reward options " + ",".join(
+        f"{term}.{key}={option}" for term, given in value.items() for key, option in given.items()),
+}
+
+
+def preset_defaults(preset):
+    """Every flag's value when none is given for `preset` (reward weights and options parsed)."""
+    parser = build_parser()
+    parser.set_defaults(**PRESETS[preset])
+    defaults = parser.parse_args([])
+    return dict(vars(defaults), reward_weights=parse_reward_weights(defaults.reward_weights),
+                reward_options=parse_reward_options(defaults.reward_options))
+
+
 def method_label(args):
-    """"PODS max_variance 16/4", plus every variant flag that differs from the paper (compare.py groups runs by
-    this label): e.g. "PODS max_variance 16/4 + token loss, clip-high 0.28"."""
+    """"PODS max_variance 16/4", plus every flag of LABEL_FLAGS (and loss option) that differs from the preset's
+    default: e.g. "PODS max_variance 16/4 + token loss, clip-high 0.28"."""
     if args.rule == "none":
         label = f"GRPO{'-GA' if args.grad_accum_steps > 1 else ''} {args.num_rollouts}/{args.update_size}"
     else:
         label = f"PODS {args.rule} {args.num_rollouts}/{args.update_size}"
-    variants = [f"{args.loss_aggregation} loss", f"{args.scale_rewards} std", f"{args.selection_scope} scope",
-                f"clip-high {args.clip_eps_high:g}" if args.clip_eps_high not in (None, args.clip_eps) else "",
-                "truncated masked" if args.mask_truncated else "",
-                "zero-variance dropped" if args.drop_zero_variance else ""]
-    variants = [v for v in variants if v not in ("", "sequence loss", "group std", "prompt scope")]  # the paper's
+    defaults = preset_defaults(args.preset if args.preset in PRESETS else "demo")
+    words = dict(LABEL_FLAGS)
+    for option in LOSS_FLAGS:
+        words.setdefault(_dest(option), lambda value, args, flag=grpo_loss.flag_name(option): f"{flag[2:]} {value}")
+    variants = [describe(getattr(args, name), args) for name, describe in words.items()
+                if getattr(args, name) != defaults[name]]
+    variants = [variant for variant in variants if variant]
     return label + (" + " + ", ".join(variants) if variants else "")
 
 

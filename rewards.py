@@ -12,6 +12,10 @@ that score 0 on inputs able to stall sympy in C code (`9^9^9^9`, deep nesting, o
 rest go to grader.py: a verdict cache, then math-verify in worker processes under a hard per-comparison
 time limit (VERIFY_TIMEOUT_S); a timed-out item scores 0.
 Simplification: completions longer than MAX_COMPLETION_CHARS are graded on their tail.
+
+Reward terms are a registry, `REWARD_TERMS` (name -> `RewardTerm`: TRL-shaped function, default weight, its own
+options), filled by `@register_reward`: train.py computes every registered term, --reward-weights changes weights and
+--reward-options sets options by name, so a new term is one decorated function here plus its own test.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grader
 
@@ -35,7 +39,6 @@ VERIFY_TIMEOUT_S = 0.5  # per comparison (a MATH one takes ~5 ms, <0.3 s on a 3x
 # machine: grade_accuracy reads it at call time and passes it to the grader.
 THINK_PREFILL = "<think>\n"  # what data.render_prompts(prefill_think=True) appends to the prompt
 
-DEFAULT_REWARD_WEIGHTS = {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}  # the paper; authors' code 1/.1/.1
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------- extraction
@@ -251,6 +254,35 @@ def tag_count_reward(completion: str) -> float:
     return 0.25 * sum(completion.count(tag) == 1 for tag in tags)
 
 
+# ------------------------------------------------------------------------------ the registry of terms
+@dataclass
+class RewardTerm:
+    """A reward term. func(prompts, completions, answer, completion_ids, num_workers, **options) -> list[float | None],
+    called with keyword arguments (TRL's shape: take **kwargs for what you do not use); completion_ids: each
+    completion's token ids (a list per completion, its length = its token count) or None outside training.
+    weight: its default weight in the total (0: logged, not trained on). options: name -> default, set per run with
+    --reward-options NAME.OPTION=VALUE (parsed to the default's type) and passed to func as keyword arguments."""
+    name: str
+    func: Callable
+    weight: float = 1.0
+    options: dict = field(default_factory=dict)
+    summary: str = ""
+
+
+REWARD_TERMS: dict[str, RewardTerm] = {}  # name -> term, in registration order
+REWARD_FUNCS: dict[str, Callable] = {}  # name -> function: the TRL view of REWARD_TERMS (reward_funcs)
+DEFAULT_REWARD_WEIGHTS: dict[str, float] = {}  # name -> default weight (the paper: 1/1/1; authors' code 1/.1/.1)
+
+
+def register_reward(name: str, weight: float = 1.0, summary: str = "", **options):
+    """Decorator: add a TRL-shaped reward function to the registry as `name`, with its default weight and options."""
+    def add(func):
+        REWARD_TERMS[name] = RewardTerm(name, func, float(weight), dict(options), summary)
+        REWARD_FUNCS[name], DEFAULT_REWARD_WEIGHTS[name] = func, float(weight)
+        return func
+    return add
+
+
 # -------------------------------------------------------------------------------- TRL-shaped batch API
 def completion_text(completion):
     """Text of a completion given as a string or as TRL conversational messages."""
@@ -263,6 +295,7 @@ def completion_text(completion):
     return ""
 
 
+@register_reward("accuracy", 1.0, "1 if the final answer equals the ground truth (math-verify), else 0")
 def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None, **kwargs) -> list[float]:
     """TRL reward function: `answer` is the dataset column of ground truths (one per completion)."""
     if answer is None:
@@ -270,15 +303,15 @@ def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None
     return grade_accuracy([completion_text(c) for c in completions], list(answer), num_workers, timeout_s)
 
 
+@register_reward("format", 1.0, "1 if the completion is exactly <think>...</think><answer>...</answer>")
 def format_rewards(prompts, completions, answer=None, **kwargs) -> list[float]:
     return [format_reward(completion_text(c)) for c in completions]
 
 
+@register_reward("tag_count", 1.0, "0.25 per think/answer tag present exactly once")
 def tag_count_rewards(prompts, completions, answer=None, **kwargs) -> list[float]:
     return [tag_count_reward(completion_text(c)) for c in completions]
 
-
-REWARD_FUNCS = {"accuracy": accuracy_rewards, "format": format_rewards, "tag_count": tag_count_rewards}
 
 
 @dataclass
@@ -294,16 +327,22 @@ class RewardResult:
         return out
 
 
-def compute_rewards(prompts, completions, answers, reward_funcs=REWARD_FUNCS, weights=DEFAULT_REWARD_WEIGHTS,
-                    num_workers=0) -> RewardResult:
+def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=None, num_workers=0, *, options=None,
+                    completion_ids=None) -> RewardResult:
     """Every reward function on every completion, and their weighted sum (paper: 1/1/1).
 
-    reward_funcs: name -> TRL-shaped f(prompts, completions, answer, **kwargs) -> list[float | None];
-    they also get num_workers. A None from a user function (TRL: "not applicable") is NaN in per_func and
-    counts 0 in total. weights must name every function, and only those (weight 0: logged, not summed);
-    anything else is a ValueError, since a silently defaulted weight would change the objective."""
+    reward_funcs: name -> TRL-shaped f(prompts, completions, answer, **kwargs) -> list[float | None] (None: every
+    registered term, REWARD_FUNCS); each is called with keywords, also num_workers, completion_ids (token ids per
+    completion, or None) and its options (a registered term's defaults, replaced by options[name]). A None from a
+    function (TRL: "not applicable") is NaN in per_func and counts 0 in total. weights: name -> weight (weight 0:
+    logged, not summed); a registered term not named keeps its default weight, any other function needs one, and a
+    weight for no function is a ValueError (a silently defaulted or ignored weight would change the objective)."""
     import torch
 
+    reward_funcs = REWARD_FUNCS if reward_funcs is None else reward_funcs
+    weights = {**{name: DEFAULT_REWARD_WEIGHTS[name] for name in reward_funcs if name in REWARD_TERMS},
+               **(weights or {})}
+    options = options or {}
     unknown, unweighted = set(weights) - set(reward_funcs), set(reward_funcs) - set(weights)
     if unknown:
         raise ValueError(f"weights given for unknown reward functions {sorted(unknown)}; "
@@ -317,8 +356,9 @@ def compute_rewards(prompts, completions, answers, reward_funcs=REWARD_FUNCS, we
     per_func, total = {}, torch.zeros(len(completions), dtype=torch.float32)
     for name, func in reward_funcs.items():
         try:
+            own = {**(REWARD_TERMS[name].options if name in REWARD_TERMS else {}), **options.get(name, {})}
             values = func(prompts=list(prompts), completions=list(completions), answer=list(answers),
-                          num_workers=num_workers)
+                          completion_ids=completion_ids, num_workers=num_workers, **own)
         except Exception as error:
             error.add_note(f"(in reward function {name!r})")
             raise
