@@ -120,9 +120,10 @@ def build_parser():
     add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
     add("--reward-weights", default="",
-        help=f"name=weight for the reward terms whose weight changes; the others keep theirs ({DEFAULT_REWARD_WEIGHTS}, "
-             "the paper's; weight 0 logs a reward without training on it)")
-    add("--reward-options", default="", help="term.option=value,... for reward terms with options (rewards.REWARD_TERMS)")
+        help=f"name=weight for the reward terms whose weight changes; the others keep theirs "
+             f"({DEFAULT_REWARD_WEIGHTS}, the paper's; weight 0 logs a reward without training on it)")
+    add("--reward-options", default="",
+        help="term.option=value,... for the reward terms with options of their own (rewards.REWARD_TERMS)")
     add("--prompts-per-step", type=int)
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
@@ -223,52 +224,14 @@ def check_args(args, restarted=False):
     _check_variant_flags(args)
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
-    args.reward_weights = parse_reward_weights(args.reward_weights)
-    args.reward_options = parse_reward_options(args.reward_options)
+    args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
+    args.reward_options = rewards.parse_reward_options(args.reward_options)
     _check_device_flags(args)
     _check_run_dir(args, restarted)
     _check_data(args)
     models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
     if args.bf16 and not str(args.device).startswith("cuda"):
         warnings.warn("--bf16 on CPU: allowed, but slow and less precise than float32 (--no-bf16)")
-
-
-def parse_reward_weights(spec):
-    """"format=0.1" (or the dict a config.json holds) -> {name: weight} of every registered reward term: the named
-    ones changed, the others at their default weight (rewards.DEFAULT_REWARD_WEIGHTS). An unknown name is an error."""
-    weights = dict(rewards.DEFAULT_REWARD_WEIGHTS)
-    items = spec.items() if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
-    for name, value in items:
-        name = name.strip()
-        if name not in rewards.REWARD_FUNCS:
-            raise ValueError(f"unknown reward function {name!r} in --reward-weights; "
-                             f"expected names from {sorted(rewards.REWARD_FUNCS)}")
-        try:
-            weights[name] = float(value) if value != "" else 1.0
-        except (TypeError, ValueError):
-            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
-    return weights
-
-
-def parse_reward_options(spec):
-    """"term.option=value,..." (or the dict a config.json holds) -> {term: {option: value}}, each value of its
-    default's type (rewards.REWARD_TERMS); an unknown term or option, or a value of the wrong type, is an error."""
-    items = ((f"{term}.{key}", value) for term, given in spec.items() for key, value in given.items()) \
-        if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
-    options = {}
-    for key, value in items:
-        term, _, option = key.strip().partition(".")
-        known = rewards.REWARD_TERMS[term].options if term in rewards.REWARD_TERMS else {}
-        if option not in known:
-            raise ValueError(f"--reward-options: no option {key.strip()!r}; reward terms' options: "
-                             f"{[f'{t.name}.{o}' for t in rewards.REWARD_TERMS.values() for o in t.options]}")
-        kind = type(known[option])
-        try:
-            parsed = value if kind is not bool or isinstance(value, bool) else {"true": True, "false": False}[str(value).lower()]
-            options.setdefault(term, {})[option] = kind(parsed)
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"--reward-options: {key.strip()} needs a {kind.__name__}, got {value!r}") from None
-    return options
 
 
 def _check_device_flags(args):
@@ -349,8 +312,8 @@ def preset_defaults(preset):
     parser = build_parser()
     parser.set_defaults(**PRESETS[preset])
     defaults = parser.parse_args([])
-    return dict(vars(defaults), reward_weights=parse_reward_weights(defaults.reward_weights),
-                reward_options=parse_reward_options(defaults.reward_options))
+    return dict(vars(defaults), reward_weights=rewards.parse_reward_weights(defaults.reward_weights),
+                reward_options=rewards.parse_reward_options(defaults.reward_options))
 
 
 def method_label(args):
