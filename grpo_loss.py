@@ -36,7 +36,7 @@ _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
 
 
-def _option(default, help=None, flag=None, ratio_only=False, **argparse_options):
+def loss_option(default, help=None, flag=None, ratio_only=False, **argparse_options):
     """A LossSettings field. help: it gets a train.py flag (--field-name, or `flag`) with this help, these argparse
     options and the field's default (config.py builds it); no help: the value comes from the flag of that name
     declared elsewhere. ratio_only: it acts on the ratio rho only, which is exactly 1 with --mu 1 (a warning)."""
@@ -47,18 +47,18 @@ def _option(default, help=None, flag=None, ratio_only=False, **argparse_options)
 @dataclass(frozen=True)
 class LossSettings:
     """Every option of the loss (defaults = the paper). Add one here, use it in `grpo_loss_sum`."""
-    clip_eps: float = _option(0.2, "ratio clipped to [1 - this, 1 + --clip-eps-high]", ratio_only=True, type=float)
-    clip_eps_high: float | None = _option(
+    clip_eps: float = loss_option(0.2, "ratio clipped to [1 - this, 1 + --clip-eps-high]", ratio_only=True, type=float)
+    clip_eps_high: float | None = loss_option(
         None, "upper clip of the ratio, 1 + this (DAPO clip-higher; default --clip-eps; acts only with "
         "--updates-per-batch > 1, where the ratio differs from 1)", ratio_only=True, type=float)
-    aggregation: str = _option(
+    aggregation: str = loss_option(
         "sequence", "sequence: mean over rows of each row's token mean (paper); token: over all kept tokens (DAPO); "
         "fixed: sum / (rows x --max-completion-tokens) (Dr. GRPO)", flag="--loss-aggregation",
         choices=LOSS_AGGREGATIONS)
-    mask_truncated: bool = _option(  # used by update.loss_mask: the mask grpo_loss_sum receives has those rows zeroed
+    mask_truncated: bool = loss_option(  # used by update.loss_mask: the mask grpo_loss_sum receives has those rows zeroed
         False, "completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
-    kl_coef: float = _option(0.0, "KL beta (needs LoRA: the reference is the adapter switched off)", type=float)
-    max_completion_tokens: int | None = _option(None)  # the generation limit: the "fixed" aggregation's denominator
+    kl_coef: float = loss_option(0.0, "KL beta (needs LoRA: the reference is the adapter switched off)", type=float)
+    max_completion_tokens: int | None = loss_option(None)  # the generation limit: the "fixed" aggregation's denominator
 
 
 def flag_name(option: dataclasses.Field) -> str:

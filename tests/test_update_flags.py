@@ -167,3 +167,23 @@ def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_o
     restore(model, weights)
     without = direct_update(model, batch_of(model, flag_args(*baseline)), flag_args(*baseline))
     assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
+
+
+@pytest.mark.parametrize("option", config.LOSS_FLAGS, ids=lambda option: option.name)
+def test_every_loss_option_reaches_loss_settings_the_label_and_a_flag_case(option):
+    """Each field of grpo_loss.LossSettings that has a flag: a value other than its default, given on the command
+    line, is that field of config.update_settings(args).loss (what update_policy hands to the loss unchanged) and
+    changes the method label; and UPDATE_FLAG_CASES runs the flag through the update (a new option adds a case)."""
+    flag, kind = grpo_loss.flag_name(option), option.metadata["argparse"]
+    if not kind:  # a bool flag
+        value, argv = not option.default, [flag if not option.default else "--no-" + flag[2:]]
+    elif "choices" in kind:
+        value = [choice for choice in kind["choices"] if choice != option.default][-1]
+        argv = [flag, value]
+    else:
+        value = kind["type"](0.35 if option.default is None else option.default + 0.05)
+        argv = [flag, str(value)]
+    args = flag_args("--mu", "2", *argv)
+    assert getattr(config.update_settings(args).loss, option.name) == value
+    assert config.method_label(args) != config.method_label(flag_args("--mu", "2"))
+    assert any(flag in case[0] for case in UPDATE_FLAG_CASES), f"no UPDATE_FLAG_CASES entry runs {flag}"
