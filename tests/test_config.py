@@ -74,12 +74,14 @@ def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
 
 def test_reward_weights_are_parsed_once_into_a_dict():
     args = config.parse_args(["--reward-weights", "accuracy=2,format=0,tag_count=0.5"])
-    assert args.reward_weights == {"accuracy": 2.0, "format": 0.0, "tag_count": 0.5}
+    assert args.reward_weights == dict(rewards.DEFAULT_REWARD_WEIGHTS, accuracy=2.0, format=0.0, tag_count=0.5)
     assert rewards.parse_reward_weights(args.reward_weights) == args.reward_weights  # a config.json dict is accepted
-    assert config.parse_args([]).reward_weights == {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}
+    assert config.parse_args([]).reward_weights == rewards.DEFAULT_REWARD_WEIGHTS  # every registered term's default
+    paper = {name: rewards.DEFAULT_REWARD_WEIGHTS[name] for name in ("accuracy", "format", "tag_count")}
+    assert paper == {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}
     # Only the weights that change are named; the others keep their defaults (the registry's).
-    assert config.parse_args(["--reward-weights", "format=0.1"]).reward_weights == {
-        "accuracy": 1.0, "format": 0.1, "tag_count": 1.0}
+    assert config.parse_args(["--reward-weights", "format=0.1"]).reward_weights == dict(
+        rewards.DEFAULT_REWARD_WEIGHTS, format=0.1)
 
 
 @pytest.mark.parametrize("name", [name for name in config.LABEL_FLAGS if name != "reward_options"])  # that one:
