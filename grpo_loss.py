@@ -36,11 +36,12 @@ _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
 
 
-def loss_option(default, help=None, flag=None, ratio_only=False, **argparse_options):
+def loss_option(default, help=None, flag=None, ratio_only=False, example=None, **argparse_options):
     """A LossSettings field. help: it gets a train.py flag (--field-name, or `flag`) with this help, these argparse
     options and the field's default (config.py builds it); no help: the value comes from the flag of that name
-    declared elsewhere. ratio_only: it acts on the ratio rho only, which is exactly 1 with --mu 1 (a warning)."""
-    metadata = dict(help=help, flag=flag, ratio_only=ratio_only, argparse=argparse_options)
+    declared elsewhere. ratio_only: it acts on the ratio rho only, which is exactly 1 with --mu 1 (a warning).
+    example: a valid value other than the default, for the tests that run every option (None: they pick one)."""
+    metadata = dict(help=help, flag=flag, ratio_only=ratio_only, example=example, argparse=argparse_options)
     return field(default=default, metadata=metadata)
 
 

@@ -169,6 +169,8 @@ def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_o
 def non_default_flag(option):
     """(argv, value): a LossSettings field's flag set to a value other than its default."""
     flag, kind = grpo_loss.flag_name(option), option.metadata["argparse"]
+    if option.metadata["example"] is not None:
+        return [flag, str(option.metadata["example"])], option.metadata["example"]
     if not kind:  # a bool flag
         return [flag if not option.default else "--no-" + flag[2:]], not option.default
     if "choices" in kind:
