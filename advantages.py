@@ -1,4 +1,5 @@
-"""Group-relative advantages of the kept rollouts (paper §3.2) and the check of a reward tensor that pods.py's rules share.
+"""Group-relative advantages of the kept rollouts (paper §3.2), and the check of a reward tensor that pods.py's rules
+share.
 
 GRPO advantages are (r - mean) / (std + eps) with the *unbiased* sample std and eps = 1e-4, as in the authors' code
 and TRL. The paper (§3.2) normalises with the statistics of the selected subset (normalize="selected", the default);

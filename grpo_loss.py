@@ -47,7 +47,8 @@ def loss_option(default, help=None, flag=None, ratio_only=False, example=None, *
 
 @dataclass(frozen=True)
 class LossSettings:
-    """Every option of the loss (defaults = the paper). Add one here, use it in `grpo_loss_sum`."""
+    """Every option of the loss. Add one here and use it in `grpo_loss_sum`; its default must leave the paper's loss
+    unchanged (the defaults are the paper; study.py pins a new option at its default)."""
     clip_eps: float = loss_option(0.2, "ratio clipped to [1 - this, 1 + --clip-eps-high]", ratio_only=True, type=float)
     clip_eps_high: float | None = loss_option(
         None, "upper clip of the ratio, 1 + this (DAPO clip-higher; default --clip-eps; acts only with "
@@ -56,7 +57,8 @@ class LossSettings:
         "sequence", "sequence: mean over rows of each row's token mean (paper); token: over all kept tokens (DAPO); "
         "fixed: sum / (rows x --max-completion-tokens) (Dr. GRPO)", flag="--loss-aggregation",
         choices=LOSS_AGGREGATIONS)
-    mask_truncated: bool = loss_option(  # used by update.loss_mask: the mask grpo_loss_sum receives has those rows zeroed
+    # mask_truncated is used by update.loss_mask: the mask grpo_loss_sum receives has those rows zeroed.
+    mask_truncated: bool = loss_option(
         False, "completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
     kl_coef: float = loss_option(0.0, "KL beta (needs LoRA: the reference is the adapter switched off)", type=float)
     max_completion_tokens: int | None = loss_option(None)  # the generation limit: the "fixed" aggregation's denominator
