@@ -299,7 +299,6 @@ LABEL_FLAGS = {
     "advantage_normalization": lambda value, args: f"{value} normalization",
     "clip_eps": lambda value, args: f"clip {value:g}",
     "kl_coef": lambda value, args: f"kl {value:g}",
-    "updates_per_batch": lambda value, args: f"mu {value}",
     "reward_weights": lambda value, args: "rewards " + ",".join(
         f"{name}={weight:g}" for name, weight in value.items() if weight != rewards.DEFAULT_REWARD_WEIGHTS.get(name)),
     "reward_options": lambda value, args: "reward options " + ",".join(

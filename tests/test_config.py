@@ -91,7 +91,7 @@ def test_every_label_flag_that_differs_from_the_preset_is_in_the_label(name):  #
     paper = config.preset_defaults("demo")
     changed = {"loss_aggregation": "token", "scale_rewards": "none", "selection_scope": "batch", "clip_eps_high": 0.28,
                "mask_truncated": True, "drop_zero_variance": True, "advantage_normalization": "group",
-               "clip_eps": 0.3, "kl_coef": 0.05, "updates_per_batch": 2,
+               "clip_eps": 0.3, "kl_coef": 0.05,
                "reward_weights": dict(paper["reward_weights"], format=0.1)}
     args = argparse.Namespace(**dict(paper, **{name: changed[name]}))
     words = config.LABEL_FLAGS[name](changed[name], args)

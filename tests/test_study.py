@@ -88,6 +88,16 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     assert args.system_prompt == study.STUDY_SYSTEM_PROMPT and args.learning_rate == 5e-4
 
 
+def test_the_variant_studys_baseline_label_is_the_label_train_py_writes(tmp_path):
+    import config
+
+    runs, baseline = study.variants_plan([0])
+    labels = {name: config.method_label(config.parse_args(study.train_flags(tmp_path / name, flags, 120)))
+              for name, flags in runs.items()}
+    assert labels == {"paper-n16-m4-s0": baseline, "token-n16-m4-s0": baseline + " + token loss",
+                      "cliphigh-n16-m4-s0": baseline + " + clip-high 0.28"}
+
+
 def test_a_run_with_a_checkpoint_is_resumed(tmp_path, capsys):
     import checkpoint
 
