@@ -123,9 +123,11 @@ def stop_on_signal():
 def score(rollouts, examples, args):
     """([P, n] weighted rewards, per-function values) of every rollout; a prefilled "<think>\\n" is graded too."""
     rows = rollouts.prompt_index.tolist()
+    completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
     result = rewards.compute_rewards([examples[i].prompt for i in rows],
                                      [data.graded_completion(text, args.prefill_think) for text in rollouts.texts],
-                                     [examples[i].answer for i in rows], weights=args.reward_weights)
+                                     [examples[i].answer for i in rows], weights=args.reward_weights,
+                                     options=args.reward_options, completion_ids=completion_ids)
     return result.total.view(len(examples), -1), result.per_func
 
 
