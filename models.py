@@ -121,14 +121,16 @@ def quiet_peft(quantized=False):
     """peft as the run needs it and no more. peft imports bitsandbytes whenever it is installed (at `import peft`,
     and again whenever it wraps a layer), and on a machine without bitsandbytes' optional kernels that import logs
     a warning; a model that is not 4-bit needs none of it, so for the block the package looks absent (later, a 4-bit
-    model or 8-bit Adam imports it as usual). peft also reads a property transformers has deprecated
-    (`is_gradient_checkpointing`): that FutureWarning concerns peft, not the run, and is not shown."""
+    model or 8-bit Adam imports it as usual). peft also calls what transformers has deprecated
+    (`is_gradient_checkpointing`, `gradient_checkpointing_enable`): those FutureWarnings concern peft, not the run,
+    and are not shown."""
     hide = not quantized and "bitsandbytes" not in sys.modules
     if hide:
         sys.modules["bitsandbytes"] = None  # `import bitsandbytes` raises ImportError; find_spec returns None
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            warnings.filterwarnings("ignore", message="`(is_gradient_checkpointing|gradient_checkpointing_enable)` is "
+                                    "deprecated", category=FutureWarning)
             yield
     finally:
         if hide:
@@ -268,7 +270,10 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
 
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # its name in newer transformers (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_rank > 0:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
     if lora_rank > 0:

@@ -105,3 +105,15 @@ def test_quiet_peft_hides_bitsandbytes_and_one_warning_inside_the_block_only(mon
     assert "bitsandbytes" not in sys.modules and (importlib.util.find_spec("bitsandbytes") is not None) == installed
     with models.quiet_peft(quantized=True):  # 4-bit weights need it: nothing hidden
         assert (importlib.util.find_spec("bitsandbytes") is not None) == installed
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning(lora_rank):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # pytest.ini ignores FutureWarning
+        model = models.prepare_for_training(models.tiny_random_model("llama"), lora_rank=lora_rank,
+                                            gradient_checkpointing=True)
+    assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+    assert sum(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()) >= 1
