@@ -332,8 +332,9 @@ def start_line(label, args, run_dir):
     """The run's first line: the method, the model, the dataset, the budget and the run folder."""
     budget = " or ".join(text for text in (f"{args.max_time_s:g} s of training" if args.max_time_s else "",
                                            f"{args.max_steps} steps" if args.max_steps else "") if text)
-    evaluation = (f"held-out evaluation of {args.eval_samples} prompts at step 0, every {args.eval_interval} steps "
-                  "and at the end (not counted in the budget)" if args.eval_samples else "no held-out evaluation")
+    schedule = f"step 0, every {args.eval_interval} steps and the end" if args.eval_interval else "step 0 and the end"
+    evaluation = (f"held-out evaluation of {args.eval_samples} prompts at {schedule} (not counted in the budget)"
+                  if args.eval_samples else "no held-out evaluation")
     return f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation} -> {run_dir}"
 
 
@@ -345,14 +346,14 @@ def eval_line(step, result):
 
 def finish_lines(run_dir, args, steps, elapsed_s):
     """Where a finished run's results are, and the commands that read them, with the run's own folder."""
-    run = shlex.quote(str(run_dir))
-    lines = [f"done: {steps} steps, {elapsed_s:.0f} s of training -> {run_dir}",
-             f"  results: {Path(run_dir) / checkpoint.METRICS_FILE} (a line per step and per evaluation)"]
+    run, plot = shlex.quote(str(run_dir)), shlex.quote(str(Path(run_dir) / "accuracy.png"))
+    commands = []
     if args.eval_samples:
-        lines.append(f"  next:    python compare.py {run} --plot {shlex.quote(str(Path(run_dir) / 'accuracy.png'))}"
-                     "   # held-out accuracy vs training time")
+        commands.append(f"python compare.py {run} --plot {plot}   # held-out accuracy vs training time")
     if args.log_completions_interval:
-        lines.append(f"           python eval.py rollouts {run}   # one prompt's rollouts, the kept ones marked")
+        commands.append(f"python eval.py rollouts {run}   # one prompt's rollouts, the kept ones marked")
     if args.checkpoint_interval_s >= 0:
-        lines.append(f"           python eval.py --checkpoint {run} --repeats 5   # re-evaluate every checkpoint")
-    return lines
+        commands.append(f"python eval.py --checkpoint {run} --repeats 5   # re-evaluate every checkpoint")
+    return [f"done: {steps} steps, {elapsed_s:.0f} s of training -> {run_dir}",
+            f"  results: {Path(run_dir) / checkpoint.METRICS_FILE} (a line per step and per evaluation)",
+            *(f"  {'next:' if i == 0 else '':8} {command}" for i, command in enumerate(commands))]
