@@ -209,9 +209,8 @@ def run_settings(args, checkpoints):
     """Model and prompt settings: explicit flags, else the run's config.json (or the --preset's values), else
     defaults (those of train.py, so the prompts are rendered exactly as in training)."""
     import checkpoint
-    import data
-
     import config
+    import data
 
     run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else config.PRESETS.get(args.preset, {})
     settings = {"model": args.model or args.base_model or run_config.get("model"),
