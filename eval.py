@@ -15,6 +15,7 @@ folder is read through checkpoint.py.
     python eval.py --checkpoint runs/demo                  # every checkpoint of a run -> runs/demo/eval_test.json
     python eval.py --checkpoint runs/demo/checkpoints/step_000020 --repeats 5
     python eval.py --model smollm2-135m-offline --dataset arithmetic --out base.json
+    python eval.py --preset demo                           # the demo's base model, as a demo run evaluates its policy
 
 A checkpoint written by several processes (dcp/) is evaluated with `python -m multigpu eval` and the same flags.
 
