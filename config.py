@@ -83,7 +83,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser():
-    parser = OneLineParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.")
+    parser = OneLineParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.", epilog="Defaults not "
+                           "shown here come from --preset; --print-config prints every value a run would use.")
     add = parser.add_argument_group("preset").add_argument
     add("--preset", choices=sorted(PRESETS), default="demo",
         help="paper setting (a)-(d), (e)/(f) (full parameter, 8 GPUs: torchrun -m multigpu) or the CPU demo")
@@ -164,6 +165,7 @@ def build_parser():
     add("--resume", action="store_true",
         help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
+    add("--print-config", action="store_true", help="print the resolved flags (preset, --baseline, flags) and exit")
     add("--report-to", choices=report.REPORT_TO, default="none",
         help="also send the metrics.jsonl lines, same names, to TensorBoard (<out>/tensorboard) or Weights & Biases")
     add = parser.add_argument_group("several GPUs (torchrun -m multigpu)").add_argument
@@ -196,6 +198,9 @@ def parse_args(argv=None, restarted=False):
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
+        print(json.dumps(vars(args), indent=1))
+        parser.exit()
     check_args(args, restarted)
     return args
 

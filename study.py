@@ -209,9 +209,12 @@ def main(argv=None):
         import compare as compare_module
 
         return compare_module.main(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):  # the commands, as the module docstring shows them
+        return print("\n\n".join(__doc__.split("\n\n")[1:3]) + "\n\npython study.py run --help (or variants --help) "
+                     "lists a command's flags.")
     if argv[:1] not in (["run"], ["variants"]):
         sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...] | "
-                 "python study.py variants --out DIR [...]")
+                 "python study.py variants --out DIR [...] (python study.py --help describes them)")
     command = argv[0]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[1:argv.index("--")] if "--" in argv else argv[1:]

@@ -323,3 +323,15 @@ def test_every_selection_flag_arrives_at_the_update(argv, baseline, tiny_model, 
         other, _ = expected_selection(rollouts, config.parse_args([*SELECT_BASE, *baseline]))
         assert not same_rows(expected, other) or not torch.allclose(expected.advantages, other.advantages), \
             f"{argv} selects the same as {baseline} on these rewards: the test has no power"
+
+
+def test_print_config_shows_the_preset_resolved_values_before_any_check(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # a data folder that does not exist: nothing is checked yet
+        config.parse_args(["--preset", "b", "--baseline", "--data-dir", str(tmp_path / "none"), "--print-config"])
+    shown = json.loads(capsys.readouterr().out)
+    assert exit_info.value.code == 0 and "print_config" not in shown
+    assert (shown["kl_coef"], shown["weight_decay"], shown["num_rollouts"], shown["rule"]) == (0.04, 0.1, 8, "none")
+    with pytest.raises(SystemExit):
+        config.parse_args(["--print-config"])
+    assert json.loads(capsys.readouterr().out)["weight_decay"] == 0.0  # the demo's: no weight decay
+    assert not hasattr(config.parse_args([]), "print_config")  # a run's config.json holds no such flag

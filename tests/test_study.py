@@ -65,7 +65,7 @@ def test_run_study_trains_compares_and_resumes(tmp_path):
 # Flags whose value cannot change the recorded tables (or cannot be given on the command line: store_true
 # flags that are off), so the study leaves them to their defaults.
 UNPINNED_OK = {"baseline", "load_in_4bit", "generation_copy", "prefill_think", "data_dir", "keep_checkpoints", "resume",
-               "dist_timeout_s", "log_completions_interval"}
+               "dist_timeout_s", "log_completions_interval", "print_config"}
 
 
 def test_every_setting_of_the_recorded_tables_is_pinned():
@@ -166,3 +166,10 @@ def test_variant_study_end_to_end_with_a_tiny_model(tmp_path, smollm2_tokenizer)
     assert (tmp_path / "out" / "variants.png").is_file()
     assert all(f"| {label} | 1 |" in tables["variants"] for label in (
         "PODS max_variance 16/4", "PODS max_variance 16/4 + token loss", "PODS max_variance 16/4 + clip-high 0.28"))
+
+
+def test_help_describes_the_commands_with_their_flags(capsys):
+    study.main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("python study.py run --out", "python study.py variants --out", "python study.py compare"):
+        assert command in out
