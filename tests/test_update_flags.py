@@ -64,9 +64,7 @@ def direct_update(model, batch, args):
         for p in params:
             p.grad = None
         logprobs = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, args.clip_eps, ref, args.kl_coef,
-                                      clip_eps_high=args.clip_eps_high, aggregation=args.loss_aggregation,
-                                      max_completion_tokens=args.max_completion_tokens)
+        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, config.loss_settings(args), ref)
         loss.backward()
         norm = float(torch.cat([p.grad.flatten() for p in params]).norm())
         scale = min(1.0, args.max_grad_norm / (norm + 1e-6)) if args.max_grad_norm > 0 else 1.0
@@ -165,4 +163,36 @@ def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_o
     assert_same_update(actual, expected)
     restore(model, weights)
     without = direct_update(model, batch_of(model, flag_args(*baseline)), flag_args(*baseline))
+    assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
+
+
+def non_default_flag(option):
+    """(argv, value): a LossSettings field's flag set to a value other than its default."""
+    flag, kind = grpo_loss.flag_name(option), option.metadata["argparse"]
+    if option.metadata["example"] is not None:
+        return [flag, str(option.metadata["example"])], option.metadata["example"]
+    if not kind:  # a bool flag
+        return [flag if not option.default else "--no-" + flag[2:]], not option.default
+    if "choices" in kind:
+        value = [choice for choice in kind["choices"] if choice != option.default][-1]
+        return [flag, value], value
+    value = kind["type"](0.35 if option.default is None else option.default + 0.05)
+    return [flag, str(value)], value
+
+
+@pytest.mark.parametrize("option", config.LOSS_FLAGS, ids=lambda option: option.name)
+def test_every_loss_option_reaches_the_loss_the_update_and_the_label(option, flag_model):
+    """Each field of grpo_loss.LossSettings that has a flag (a new loss option is tested here with no edit): a value
+    other than its default, given on the command line, is that field of config.update_settings(args).loss, changes
+    the method label, and changes update_policy's loss, gradient and weights exactly as grpo_loss called directly
+    does (mu = 2 on stale old log-probs, so ratio-only options act), and it matters for this input."""
+    argv, value = non_default_flag(option)
+    args = flag_args("--mu", "2", *argv)
+    assert getattr(config.update_settings(args).loss, option.name) == value
+    assert config.method_label(args) != config.method_label(flag_args("--mu", "2"))
+    model, weights = flag_model
+    actual, expected = run_both(model, weights, stale_batch, ["--mu", "2", *argv])
+    assert_same_update(actual, expected)
+    restore(model, weights)
+    without = direct_update(model, stale_batch(model, flag_args("--mu", "2")), flag_args("--mu", "2"))
     assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
