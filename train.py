@@ -135,7 +135,8 @@ def score(rollouts, examples, args):
                                      [data.graded_completion(text, args.prefill_think) for text in rollouts.texts],
                                      [examples[i].answer for i in rows], weights=args.reward_weights,
                                      options=args.reward_options, completion_ids=completion_ids)
-    return result.total.view(len(examples), args.num_rollouts), result.per_func
+    n = len(rows) // len(examples) if examples else args.num_rollouts  # none: a refill only other processes needed
+    return result.total.view(len(examples), n), result.per_func
 
 
 def generate_and_score(model, tokenizer, examples, args, seed, costs, processes, sizes=None):
