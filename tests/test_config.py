@@ -182,7 +182,7 @@ def test_a_restarted_run_resumes_from_its_latest_checkpoint(tmp_path):
     assert not config.parse_args(["--output-dir", str(early)], restarted=True).resume  # starts over, no error
 
 
-def test_a_resumed_run_keeps_its_preset_unless_given_again(tmp_path):
+def test_a_resumed_run_keeps_its_preset_and_refuses_another(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
@@ -192,7 +192,8 @@ def test_a_resumed_run_keeps_its_preset_unless_given_again(tmp_path):
     (run / "config.json").write_text(json.dumps(dict(saved, preset="c", reward_weights=weights)))
     args = config.parse_args(["--output-dir", str(run), "--resume"])
     assert args.preset == "c" and args.learning_rate == 0.125 and args.num_rollouts == 4  # all from config.json
-    assert config.parse_args(["--output-dir", str(run), "--resume", "--preset", "demo"]).preset == "demo"
+    with pytest.raises(ValueError, match=r"would change what it is: --preset 'c' -> 'demo'"):
+        config.parse_args(["--output-dir", str(run), "--resume", "--preset", "demo"])  # the demo's settings would stay
 
 
 # ------------------------------------------- every selection flag arrives: command line -> train_step -> the update
