@@ -348,5 +348,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError) as error:  # a missing path, no runs, no baseline: one line
+    except (ValueError, OSError) as error:  # a missing path, no runs, no baseline, the disk: one line
         sys.exit(f"compare.py: error: {error}")

@@ -327,5 +327,5 @@ def main(argv=None, load_sharded=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError) as error:  # bad flags, paths, data: a message, not a traceback
+    except (ValueError, OSError) as error:  # bad flags, paths, data, the disk: a message, not a traceback
         sys.exit(f"eval.py: error: {error}")
