@@ -32,15 +32,6 @@ import checkpoint
 LOCK_FILE = "train.lock"
 
 
-def _lock_holder(lock):
-    """(host, pid) written in a lock file; (None, None) when it is unreadable or garbage (then treated as stale)."""
-    try:
-        host, pid = lock.read_text().split()
-        return host, int(pid)
-    except (OSError, ValueError):
-        return None, None
-
-
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -49,6 +40,28 @@ def _alive(pid):
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def check_not_in_use(run_dir):
+    """Refuse (ValueError, one line) a folder whose lock a live process on this host, or any on another host, holds;
+    True when a lock is there but stale (its process is gone, or the file is garbage)."""
+    lock = Path(run_dir) / LOCK_FILE
+    try:
+        text = lock.read_text()
+    except FileNotFoundError:
+        return False
+    if not text:  # created, not yet written: a run starting this very moment
+        raise ValueError(f"{run_dir} is being taken by another train.py run ({lock} is empty: delete it if none is)")
+    try:
+        host, pid = text.split()
+        pid = int(pid)
+    except ValueError:
+        return True  # garbage: stale
+    if host == socket.gethostname() and not _alive(pid):
+        return True
+    where = "" if host == socket.gethostname() else f" on {host} (delete {lock} if that run is over)"
+    raise ValueError(f"{run_dir} is in use by another train.py run (process {pid}{where}); wait for it to end or "
+                     "pass another --output-dir")
 
 
 @contextlib.contextmanager
@@ -60,12 +73,8 @@ def folder_lock(run_dir):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            host, pid = _lock_holder(lock)
-            if host is not None and (host != socket.gethostname() or _alive(pid)):
-                where = "" if host == socket.gethostname() else f" on {host} (delete {lock} if that run is over)"
-                raise ValueError(f"{run_dir} is in use by another train.py run (process {pid}{where}); wait for it "
-                                 "to end or pass another --output-dir") from None
-            lock.unlink(missing_ok=True)  # its process is gone: stale
+            if check_not_in_use(run_dir):  # stale: its process is gone
+                lock.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as handle:
             handle.write(me)
@@ -128,6 +137,10 @@ def checkpoint_bytes(model, optimizer):
     return sum(t.numel() * t.element_size() for t in weights + moments)
 
 
+def _size(num_bytes):
+    return f"{num_bytes / 2 ** 30:.2f} GiB" if num_bytes >= 2 ** 30 else f"{num_bytes / 2 ** 20:.1f} MiB"
+
+
 @contextlib.contextmanager
 def disk_full_said(run_dir, needed_bytes):
     """Around a checkpoint save: when it fails for lack of space (ENOSPC, or torch.save's "unexpected pos" with less
@@ -141,8 +154,8 @@ def disk_full_said(run_dir, needed_bytes):
             raise
         for partial in root.glob(checkpoint.TMP_PREFIX + "*"):  # we hold the lock: nobody else is writing here
             shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
-        raise OSError(f"disk full: a checkpoint needs ~{needed_bytes / 2 ** 30:.2f} GiB in {root} "
-                      f"({shutil.disk_usage(root).free / 2 ** 30:.2f} GiB free); the partial copy is removed and the "
+        raise OSError(f"disk full: a checkpoint needs ~{_size(needed_bytes)} in {root} "
+                      f"({_size(shutil.disk_usage(root).free)} free); the partial copy is removed and the "
                       f"previous checkpoint is intact. Free some space, then continue with --output-dir {run_dir} "
                       "--resume") from None
 
@@ -176,8 +189,10 @@ def read_config(run_dir):
 
 
 def check_run_dir(args, restarted=False):
-    """--output-dir against --resume: a resume needs a checkpoint, a new run a folder without a run. A run stopped
-    before its first checkpoint can only start over: both refusals say how."""
+    """--output-dir against --resume: not in use by another run; a resume needs a checkpoint, a new run a folder
+    without a run. A run stopped before its first checkpoint can only start over: both refusals say how."""
+    if args.output_dir is not None:
+        check_not_in_use(args.output_dir)  # first: a live run's folder is no evidence of anything
     if restarted and not args.resume:
         return  # restarted before the first checkpoint: the run starts over
     has_checkpoint = args.output_dir is not None and newest_checkpoint(args.output_dir, readable=False)[0] is not None
