@@ -195,10 +195,11 @@ def parse_args(argv=None, restarted=False):
     checkpointed = first.output_dir and runfolder.newest_checkpoint(first.output_dir, readable=False)[0]
     if not first.resume and restarted and checkpointed:
         argv, first.resume = argv + ["--resume"], True
-    saved = runfolder.check_output_dir(first.output_dir) if first.output_dir else None  # None: no config.json
-    if first.resume and saved is None:
+    if first.output_dir:
+        runfolder.check_output_dir(first.output_dir)
+    if first.resume and not (first.output_dir and (Path(first.output_dir) / "config.json").is_file()):
         raise ValueError("--resume needs --output-dir of an existing run (with config.json)")
-    saved = saved if first.resume else {}
+    saved = runfolder.read_config(first.output_dir) if first.resume else {}
     # A resumed run keeps its preset (config.json records what the run is; another --preset is refused below).
     given = any(arg == "--preset" or arg.startswith("--preset=") for arg in argv)
     preset = first.preset if given or saved.get("preset") not in PRESETS else saved["preset"]

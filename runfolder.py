@@ -9,8 +9,8 @@ full disk, a folder that cannot be written.
   that is whole is used instead, and the passed-over ones are named. Saves are atomic, so an earlier one is intact.
 - A full disk during a save (`disk_full_said`): the partial copy is removed at once (it would keep the disk full)
   and the run stops with one line giving the space needed; the previous checkpoint is intact.
-- `check_output_dir`: a file in the way, a folder that cannot be written, a config.json that is not JSON: one line
-  each, before any model loads.
+- `check_output_dir`, `read_config`: a file in the way, a folder that cannot be written, a config.json that is not
+  JSON: one line each, before any model loads.
 Simplification: a lock file, not an OS lock (fcntl locks are unreliable on the network file systems of clusters).
 """
 
@@ -161,8 +161,8 @@ def disk_full_said(run_dir, needed_bytes):
 
 
 def check_output_dir(path):
-    """--output-dir can hold a run: not a file, writable (tried, as permissions may not tell), and its config.json,
-    if any, is JSON. One ValueError line each."""
+    """--output-dir can hold a run: not a file, and writable (tried, as permissions may not tell). One ValueError line
+    each."""
     path = Path(path)
     existing = next(p for p in [path, *path.parents] if p.exists())
     if not existing.is_dir():
@@ -172,7 +172,6 @@ def check_output_dir(path):
     except OSError as error:
         raise ValueError(f"--output-dir {path}: cannot write in {existing} ({error.strerror}); pass a writable "
                          "--output-dir") from None
-    return read_config(path) if (path / checkpoint.CONFIG_FILE).is_file() else None
 
 
 def read_config(run_dir):

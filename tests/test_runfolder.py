@@ -115,9 +115,10 @@ def test_a_folder_that_cannot_hold_a_run_is_refused_in_one_line(tmp_path, monkey
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text('{"seed": 0, ')
     with pytest.raises(ValueError, match=r"run/config.json is not valid JSON .* checkpoint's copy"):
-        runfolder.check_output_dir(tmp_path / "run")
+        runfolder.read_config(tmp_path / "run")
     (tmp_path / "run" / "config.json").write_text(json.dumps({"seed": 3}))
-    assert runfolder.check_output_dir(tmp_path / "run") == {"seed": 3}
+    runfolder.check_output_dir(tmp_path / "run")
+    assert runfolder.read_config(tmp_path / "run") == {"seed": 3}
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
