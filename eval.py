@@ -257,9 +257,16 @@ def main(argv=None, load_sharded=None):
     import checkpoint
     import data
     import models
+    import runfolder
     import sampling
 
     checkpoints = checkpoint.find_checkpoints(args.checkpoint) if args.checkpoint else []
+    problems = {path: runfolder.checkpoint_problem(path) for path in checkpoints}  # a file empty or cut short
+    for path in [path for path in checkpoints if problems[path]]:
+        print(f"skipping {path}: {problems[path]}", file=sys.stderr)
+    checkpoints = [path for path in checkpoints if not problems[path]]
+    if args.checkpoint and not checkpoints:
+        raise ValueError(f"{args.checkpoint}: no readable checkpoint")
     sharded = [path for path in checkpoints if checkpoint.is_sharded(path)]
     if sharded and load_sharded is None:
         raise ValueError(f"{sharded[0]} was written by several processes (dcp/): evaluate it with "
@@ -339,5 +346,5 @@ def main(argv=None, load_sharded=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError) as error:  # bad flags, paths, data: a message, not a traceback
+    except (ValueError, OSError) as error:  # bad flags, paths, data, the disk: a message, not a traceback
         sys.exit(f"eval.py: error: {error}")

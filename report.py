@@ -304,8 +304,7 @@ def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_c
     if not enabled:
         yield io.StringIO(), (lambda record: None)
         return
-    if first_step:
-        drop_completions_after(run_dir, first_step - 1)
+    drop_completions_after(run_dir, first_step - 1)  # a new run (0) in a folder whose run started over: every file
     with checkpoint.open_metrics_log(run_dir, keep_bytes) as log:
         send, close = (lambda record: None), (lambda: None)
         if report_to == "tensorboard":

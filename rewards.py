@@ -21,6 +21,7 @@ options), filled by `@register_reward`: train.py computes every registered term,
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -156,7 +157,9 @@ def parse_reward_weights(spec):
         try:
             weights[name] = float(value) if value != "" else 1.0
         except (TypeError, ValueError):
-            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
+            weights[name] = math.nan
+        if not math.isfinite(weights[name]):
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number (finite): {value!r}")
     return weights
 
 

@@ -30,6 +30,7 @@ import models
 import pods
 import report
 import rewards
+import runfolder
 import sampling
 import update
 
@@ -177,6 +178,8 @@ def load(args, processes):
                   system_prompt=args.system_prompt or data.SYSTEM_PROMPT)
     train_set = data.build_prompt_set(args.dataset, "train", tokenizer, num_rows=args.num_train_rows,
                                       max_prompt_tokens=args.max_prompt_tokens, **common)
+    if args.prompts_per_step > len(train_set):  # a step would repeat prompts (a typo's count: fill the memory)
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} exceeds the {len(train_set)} training prompts")
     eval_set = data.build_prompt_set(args.dataset, "test", tokenizer, num_rows=args.eval_samples,
                                      **common) if args.eval_samples else []
     torch.manual_seed(args.seed)  # LoRA initialisation; right here, as imports above may draw random numbers
@@ -213,27 +216,41 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes):
 
 
 def resume(run_dir, model, optimizer, args, processes):
-    """The TrainerState of the run's latest checkpoint, with model, optimizer and RNG restored."""
-    path = checkpoint.latest_checkpoint(run_dir)
+    """The TrainerState of the run's newest readable checkpoint, with model, optimizer and RNG restored."""
+    path, skipped = runfolder.newest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: no readable checkpoint in {run_dir}: " + "; ".join(why for _, why in skipped))
     state = checkpoint.TrainerState.from_saved(processes.load_checkpoint(path, model, optimizer))
     update.set_hyperparameters(optimizer, args.learning_rate, args.weight_decay)  # this run's flags win
     if processes.is_main:
+        for passed, why in skipped:
+            print(f"passed over {passed}: {why}", file=sys.stderr)
         print(f"resumed {path} (step {state.step}, {state.elapsed_s:.0f} s of training)")
     return state
 
 
 def train(args, processes=OneProcess()):
-    """The training run described by `args` (config.parse_args); returns the run directory."""
+    """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder."""
     run_dir = config.run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    run_config = dict(vars(args), label=config.method_label(args), output_dir=str(run_dir))
+    with runfolder.folder_lock(run_dir) if processes.is_main else contextlib.nullcontext():  # one writer
+        return run(args, run_dir, processes)
+
+
+def run(args, run_dir, processes):
+    """The run in its folder: load, resume or start, then step, log, evaluate and checkpoint until the budget ends."""
     if processes.is_main:
-        (run_dir / "config.json").write_text(json.dumps(run_config, indent=1))
-        print(report.start_line(run_config["label"], args, run_dir), flush=True)
+        print(report.start_line(config.method_label(args), args, run_dir), flush=True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
+    changed_now = args.changes[-1] if args.changes and args.changes[-1]["step"] is None else None
+    if changed_now:  # what this resume changed (config.RECORDED_AT_RESUME), at the step it continues from
+        changed_now["step"] = state.step
+    run_config = dict(vars(args), label=config.method_label(args), output_dir=str(run_dir))
+    if processes.is_main:  # strict JSON: config.parse_args lets no NaN or inf through
+        checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
     step_s, accuracy, stop = 0.0, None, None
     last_checkpoint_s = state.elapsed_s
@@ -241,13 +258,19 @@ def train(args, processes=OneProcess()):
     def save():
         nonlocal saved, last_checkpoint_s
         state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
-        processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
+        with runfolder.disk_full_said(run_dir, runfolder.checkpoint_bytes(model, optimizer)):
+            processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
         saved, last_checkpoint_s = (state.step, state.evaluated_step), state.elapsed_s
+
+    def signalled_stop():  # the signal that reached some process (every process stops at the same point), or None
+        return signalled.get("signal", signal.SIGTERM) if processes.total(len(signalled)) else None
 
     with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
                              first_step=state.step + 1 if args.resume else 0, run_config=run_config,
                              enabled=processes.is_main) as (log, write), stop_on_signal() as signalled:
-        if eval_set and state.step == 0:
+        if changed_now:
+            write(dict(type="resume", **changed_now))
+        if eval_set and state.step == 0 and state.evaluated_step != 0:  # a stop after it saved it already
             if processes.is_main:
                 print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
@@ -256,8 +279,8 @@ def train(args, processes=OneProcess()):
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
                 not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):
-            if processes.total(len(signalled)):  # a signal reached some process: every process stops here
-                stop = signalled.get("signal", signal.SIGTERM)
+            stop = signalled_stop()
+            if stop is not None:
                 break
             step_start = time.perf_counter()
             rounds = []  # G = --grad-accum-steps prompt lists, from the seeded order (exact resume)
@@ -282,8 +305,10 @@ def train(args, processes=OneProcess()):
             bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}",
                             t=f"{state.elapsed_s:.0f}s")
         bar.close()
+        stop = stop or signalled_stop()  # a signal during the last step: stopped as during any other
         if eval_set and state.evaluated_step != state.step and stop is None:
             evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
+            stop = signalled_stop()  # ... or during the final evaluation
         if (args.checkpoint_interval_s >= 0 or stop) and saved != (state.step, state.evaluated_step):
             save()  # the final state, unless saved already
     if stop is not None:
@@ -306,5 +331,5 @@ if __name__ == "__main__":
                  "e.g. torchrun --nproc-per-node 8 -m multigpu --preset e")
     try:
         main()
-    except (ValueError, FileNotFoundError, update.TrainingError, data.HubUnavailable) as error:  # one line
+    except (ValueError, OSError, update.TrainingError, data.HubUnavailable) as error:  # one line (OSError: the disk)
         sys.exit(f"train.py: error: {error}")
