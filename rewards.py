@@ -157,9 +157,9 @@ def parse_reward_weights(spec):
         try:
             weights[name] = float(value) if value != "" else 1.0
         except (TypeError, ValueError):
-            weights[name] = math.nan
-        if not math.isfinite(weights[name]):
-            raise ValueError(f"--reward-weights: weight of {name!r} is not a number (finite): {value!r}")
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
+        if not math.isfinite(weights[name]):  # nan or inf would reach the loss and config.json
+            raise ValueError(f"--reward-weights: weight of {name!r} must be finite, got {value!r}")
     return weights
 
 
