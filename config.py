@@ -131,6 +131,9 @@ def build_parser():
     add("--mask-truncated", action=argparse.BooleanOptionalAction, default=False,
         help="completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
     add("--kl-coef", type=float, default=0.0, help="KL beta (needs LoRA: the reference is the adapter switched off)")
+    add("--importance-sampling-correction", choices=grpo_loss.IS_CORRECTIONS, default="none", help="tis: weight each "
+        "token's policy gradient by min(pi_old / pi_sampler, --is-clip); mask: drop tokens above it; none: the paper")
+    add("--is-clip", type=float, default=2.0, help="the importance ratio's cap (TRL's and verl's default: 2)")
     add = parser.add_argument_group("optimizer").add_argument
     add("--learning-rate", "--lr", type=float)
     add("--weight-decay", type=float, default=0.0)
@@ -139,6 +142,8 @@ def build_parser():
     add = parser.add_argument_group("generation").add_argument
     add("--temperature", type=float)
     add("--top-p", type=float, default=1.0)
+    add("--backend", choices=sampling.BACKENDS[1:], help="engine: the decode engine, any failure or log-prob gap an "
+        "error; hf: generate(); default: the engine, falling back when it fails (docs/generation.md)")
     add("--generation-copy", action=argparse.BooleanOptionalAction, default=None,
         help="decode from a copy of the weights with LoRA merged in (plain GEMMs, CUDA graphs); default: on, except "
              "with --load-in-4bit, where the bf16 copy costs ~2 bytes per base parameter (5.5 GB for a 3B model)")
@@ -217,8 +222,10 @@ def check_args(args, restarted=False):
     if args.rule == "none" and args.update_size != args.num_rollouts:
         raise ValueError(f"rule 'none' (plain GRPO) trains on every rollout: needs m == n, got m = "
                          f"{args.update_size}, n = {args.num_rollouts}; pick a PODS rule or set m = n")
-    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1:
-        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0 and 0 < --top-p <= 1")
+    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1 \
+            or not args.is_clip >= 1:
+        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0, 0 < --top-p <= 1 and "
+                         "--is-clip >= 1")
     for name in ("num_train_rows", "lora_alpha"):  # optional counts
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -273,6 +280,7 @@ def _check_variant_flags(args):
         # Clip-higher (DAPO) widens the upper bound only; a narrower one clips the ratio of every improving token.
         raise ValueError(f"--clip-eps-high {args.clip_eps_high} must be >= --clip-eps {args.clip_eps} (clip-higher "
                          "only widens the upper clip; leave it unset for the symmetric clip)")
+
     if args.selection_scope == "batch" and args.rule != "max_variance":
         raise ValueError(f"incompatible flags: --selection-scope batch is the max-variance rule across prompts; "
                          f"it needs --rule max_variance, got --rule {args.rule}")
@@ -311,7 +319,9 @@ def method_label(args):
     variants = [f"{args.loss_aggregation} loss", f"{args.scale_rewards} std", f"{args.selection_scope} scope",
                 f"clip-high {args.clip_eps_high:g}" if args.clip_eps_high not in (None, args.clip_eps) else "",
                 "truncated masked" if args.mask_truncated else "",
-                "zero-variance dropped" if args.drop_zero_variance else ""]
+                "zero-variance dropped" if args.drop_zero_variance else "",
+                f"IS {args.importance_sampling_correction} {args.is_clip:g}" * (args.importance_sampling_correction
+                                                                                  != "none")]
     variants = [v for v in variants if v not in ("", "sequence loss", "group std", "prompt scope")]  # the paper's
     return label + (" + " + ", ".join(variants) if variants else "")
 
@@ -336,6 +346,7 @@ def generation_settings(args, **overrides):
     cuda = str(args.device).startswith("cuda")
     settings = dict(max_new_tokens=args.max_completion_tokens, temperature=args.temperature, top_p=args.top_p,
                     rollout_batch_size=args.rollout_batch_size, generation_copy=args.generation_copy,
+                    backend=args.backend,
                     cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0)
     return sampling.GenerationSettings(**dict(settings, **overrides))
 
@@ -347,4 +358,5 @@ def update_settings(args):
         kl_coef=args.kl_coef, updates_per_batch=args.updates_per_batch, max_grad_norm=args.max_grad_norm,
         autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1], clip_eps_high=args.clip_eps_high,
         loss_aggregation=args.loss_aggregation, max_completion_tokens=args.max_completion_tokens,
-        mask_truncated=args.mask_truncated)
+        mask_truncated=args.mask_truncated, importance_sampling=args.importance_sampling_correction,
+        is_clip=args.is_clip)

@@ -12,7 +12,10 @@ additional updates on the same batch.
 
 Variants (defaults = the paper): `aggregation` "sequence" (above), "token" (DAPO: sum over all kept
 tokens / their number) or "fixed" (Dr. GRPO: sum / (rows x max completion tokens)); clip-higher (DAPO:
-ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit.
+ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit;
+`token_weights` (`importance_weights`: truncated importance sampling, as TRL's vLLM correction and verl's
+rollout_is) multiplies each token's policy-gradient term by min(pi_old / pi_sampler, C) ("tis") or drops the
+tokens whose ratio exceeds C ("mask"; a dropped token still counts in the "token" denominator).
 The trainer accumulates micro-batches, so "token" and "fixed" must normalise over the whole update batch:
 `grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
 
@@ -27,6 +30,7 @@ from torch import Tensor
 _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
 
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
+IS_CORRECTIONS = ("none", "tis", "mask")
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -99,6 +103,17 @@ def mask_truncated(completion_mask: Tensor, truncated: Tensor) -> Tensor:
     return completion_mask.masked_fill(truncated[:, None].to(completion_mask.device), 0)
 
 
+def importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, correction: str, clip: float) -> Tensor:
+    """Detached per-token weights [B, C] of the policy-gradient term for rollouts sampled by another sampler than
+    pi_old: ratio = exp(old - sampler); "tis": min(ratio, clip); "mask": 1 where ratio <= clip, else 0."""
+    if correction not in IS_CORRECTIONS[1:]:
+        raise ValueError(f"importance sampling correction must be one of {IS_CORRECTIONS[1:]}, got {correction!r}")
+    if not clip >= 1:
+        raise ValueError(f"the importance ratio's clip must be >= 1, got {clip}")
+    ratio = torch.exp(old_logprobs.detach().float() - sampler_logprobs.float())
+    return ratio.clamp(max=clip) if correction == "tis" else (ratio <= clip).float()
+
+
 def _check_aggregation(aggregation: str) -> None:
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
@@ -149,6 +164,7 @@ def grpo_loss_sum(
     *,
     clip_eps_high: float | None = None,
     aggregation: str = "sequence",
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Numerator of the loss of these rows: divide by `loss_denominator` of the whole update batch.
 
@@ -156,12 +172,14 @@ def grpo_loss_sum(
     sum_it loss_it (they differ only in the denominator). Micro-batches therefore accumulate exactly:
     sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) = the full-batch loss.
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO clip-higher; None = clip_eps).
-    Metrics: token means over this call's kept tokens, see `grpo_loss`.
+    token_weights [B, C] (`importance_weights`) multiply each token's policy-gradient term, not its KL term.
+    Metrics: token means over this call's kept tokens, see `grpo_loss` (plus "importance_weight_mean").
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, C], got shape {tuple(logprobs.shape)}")
     same_shape = {
-        "old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs
+        "old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs,
+        "token_weights": token_weights,
     }
     for name, t in same_shape.items():
         if t is not None and t.shape != logprobs.shape:
@@ -192,6 +210,8 @@ def grpo_loss_sum(
     ratio = torch.exp(logp - tokens(old_logprobs))
     clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_high)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if token_weights is not None:
+        per_token = per_token * tokens(token_weights.detach())
     if ref_logprobs is not None:
         log_ref_ratio = tokens(ref_logprobs) - logp
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
@@ -217,6 +237,8 @@ def grpo_loss_sum(
             "ratio_mean": masked_mean(ratio),
             "kl": masked_mean(kl) if ref_logprobs is not None else 0.0,
         }
+        if token_weights is not None:
+            metrics["importance_weight_mean"] = masked_mean(tokens(token_weights))
     return loss_sum, metrics
 
 
@@ -232,6 +254,7 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     aggregation: str = "sequence",
     max_completion_tokens: int | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO loss -J of one whole batch (see module docstring) and TRL-named metrics.
 
@@ -248,6 +271,6 @@ def grpo_loss(
     """
     loss_sum, metrics = grpo_loss_sum(
         logprobs, old_logprobs, advantages, completion_mask, clip_eps, ref_logprobs, kl_coef,
-        clip_eps_high=clip_eps_high, aggregation=aggregation,
+        clip_eps_high=clip_eps_high, aggregation=aggregation, token_weights=token_weights,
     )
     return loss_sum / max(loss_denominator(completion_mask, aggregation, max_completion_tokens), 1), metrics

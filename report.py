@@ -58,6 +58,8 @@ class ScoredRound:
     prompts: list                # [P] rendered prompt texts
     answers: list                # [P] reference answers
     texts: list                  # [P*n] completions
+    sampler_ratios: torch.Tensor | None = None  # [P*n] mean pi / pi_sampler over a kept rollout's tokens (NaN: not
+                                                # kept); set by train_step after the update
 
     @classmethod
     def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped):
@@ -67,7 +69,8 @@ class ScoredRound:
         advantages[kept_rows] = kept_advantages.float()
         return cls(rewards, per_func, kept_rows, advantages, zero_variance_dropped, rollouts.lengths,
                    rollouts.truncated, int(rollouts.prompt_mask.sum()) * rewards.shape[1],
-                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts))
+                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts),
+                   torch.full((rewards.numel(),), math.nan))
 
 
 @contextlib.contextmanager
@@ -100,6 +103,8 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
                     "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
                     float(torch.cat([s.truncated for s in scored]).float().mean())})
     metrics.update(result.token_means)
+    if result.sampler_gap is not None:  # the sampler's log-probs against the update's (rollout_check.py)
+        metrics.update(result.sampler_gap.metrics())
     step_tokens = sum(s.prompt_tokens + int(s.lengths.sum()) for s in scored)
     masked = sum(int(s.truncated[s.kept_rows].sum()) for s in scored) if mask_truncated else 0
     metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
@@ -164,7 +169,9 @@ def completions_record(step, scored):
                              "rewards": {name: _finite_or_none(values[r])
                                          for name, values in scored_round.per_func.items()},
                              "length": int(scored_round.lengths[r]), "truncated": bool(scored_round.truncated[r]),
-                             "kept": bool(kept[r]), "advantage": _finite_or_none(scored_round.advantages[r])})
+                             "kept": bool(kept[r]), "advantage": _finite_or_none(scored_round.advantages[r]),
+                             "sampler_ratio": None if scored_round.sampler_ratios is None else
+                             _finite_or_none(scored_round.sampler_ratios[r])})
     return {"type": "completions", "name": f"step_{step:06d}", "step": step, "rows": rows}
 
 

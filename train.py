@@ -30,6 +30,7 @@ import models
 import pods
 import report
 import rewards
+import rollout_check
 import sampling
 import update
 
@@ -137,7 +138,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
     generation, settings = config.generation_settings(args), config.update_settings(args)
-    scored, batches = [], []
+    scored, batches, backends = [], [], set()
     with processes.full_weights(model):
         for round_index, examples in enumerate(rounds):
             examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size)
@@ -145,6 +146,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
             with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
                 rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples],
                                                       args.num_rollouts, generation, seed, first_chunk)
+            backends.add(rollouts.backend)
             with report.timed(costs, "reward_s"):
                 reward_matrix, per_func = score(rollouts, examples, args)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
@@ -160,9 +162,18 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
         result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
+    for scored_round, ratios in zip(scored, result.sampler_ratios or []):  # for the completions log
+        scored_round.sampler_ratios[scored_round.kept_rows] = ratios
     costs["peak_mem_gib"] = update.peak_memory_gib(args.device)
     scored, result, costs = processes.merged((scored, result, costs))
-    return report.step_metrics(scored, result, optimizer, costs, args.mask_truncated), scored
+    metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
+    # Did the rollouts come from the policy? The update's log-probs against the sampler's (rollout_check.py).
+    metrics["sampler/engine"] = float("hf" not in backends)
+    fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
+    if result.sampler_gap is not None and (fallback := rollout_check.check(model, result.sampler_gap, fast,
+                                                                           args.backend, f"step {step}")):
+        metrics["sampler/fallback"] = fallback
+    return metrics, scored
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -229,7 +240,7 @@ def train(args, processes=OneProcess()):
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
-    step_s, accuracy, stop = 0.0, None, None
+    step_s, accuracy, stop, fallback = 0.0, None, None, None
     last_checkpoint_s = state.elapsed_s
 
     def save():
@@ -260,6 +271,7 @@ def train(args, processes=OneProcess()):
             metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes)
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
+            fallback = metrics.get("sampler/fallback", fallback)
             if args.log_completions_interval and state.step % args.log_completions_interval == 0:
                 write(report.completions_record(state.step, scored))  # what PODS kept, and with what advantage
             if state.nonfinite_streak >= NONFINITE_STOP:
@@ -284,7 +296,8 @@ def train(args, processes=OneProcess()):
                   f"with --output-dir {run_dir} --resume", file=sys.stderr)
         raise Stopped(128 + stop)
     if processes.is_main:
-        print(f"done: {state.step} steps, {state.elapsed_s:.0f} s of training -> {run_dir}")
+        print(f"done: {state.step} steps, {state.elapsed_s:.0f} s of training -> {run_dir}"
+              + (f" (rollouts fell back to Hugging Face generate(): {fallback})" if fallback else ""))
     return run_dir
 
 
@@ -298,5 +311,6 @@ if __name__ == "__main__":
                  "e.g. torchrun --nproc-per-node 8 -m multigpu --preset e")
     try:
         main()
-    except (ValueError, FileNotFoundError, update.TrainingError, data.HubUnavailable) as error:  # one line
+    except (ValueError, FileNotFoundError, update.TrainingError, data.HubUnavailable,
+            sampling.SamplerError) as error:  # one line
         sys.exit(f"train.py: error: {error}")

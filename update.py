@@ -30,6 +30,7 @@ import torch
 
 import grpo_loss
 import models
+import rollout_check
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
@@ -50,6 +51,7 @@ class UpdateBatch:
     truncated: torch.Tensor         # [B] bool, no EOS within the completion budget
     old_logprobs: torch.Tensor | None = None  # [B, C] (fill_logprobs, mu > 1)
     ref_logprobs: torch.Tensor | None = None  # [B, C] (fill_logprobs, kl_coef > 0)
+    sampler_logprobs: torch.Tensor | None = None  # [B, C] the sampler's (sampling.Rollouts), checked every step
 
 
 @dataclass
@@ -65,6 +67,8 @@ class UpdateSettings:
     loss_aggregation: str = "sequence"  # grpo_loss.LOSS_AGGREGATIONS; "sequence" is the paper's
     max_completion_tokens: int | None = None  # the generation limit: the "fixed" aggregation's denominator
     mask_truncated: bool = False        # rows that hit the length limit contribute no loss
+    importance_sampling: str = "none"   # grpo_loss.IS_CORRECTIONS: reweight by pi_old / pi_sampler (off: the paper)
+    is_clip: float = 2.0                # the ratio's cap ("tis") or the ratio above which a token drops ("mask")
 
 
 @dataclass
@@ -76,6 +80,8 @@ class UpdateMetrics:
     optimizer_steps: int        # optimizer steps taken
     skipped_steps: int          # optimizer steps not taken: non-finite loss or gradient norm
     tokens: int = 0             # kept tokens the token means are over (this process; merged across processes)
+    sampler_gap: rollout_check.SamplerGap | None = None  # the sampler's log-probs vs this update's (first pass)
+    sampler_ratios: list | None = None  # per batch, [B] each kept row's mean pi / pi_sampler (NaN: no tokens)
 
 
 @dataclass
@@ -88,6 +94,7 @@ class MicroBatch:
     advantages: torch.Tensor        # [b]
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
+    sampler_logprobs: torch.Tensor | None = None
 
     @property
     def width(self):
@@ -121,9 +128,10 @@ def kept_batch(rollouts, kept, advantages):
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_prompts * n):
         raise ValueError(f"kept rows must lie in [0, P*n = {num_prompts * n})")
     prompt_rows = rollouts.prompt_index[rows]
+    sampler = None if rollouts.sampler_logprobs is None else rollouts.sampler_logprobs[rows]
     return UpdateBatch(rollouts.prompt_ids[prompt_rows], rollouts.prompt_mask[prompt_rows],
                        rollouts.completion_ids[rows], rollouts.completion_mask[rows],
-                       advantages.flatten().float().cpu(), rollouts.truncated[rows])
+                       advantages.flatten().float().cpu(), rollouts.truncated[rows], sampler_logprobs=sampler)
 
 
 def loss_mask(batch, mask_truncated=False):
@@ -142,10 +150,10 @@ def micro_batches(batch, size, device, mask_truncated=False):
         width = max(1, int(batch.completion_mask[rows].sum(1).max()))
         input_ids = torch.cat([batch.prompt_ids[rows, -prompt_width:], batch.completion_ids[rows, :width]], 1)
         attention_mask = torch.cat([batch.prompt_mask[rows, -prompt_width:], batch.completion_mask[rows, :width]], 1)
-        old, ref = (None if logprobs is None else logprobs[rows, :width].to(device)
-                    for logprobs in (batch.old_logprobs, batch.ref_logprobs))
+        old, ref, sampler = (None if logprobs is None else logprobs[rows, :width].to(device)
+                             for logprobs in (batch.old_logprobs, batch.ref_logprobs, batch.sampler_logprobs))
         yield MicroBatch(rows, input_ids.to(device), attention_mask.to(device),
-                         mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref)
+                         mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref, sampler)
 
 
 def _compute(settings, device):
@@ -185,9 +193,11 @@ def micro_batch_loss(logprobs, micro, settings):
     """(the micro-batch's loss numerator, grpo_loss metrics): divided by `loss_normaliser` it adds up to the
     step's loss. mu == 1 and no old log-probs: pi_old = pi, so the ratio is 1 with no extra forward pass."""
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+    weights = None if settings.importance_sampling == "none" else grpo_loss.importance_weights(
+        old, micro.sampler_logprobs, settings.importance_sampling, settings.is_clip)
     return grpo_loss.grpo_loss_sum(logprobs, old, micro.advantages, micro.completion_mask, settings.clip_eps,
                                    micro.ref_logprobs, settings.kl_coef, clip_eps_high=settings.clip_eps_high,
-                                   aggregation=settings.loss_aggregation)
+                                   aggregation=settings.loss_aggregation, token_weights=weights)
 
 
 def loss_denominator(batches, settings):
@@ -212,6 +222,10 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
+    if settings.importance_sampling != "none" and any(batch.sampler_logprobs is None for batch in batches):
+        raise ValueError("importance sampling correction needs the sampler's log-probs (sampling.Rollouts)")
+    checked = all(batch.sampler_logprobs is not None for batch in batches)
+    gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan) for batch in batches]
     device = next(model.parameters()).device
     normaliser = max(denominator, 1)  # no kept token: the numerators are 0 too
     params = [p for p in model.parameters() if p.requires_grad]
@@ -221,9 +235,14 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
-            for batch in batches:
+            for batch, batch_ratios in zip(batches, ratios):
                 for micro in micro_batches(batch, settings.micro_batch_size, device, settings.mask_truncated):
-                    loss_sum, metrics = micro_batch_loss(_logprobs(model, micro, settings, device), micro, settings)
+                    logprobs = _logprobs(model, micro, settings, device)
+                    if checked and not losses:  # the policy before its first optimizer step: the one that sampled
+                        gap = gap + rollout_check.SamplerGap.of(logprobs, micro.sampler_logprobs, micro.completion_mask)
+                        batch_ratios[micro.rows] = rollout_check.row_mean_ratios(
+                            logprobs, micro.sampler_logprobs, micro.completion_mask).cpu()
+                    loss_sum, metrics = micro_batch_loss(logprobs, micro, settings)
                     scaled = loss_sum / normaliser
                     scaled.backward()
                     loss += scaled.item()
@@ -243,7 +262,8 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     mu = settings.updates_per_batch
     return UpdateMetrics(loss=sum(losses) / mu, grad_norm=sum(grad_norms) / mu,
                          token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
-                         rows=rows, optimizer_steps=mu - skipped, skipped_steps=skipped, tokens=token_count // mu)
+                         rows=rows, optimizer_steps=mu - skipped, skipped_steps=skipped, tokens=token_count // mu,
+                         sampler_gap=gap if checked else None, sampler_ratios=ratios if checked else None)
 
 
 def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw"):

@@ -205,5 +205,5 @@ def test_the_decode_engine_decodes_fsdp_weights_eagerly_and_as_the_plain_model_d
             actual = sampling.sample_completions(sharded, *prompt, **sample)
     finally:
         dist.destroy_process_group()
-    for got, want in zip(actual, expected):
+    for got, want in zip(actual[:4], expected[:4]):   # ids, mask, truncated, sampler log-probs
         assert torch.equal(got, want)
