@@ -47,8 +47,9 @@ class SamplerGap:
         delta = (trainer_logprobs.detach().float() - sampler_logprobs.to(trainer_logprobs.device).float())[keep]
         if delta.numel() == 0:
             return cls()
-        return cls(int(delta.numel()), float(delta.abs().sum()), float((delta.exp() - delta - 1).sum()),
-                   float(delta.abs().max()), float(delta.exp().max()))
+        k3 = (delta.exp() - delta - 1).clamp(min=0)   # >= 0 exactly; float rounding can dip below
+        return cls(int(delta.numel()), float(delta.abs().sum()), float(k3.sum()), float(delta.abs().max()),
+                   float(delta.exp().max()))
 
     def __add__(self, other):
         return SamplerGap(self.tokens + other.tokens, self.abs_sum + other.abs_sum, self.kl_sum + other.kl_sum,

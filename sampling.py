@@ -99,7 +99,7 @@ def completion_mask_after_eos(completion_ids, eos_ids):
 
 
 _WARNED = set()
-_FALLBACKS = weakref.WeakKeyDictionary()   # model -> the backend it fell back to ("eager" or "hf")
+_FALLBACKS = weakref.WeakKeyDictionary()   # model -> (the backend it fell back to: "eager" or "hf", why)
 
 
 def resolve_backend(model, backend, cache_len=0):
@@ -117,14 +117,19 @@ def resolve_backend(model, backend, cache_len=0):
             _WARNED.add(reason)
             warnings.warn(f"decode engine: {reason}; generating with Hugging Face generate() instead")
         return "hf"
-    return "engine" if backend == "engine" else _FALLBACKS.get(model, "engine")
+    return "engine" if backend == "engine" else _FALLBACKS.get(model, ("engine",))[0]
 
 
 def fall_back(model, backend, reason):
     """From now on `model` generates with `backend` ("eager" or "hf") unless a call asks for "engine"; one
     warning line with the reason."""
-    _FALLBACKS[model] = backend
+    _FALLBACKS[model] = (backend, reason)
     warnings.warn(f"{reason}; generating with {BACKEND_NAMES[backend]} from now on")
+
+
+def fallback_reason(model):
+    """Why `model` no longer generates with the decode engine (`fall_back`), or None."""
+    return _FALLBACKS.get(model, (None, None))[1]
 
 
 def after_engine_error(model, backend, error, requested):
@@ -135,7 +140,7 @@ def after_engine_error(model, backend, error, requested):
         raise SamplerError(f"{what}, and --backend engine allows no fallback; leave --backend unset to fall back "
                            "to eager decoding, then Hugging Face generate()") from error
     fall_back(model, "eager" if backend == "engine" else "hf", what)
-    return _FALLBACKS[model]
+    return _FALLBACKS[model][0]
 
 
 def check_settings(settings, n=1):

@@ -240,7 +240,7 @@ def train(args, processes=OneProcess()):
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
-    step_s, accuracy, stop, fallback = 0.0, None, None, None
+    step_s, accuracy, stop = 0.0, None, None
     last_checkpoint_s = state.elapsed_s
 
     def save():
@@ -271,7 +271,6 @@ def train(args, processes=OneProcess()):
             metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes)
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
-            fallback = metrics.get("sampler/fallback", fallback)
             if args.log_completions_interval and state.step % args.log_completions_interval == 0:
                 write(report.completions_record(state.step, scored))  # what PODS kept, and with what advantage
             if state.nonfinite_streak >= NONFINITE_STOP:
@@ -297,7 +296,8 @@ def train(args, processes=OneProcess()):
         raise Stopped(128 + stop)
     if processes.is_main:
         print(f"done: {state.step} steps, {state.elapsed_s:.0f} s of training -> {run_dir}"
-              + (f" (rollouts fell back to Hugging Face generate(): {fallback})" if fallback else ""))
+              + (f"; the decode engine was left: {sampling.fallback_reason(model)}" if sampling.fallback_reason(model)
+                 else ""))
     return run_dir
 
 
