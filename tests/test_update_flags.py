@@ -59,6 +59,11 @@ def direct_update(model, batch, args):
         if args.kl_coef > 0:
             with model.disable_adapter():
                 ref = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
+    weights = None
+    if args.importance_sampling_correction != "none":   # per token, from the definitions (TRL, verl)
+        ratio = torch.exp(old - batch.sampler_logprobs)
+        weights = torch.minimum(ratio, torch.tensor(args.is_clip)) if args.importance_sampling_correction == "tis" \
+            else torch.where(ratio > args.is_clip, 0.0, 1.0)
     losses = []
     for _ in range(args.updates_per_batch):
         for p in params:
@@ -66,7 +71,7 @@ def direct_update(model, batch, args):
         logprobs = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
         loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, args.clip_eps, ref, args.kl_coef,
                                       clip_eps_high=args.clip_eps_high, aggregation=args.loss_aggregation,
-                                      max_completion_tokens=args.max_completion_tokens)
+                                      max_completion_tokens=args.max_completion_tokens, token_weights=weights)
         loss.backward()
         norm = float(torch.cat([p.grad.flatten() for p in params]).norm())
         scale = min(1.0, args.max_grad_norm / (norm + 1e-6)) if args.max_grad_norm > 0 else 1.0
@@ -116,6 +121,15 @@ def stale_batch(model, args):
     return batch
 
 
+def offpolicy_batch(model, args):
+    """Rollouts from another sampler: its log-probs = the policy's + noise, so that pi / pi_sampler exceeds 2 on
+    some tokens and not on others."""
+    batch = varied_batch(6, seed=1)
+    batch.sampler_logprobs = stale_logprobs(model, batch, args.temperature) + 0.5 * torch.randn(
+        batch.completion_ids.shape, generator=torch.Generator().manual_seed(3))
+    return batch
+
+
 def assert_same_update(actual, expected):
     loss, gradient, weights = actual
     torch.testing.assert_close(gradient, expected[1], rtol=1e-4, atol=2e-5)  # mu steps of lr 0.5 widen rounding
@@ -147,6 +161,13 @@ UPDATE_FLAG_CASES = [  # (flags, the flags they are compared with (power), batch
     (["--max-grad-norm", "0"], [], fresh_batch),
     (["--mu", "3"], [], fresh_batch),
     (["--updates-per-batch", "2"], [], stale_batch),
+    (["--importance-sampling-correction", "tis"], [], offpolicy_batch),
+    (["--importance-sampling-correction", "tis", "--is-clip", "1.5"], ["--importance-sampling-correction", "tis"],
+     offpolicy_batch),
+    (["--importance-sampling-correction", "mask"], [], offpolicy_batch),
+    (["--importance-sampling-correction", "mask", "--is-clip", "1.5"], ["--importance-sampling-correction", "mask"],
+     offpolicy_batch),
+    (["--importance-sampling-correction", "tis", "--mu", "2"], ["--mu", "2"], offpolicy_batch),
     (["--clip-eps", "0.15", "--clip-eps-high", "0.25", "--kl-coef", "0.2", "--loss-aggregation", "token",
       "--mask-truncated", "--temperature", "0.8", "--max-grad-norm", "0.5", "--mu", "2"], [], stale_batch),
 ]
@@ -166,3 +187,20 @@ def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_o
     restore(model, weights)
     without = direct_update(model, batch_of(model, flag_args(*baseline)), flag_args(*baseline))
     assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
+
+
+@pytest.mark.parametrize("correction", ["tis", "mask"])
+def test_importance_sampling_does_nothing_when_the_sampler_is_exact(correction, flag_model):
+    """Sampler log-probs equal to the policy's: every ratio is 1 <= --is-clip, so tis and mask give the update of
+    the paper's objective exactly."""
+    model, weights = flag_model
+
+    def exact_batch(model, args):
+        batch = varied_batch(6, seed=1)
+        batch.sampler_logprobs = stale_logprobs(model, batch, args.temperature) - 0.3 * torch.randn(
+            batch.completion_ids.shape, generator=torch.Generator().manual_seed(7))   # the current log-probs
+        return batch
+
+    corrected, _ = run_both(model, weights, exact_batch, ["--importance-sampling-correction", correction])
+    plain, _ = run_both(model, weights, exact_batch, [])
+    assert_same_update(corrected, plain)
