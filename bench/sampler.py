@@ -9,8 +9,8 @@ the update computes them). In fp32 every correct path should agree to rounding; 
 CPU, for what a GPU run sees (its kernels round differently again). Planted faults, each on the engine:
 
   wrong temperature   the engine samples (and records) at 1.25 T
-  stale copy          the merged copy is not refreshed after an optimizer-sized change of the adapter (every B
-                      entry moved by the demo's learning rate, 5e-4, as Adam's first step moves it)
+  stale copy, k steps the merged copy is not refreshed while the adapter moves by k optimizer-sized steps (every
+                      B entry by k x the demo's learning rate, 5e-4: what Adam's first step moves it by)
   perturbed copy      Gaussian noise of 2% of each merged weight's std added to the copy
 
 --tiny: a 2-layer random model, random prompts (the code path only; tests/test_bench.py).
@@ -34,7 +34,7 @@ from bench.decode import perturb_adapters
 
 COLUMNS = ["precision", "sampler", "tokens", "logprob_diff_mean", "logprob_diff_max", "kl", "ratio_max",
            "falls_back"]
-FAULTS = ("wrong temperature", "stale copy", "perturbed copy")
+FAULTS = ("wrong temperature", "stale copy, 1 step", "stale copy, 20 steps", "perturbed copy")
 
 
 @contextlib.contextmanager
@@ -43,10 +43,10 @@ def planted(fault, model):
     generate, refresh = engine.generate, engine.weights.refresh_copies
     if fault == "wrong temperature":
         engine.generate = lambda *a, temperature, **k: generate(*a, temperature=1.25 * temperature, **k)
-    elif fault == "stale copy":
+    elif fault.startswith("stale copy"):
         engine.engine_for(model)   # the copy is made from the current adapter ...
         engine.weights.refresh_copies = lambda copies: None   # ... and never refreshed
-        step_adapter(model, 5e-4)
+        step_adapter(model, 5e-4 * int(fault.split(", ")[1].split()[0]))
     elif fault == "perturbed copy":
         def noisy(copies):
             refresh(copies)
@@ -78,7 +78,8 @@ def demo_policy(precision, tiny, seed):
     lora = dict(lora_rank=16, lora_alpha=32, lora_target_modules=models.DEFAULT_LORA_TARGETS)
     torch.manual_seed(seed)
     if tiny:
-        model = models.prepare_for_training(models.tiny_random_model("llama", seed=seed).to(dtype), **lora)
+        model = models.prepare_for_training(models.tiny_random_model("llama", vocab_size=1024, seed=seed).to(dtype),
+                                            **lora)
     else:
         model = models.load_policy(models.SMOLLM2_ALIAS, dtype=dtype, **lora)
     perturb_adapters(model, seed, std=0.02)
