@@ -133,7 +133,8 @@ def score(rollouts, examples, args):
 def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess()):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
-    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage)."""
+    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
+    log-probs check the sampler's (rollout_check.check: off-policy engine rollouts switch generation to HF)."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)

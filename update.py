@@ -17,6 +17,9 @@ deterministic policies. Full fine-tuning in bf16 keeps fp32 master weights and r
 bf16 autocast (`UpdateSettings.autocast_dtype`, see models.compute_dtypes): bf16 weights cannot hold updates of
 lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is not taken (its
 gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
+The sampler check (rollout_check.py): the first pass of `update_policy` (the policy that sampled) is compared
+with the sampler's log-probs of the kept tokens, at no extra forward pass (`UpdateMetrics.sampler_gap`); with
+`UpdateSettings.importance_sampling` its ratio also weights the loss (grpo_loss.importance_weights).
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
