@@ -14,7 +14,8 @@ that step are purged; W&B: a new run in the same project).
 The completions log shows the method's one decision, which m of the n rollouts it trains on (paper §3.2): for every
 --log-completions-interval-th step, <out>/completions/step_XXXXXX.jsonl holds each prompt once and each rollout with
 its completion, every reward function's value and the weighted total, length, truncation, whether the rule kept it,
-the advantage the loss used and its mean ratio pi / pi_sampler (rollout_check.py); eval_step_XXXXXX.jsonl holds a sample of each evaluation's completions and grades.
+the advantage the loss used and its mean ratio pi / pi_sampler (rollout_check.py); eval_step_XXXXXX.jsonl holds a
+sample of each evaluation's completions and grades.
 `show_rollouts` prints one prompt's rollouts sorted by reward (`python eval.py rollouts RUN`); TensorBoard gets the
 same as text, W&B as a table.
 `timed` is the one stopwatch of the project: a step's phases (train.py), the decode engine's prefill and decode

@@ -28,7 +28,6 @@ import engine.weights
 import models
 import rollout_check
 import sampling
-from bench import common
 from bench.common import print_header, print_row
 from bench.decode import perturb_adapters
 

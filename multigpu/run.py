@@ -79,8 +79,8 @@ class Processes(train.OneProcess):
 def merge_ranks(gathered):
     """[(rounds, update.UpdateMetrics, costs)] of every rank -> the same of the global batch: round g joins every
     rank's round g (tensors and lists concatenated, kept rows re-indexed, counts summed), rows summed, token means
-    token-weighted, sampler gaps summed (rollout_check.total), costs (timings, peak memory) the largest rank's. The loss (update_policy sums it over ranks),
-    the gradient norm and the step counts are global already."""
+    token-weighted, sampler gaps summed (rollout_check.total), costs (timings, peak memory) the largest rank's. The
+    loss (update_policy sums it over ranks), the gradient norm and the step counts are global already."""
     if len(gathered) == 1:
         return gathered[0]
     rounds = [merge_rounds(parts) for parts in zip(*(rank_rounds for rank_rounds, _, _ in gathered))]

@@ -143,7 +143,8 @@ def test_planted_faults_raise_the_gap_above_the_limit(fault, monkeypatch):
 
 def test_check_falls_back_to_hf_once_or_raises_with_backend_engine():
     model = eos_model()
-    healthy, broken = rollout_check.SamplerGap(10, 1e-5, 0.0, 1e-5, 1.0), rollout_check.SamplerGap(10, 5.0, 1.0, 2.0, 7.0)
+    healthy = rollout_check.SamplerGap(10, 1e-5, 0.0, 1e-5, 1.0)
+    broken = rollout_check.SamplerGap(10, 5.0, 1.0, 2.0, 7.0)
     assert rollout_check.check(model, healthy, "engine", None, "step 1") is None
     assert rollout_check.check(model, broken, "hf", None, "step 1") is None   # nothing to fall back to
     with pytest.raises(sampling.SamplerError, match=r"step 1: mean \|log-prob difference\| 0.5 > .*--backend engine"):
