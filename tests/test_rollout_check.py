@@ -2,7 +2,8 @@
 n > 1, left padding, EOS mid-batch, top-p < 1, chunks splitting a prompt's rollouts); planted faults (a wrong
 temperature inside the engine, a stale merged copy, a perturbed copy) raise the gap above the limit; a failing
 CUDA-graph recording falls back to eager decoding with the same tokens, a failing engine to Hugging Face generate();
---backend engine turns each fallback into an error; eval.py's guard. Whole training runs: tests/test_train_sampler.py.
+--backend engine turns each fallback into an error. Slow (-m slow): the real demo model in fp32. Whole training runs
+and eval.py's guard: tests/test_train_sampler.py.
 """
 
 import warnings
@@ -204,3 +205,22 @@ def test_an_engine_failing_eagerly_too_falls_back_to_hf(monkeypatch):
         " generating with the decode engine without CUDA graphs from now on",
         " generating with Hugging Face generate() from now on"]
     assert got[4] == "hf" and all(torch.equal(a, b) for a, b in zip(got[:4], expected[:4]))
+
+
+@pytest.mark.slow
+def test_the_real_demo_model_samples_on_policy_in_fp32(smollm2_tokenizer):
+    """SmolLM2-135M-Instruct with a LoRA adapter moved off zero, fp32, T = 0.9 and top-p 0.95: both backends' gaps
+    are float rounding, far below the limit (the bf16 figures are bench sampler's)."""
+    import data
+
+    model = models.load_policy(models.SMOLLM2_ALIAS, lora_rank=8, lora_alpha=16)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    prompts = [e.text for e in data.build_prompt_set("arithmetic", "train", smollm2_tokenizer, num_rows=3)]
+    for backend in ("engine", "hf"):
+        rollouts = sampling.generate_rollouts(model, smollm2_tokenizer, prompts, 2, GenerationSettings(
+            max_new_tokens=24, temperature=0.9, top_p=0.95, backend=backend))
+        gap = rollout_check.measure(model, rollouts, 0.9)
+        assert rollouts.backend == backend and gap.tokens > 50 and gap.mean < 1e-4 and gap.abs_max < 1e-3
