@@ -11,6 +11,7 @@ uses a cosine schedule with 10% warm-up).
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -67,6 +68,7 @@ BASELINES = {preset: dict(num_rollouts=n, update_size=n) for preset, n in
              {"demo": 4, "a": 16, "b": 8, "c": 16, "d": 16}.items()}
 BASELINES.update({preset: dict(num_rollouts=32, update_size=32, grad_accum_steps=16) for preset in "ef"})
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
+LOSS_FLAGS = [option for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["help"]]
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                  "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size")
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
@@ -81,7 +83,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser():
-    parser = OneLineParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.")
+    parser = OneLineParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.", epilog="Defaults not "
+                           "shown here come from --preset; --print-config prints every value a run would use.")
     add = parser.add_argument_group("preset").add_argument
     add("--preset", choices=sorted(PRESETS), default="demo",
         help="paper setting (a)-(d), (e)/(f) (full parameter, 8 GPUs: torchrun -m multigpu) or the CPU demo")
@@ -107,33 +110,27 @@ def build_parser():
     add = parser.add_argument_group("PODS / GRPO").add_argument
     add("--num-rollouts", "-n", type=int, help="rollouts generated per prompt (n)")
     add("--update-size", "-m", type=int, help="rollouts per prompt kept for the update (m <= n)")
-    add("--rule", choices=pods.RULES, help="down-sampling rule; 'none' (m = n) is plain GRPO")
+    add("--rule", choices=list(pods.RULES), help="down-sampling rule (pods.RULES); 'none' (m = n) is plain GRPO")
     add("--advantage-normalization", choices=pods.NORMALIZE_MODES, default="selected",
         help="selected: stats of the m kept rewards (paper); group: stats of all n")
     add("--scale-rewards", choices=pods.SCALE_MODES, default="group",
         help="divide advantages by the group std (paper), the batch std (TRL 'batch') or nothing (Dr. GRPO)")
     add("--selection-scope", choices=pods.SELECTION_SCOPES, default="prompt",
         help="prompt: m per prompt (paper); batch: m x P from each rollout batch of P prompts, balanced across "
-             "prompts (max_variance only, pods.select_across_prompts)")
+             f"prompts ({' or '.join(pods.batch_scope_rules())} only, pods.select_across_prompts)")
     add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
-    add("--reward-weights", default=DEFAULT_REWARD_WEIGHTS,
-        help="name=weight for every reward function (paper: 1/1/1; weight 0 logs a reward without training on it)")
+    add("--reward-weights", default="",
+        help=f"name=weight for the reward terms whose weight changes; the others keep theirs "
+             f"({DEFAULT_REWARD_WEIGHTS}, the paper's; weight 0 logs a reward without training on it)")
+    add("--reward-options", default="",
+        help="term.option=value,... for the reward terms with options of their own (rewards.REWARD_TERMS)")
     add("--prompts-per-step", type=int)
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
-    add("--clip-eps", type=float, default=0.2)
-    add("--clip-eps-high", type=float, help="upper clip of the ratio, 1 + this (DAPO clip-higher; default "
-        "--clip-eps; acts only with --updates-per-batch > 1, where the ratio differs from 1)")
-    add("--loss-aggregation", choices=grpo_loss.LOSS_AGGREGATIONS, default="sequence",
-        help="sequence: mean over rows of each row's token mean (paper); token: over all kept tokens (DAPO); "
-             "fixed: sum / (rows x --max-completion-tokens) (Dr. GRPO)")
-    add("--mask-truncated", action=argparse.BooleanOptionalAction, default=False,
-        help="completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
-    add("--kl-coef", type=float, default=0.0, help="KL beta (needs LoRA: the reference is the adapter switched off)")
-    add("--importance-sampling-correction", choices=grpo_loss.IS_CORRECTIONS, default="none", help="tis: weight each "
-        "token's policy gradient by min(pi_old / pi_sampler, --is-clip); mask: drop tokens above it; none: the paper")
-    add("--is-clip", type=float, default=2.0, help="the importance ratio's cap (TRL's and verl's default: 2)")
+    for option in LOSS_FLAGS:  # the loss options, from grpo_loss.LossSettings
+        kind = option.metadata["argparse"] or dict(action=argparse.BooleanOptionalAction)  # a bool: --x / --no-x
+        add(grpo_loss.flag_name(option), default=option.default, help=option.metadata["help"], **kind)
     add = parser.add_argument_group("optimizer").add_argument
     add("--learning-rate", "--lr", type=float)
     add("--weight-decay", type=float, default=0.0)
@@ -170,6 +167,7 @@ def build_parser():
     add("--resume", action="store_true",
         help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
+    add("--print-config", action="store_true", help="print the resolved flags (preset, --baseline, flags) and exit")
     add("--report-to", choices=report.REPORT_TO, default="none",
         help="also send the metrics.jsonl lines, same names, to TensorBoard (<out>/tensorboard) or Weights & Biases")
     add = parser.add_argument_group("several GPUs (torchrun -m multigpu)").add_argument
@@ -202,6 +200,9 @@ def parse_args(argv=None, restarted=False):
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
+        print(json.dumps(vars(args), indent=1))
+        parser.exit()
     check_args(args, restarted)
     return args
 
@@ -232,34 +233,14 @@ def check_args(args, restarted=False):
     _check_variant_flags(args)
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
-    args.reward_weights = parse_reward_weights(args.reward_weights)
+    args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
+    args.reward_options = rewards.parse_reward_options(args.reward_options)
     _check_device_flags(args)
     _check_run_dir(args, restarted)
     _check_data(args)
     models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
     if args.bf16 and not str(args.device).startswith("cuda"):
         warnings.warn("--bf16 on CPU: allowed, but slow and less precise than float32 (--no-bf16)")
-
-
-def parse_reward_weights(spec):
-    """"accuracy=1,format=1,tag_count=1" (or the dict a config.json holds) -> {name: weight}, naming every
-    reward function and only those: a forgotten weight would silently change the objective."""
-    weights = {}
-    items = spec.items() if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
-    for name, value in items:
-        name = name.strip()
-        if name not in rewards.REWARD_FUNCS:
-            raise ValueError(f"unknown reward function {name!r} in --reward-weights; "
-                             f"expected names from {sorted(rewards.REWARD_FUNCS)}")
-        try:
-            weights[name] = float(value) if value != "" else 1.0
-        except (TypeError, ValueError):
-            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
-    missing = sorted(set(rewards.REWARD_FUNCS) - set(weights))
-    if missing:
-        raise ValueError(f"--reward-weights names no weight for {missing}: give every reward function a weight "
-                         f"(0 logs it without training on it), e.g. {DEFAULT_REWARD_WEIGHTS}")
-    return weights
 
 
 def _check_device_flags(args):
@@ -280,10 +261,15 @@ def _check_variant_flags(args):
         # Clip-higher (DAPO) widens the upper bound only; a narrower one clips the ratio of every improving token.
         raise ValueError(f"--clip-eps-high {args.clip_eps_high} must be >= --clip-eps {args.clip_eps} (clip-higher "
                          "only widens the upper clip; leave it unset for the symmetric clip)")
-
-    if args.selection_scope == "batch" and args.rule != "max_variance":
-        raise ValueError(f"incompatible flags: --selection-scope batch is the max-variance rule across prompts; "
-                         f"it needs --rule max_variance, got --rule {args.rule}")
+    if args.updates_per_batch == 1:  # the ratio is exactly 1: an option acting on it alone changes nothing
+        inert = [f"{grpo_loss.flag_name(option)} {getattr(args, _dest(option))}" for option in LOSS_FLAGS
+                 if option.metadata["ratio_only"] and getattr(args, _dest(option)) not in (None, option.default)]
+        if inert:
+            warnings.warn(f"{', '.join(inert)} cannot act with --updates-per-batch 1 (the ratio is exactly 1); "
+                          "it acts with --mu > 1")
+    if args.selection_scope == "batch" and args.rule not in pods.batch_scope_rules():
+        raise ValueError(f"incompatible flags: --selection-scope batch balances a rule across prompts; it needs "
+                         f"--rule {' or '.join(pods.batch_scope_rules())}, got --rule {args.rule}")
     report.check_report_to(args.report_to)
 
 
@@ -309,20 +295,49 @@ def _check_data(args):
     data.check_data_source(args.dataset, args.data_dir, splits=("train", "test") if args.eval_samples else ("train",))
 
 
+# The method label names what a run optimises (compare.py groups runs by it): the rule and n/m, then each flag below
+# whose value differs from the preset's default, in this order, worded by its entry ("" adds nothing); then any
+# other loss option (grpo_loss.LossSettings) as "flag value".
+LABEL_FLAGS = {
+    "loss_aggregation": lambda value, args: f"{value} loss",
+    "scale_rewards": lambda value, args: f"{value} std",
+    "selection_scope": lambda value, args: f"{value} scope",
+    "clip_eps_high": lambda value, args: f"clip-high {value:g}" if value != args.clip_eps else "",
+    "mask_truncated": lambda value, args: "truncated masked" if value else "",
+    "drop_zero_variance": lambda value, args: "zero-variance dropped" if value else "",
+    "advantage_normalization": lambda value, args: f"{value} normalization",
+    "clip_eps": lambda value, args: f"clip {value:g}",
+    "kl_coef": lambda value, args: f"kl {value:g}",
+    "reward_weights": lambda value, args: "rewards " + ",".join(
+        f"{name}={weight:g}" for name, weight in value.items() if weight != rewards.DEFAULT_REWARD_WEIGHTS.get(name)),
+    "reward_options": lambda value, args: "reward options " + ",".join(
+        f"{term}.{key}={option}" for term, given in value.items() for key, option in given.items()),
+}
+
+
+def preset_defaults(preset):
+    """Every flag's value when none is given for `preset` (reward weights and options parsed)."""
+    parser = build_parser()
+    parser.set_defaults(**PRESETS[preset])
+    defaults = parser.parse_args([])
+    return dict(vars(defaults), reward_weights=rewards.parse_reward_weights(defaults.reward_weights),
+                reward_options=rewards.parse_reward_options(defaults.reward_options))
+
+
 def method_label(args):
-    """"PODS max_variance 16/4", plus every variant flag that differs from the paper (compare.py groups runs by
-    this label): e.g. "PODS max_variance 16/4 + token loss, clip-high 0.28"."""
+    """"PODS max_variance 16/4", plus every flag of LABEL_FLAGS (and loss option) that differs from the preset's
+    default: e.g. "PODS max_variance 16/4 + token loss, clip-high 0.28"."""
     if args.rule == "none":
         label = f"GRPO{'-GA' if args.grad_accum_steps > 1 else ''} {args.num_rollouts}/{args.update_size}"
     else:
         label = f"PODS {args.rule} {args.num_rollouts}/{args.update_size}"
-    variants = [f"{args.loss_aggregation} loss", f"{args.scale_rewards} std", f"{args.selection_scope} scope",
-                f"clip-high {args.clip_eps_high:g}" if args.clip_eps_high not in (None, args.clip_eps) else "",
-                "truncated masked" if args.mask_truncated else "",
-                "zero-variance dropped" if args.drop_zero_variance else "",
-                f"IS {args.importance_sampling_correction} {args.is_clip:g}" * (args.importance_sampling_correction
-                                                                                  != "none")]
-    variants = [v for v in variants if v not in ("", "sequence loss", "group std", "prompt scope")]  # the paper's
+    defaults = preset_defaults(args.preset if args.preset in PRESETS else "demo")
+    words = dict(LABEL_FLAGS)
+    for option in LOSS_FLAGS:
+        words.setdefault(_dest(option), lambda value, args, flag=grpo_loss.flag_name(option): f"{flag[2:]} {value}")
+    variants = [describe(getattr(args, name), args) for name, describe in words.items()
+                if getattr(args, name) != defaults[name]]
+    variants = [variant for variant in variants if variant]
     return label + (" + " + ", ".join(variants) if variants else "")
 
 
@@ -351,12 +366,19 @@ def generation_settings(args, **overrides):
     return sampling.GenerationSettings(**dict(settings, **overrides))
 
 
+def _dest(option):
+    return grpo_loss.flag_name(option).removeprefix("--").replace("-", "_")
+
+
+def loss_settings(args):
+    """The flags of the loss as grpo_loss.LossSettings: each field from the flag of its name."""
+    return grpo_loss.LossSettings(**{option.name: getattr(args, _dest(option))
+                                     for option in dataclasses.fields(grpo_loss.LossSettings)})
+
+
 def update_settings(args):
     """The flags of the update phase as update.UpdateSettings."""
     return update.UpdateSettings(
-        micro_batch_size=args.micro_batch_size, temperature=args.temperature, clip_eps=args.clip_eps,
-        kl_coef=args.kl_coef, updates_per_batch=args.updates_per_batch, max_grad_norm=args.max_grad_norm,
-        autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1], clip_eps_high=args.clip_eps_high,
-        loss_aggregation=args.loss_aggregation, max_completion_tokens=args.max_completion_tokens,
-        mask_truncated=args.mask_truncated, importance_sampling=args.importance_sampling_correction,
-        is_clip=args.is_clip)
+        micro_batch_size=args.micro_batch_size, temperature=args.temperature, updates_per_batch=args.updates_per_batch,
+        max_grad_norm=args.max_grad_norm, autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1],
+        loss=loss_settings(args))

@@ -15,6 +15,7 @@ folder is read through checkpoint.py.
     python eval.py --checkpoint runs/demo                  # every checkpoint of a run -> runs/demo/eval_test.json
     python eval.py --checkpoint runs/demo/checkpoints/step_000020 --repeats 5
     python eval.py --model smollm2-135m-offline --dataset arithmetic --out base.json
+    python eval.py --preset demo                           # the demo's base model, as a demo run evaluates its policy
 
 A checkpoint written by several processes (dcp/) is evaluated with `python -m multigpu eval` and the same flags.
 
@@ -169,12 +170,16 @@ def load_results(path, eval_config):
 
 def parse_args(argv):
     import config
+    import models
 
     parser = config.OneLineParser(prog="eval.py", description=__doc__.split("\n\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--checkpoint", help="a checkpoint dir (adapter/ + config.json) or a run dir: "
                                             "evaluates every checkpoint in <run>/checkpoints/")
     where.add_argument("--model", help="a base model (Hub id, folder, GGUF or smollm2-135m-offline), no adapter")
+    parser.add_argument("--preset", choices=sorted(config.PRESETS),
+                        help="evaluate --model (default: the preset's) as a run of this train.py preset evaluates its "
+                             "policy: its prompts, held-out sample, temperature, lengths, batch and dtype")
     parser.add_argument("--base-model", help="override the base model named in the checkpoint's config.json")
     parser.add_argument("--dataset", help="default: the run's dataset (config.json), else gsm8k")
     parser.add_argument("--data-dir", help="folder with the dataset files (default: the run's, else "
@@ -197,16 +202,29 @@ def parse_args(argv):
     parser.add_argument("--num-threads", type=int, default=0,
                         help="torch CPU threads (0 = torch's default, one per physical core)")
     parser.add_argument("--no-progress", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.preset and args.checkpoint:
+        parser.error("--preset is for --model: a checkpoint is evaluated with its own run's settings (config.json)")
+    if args.preset:  # the preset's evaluation settings as defaults; flags given still win
+        preset = config.PRESETS[args.preset]
+        parser.set_defaults(model=preset["model"], num_prompts=preset["eval_samples"],
+                            temperature=preset["eval_temperature"], batch_size=preset["rollout_batch_size"],
+                            dtype=str(models.compute_dtypes(preset.get("bf16", False), preset.get("lora_rank", 0))[0])
+                            .removeprefix("torch."))  # the dtype the run's policy generates in
+        args = parser.parse_args(argv)
+    if not (args.checkpoint or args.model):
+        parser.error("one of the arguments --checkpoint --model --preset is required")
+    return args
 
 
 def run_settings(args, checkpoints):
-    """Model and prompt settings: explicit flags, else the run's config.json, else defaults (those of train.py,
-    so the prompts are rendered exactly as in training)."""
+    """Model and prompt settings: explicit flags, else the run's config.json (or the --preset's values), else
+    defaults (those of train.py, so the prompts are rendered exactly as in training)."""
     import checkpoint
+    import config
     import data
 
-    run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else {}
+    run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else config.PRESETS.get(args.preset, {})
     settings = {"model": args.model or args.base_model or run_config.get("model"),
                 "dataset": args.dataset or run_config.get("dataset") or "gsm8k",
                 "data_dir": args.data_dir or run_config.get("data_dir"),
@@ -300,9 +318,10 @@ def main(argv=None, load_sharded=None):
             base = base or models.load_policy(settings["model"], dtype=dtype, device=args.device)
             model = base
             if path is not None:
-                from peft import PeftModel
+                with models.quiet_peft():
+                    from peft import PeftModel
 
-                model = PeftModel.from_pretrained(base, str(path / "adapter"))
+                    model = PeftModel.from_pretrained(base, str(path / "adapter"))
         generation = sampling.GenerationSettings(settings["max_completion_tokens"], args.temperature, args.top_p,
                                                  args.batch_size, backend=args.backend)
         sampling.check_generation_fits(model, args.batch_size, longest + generation.max_new_tokens,

@@ -13,14 +13,21 @@ additional updates on the same batch.
 Variants (defaults = the paper): `aggregation` "sequence" (above), "token" (DAPO: sum over all kept
 tokens / their number) or "fixed" (Dr. GRPO: sum / (rows x max completion tokens)); clip-higher (DAPO:
 ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit;
-`token_weights` (`importance_weights`: truncated importance sampling, as TRL's vLLM correction and verl's
-rollout_is) multiplies each token's policy-gradient term by min(pi_old / pi_sampler, C) ("tis") or drops the
-tokens whose ratio exceeds C ("mask"; a dropped token still counts in the "token" denominator).
+`importance_sampling_correction` (truncated importance sampling, as TRL's vLLM correction and verl's rollout_is;
+`importance_weights`) multiplies each token's policy-gradient term by min(pi_old / pi_sampler, C) ("tis") or drops
+the tokens whose ratio exceeds C ("mask"; a dropped token still counts in the "token" denominator), C = is_clip.
 The trainer accumulates micro-batches, so "token" and "fixed" must normalise over the whole update batch:
 `grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
 
+Every option of the loss is a field of one record, `LossSettings`, which travels unchanged from the flags
+(config.loss_settings) through update.update_policy to `grpo_loss_sum`: a new option is a field (its flag, help and
+checks come from the field's metadata) plus its use here.
+
 Simplification: the KL term is optional (paper and TRL default beta = 0) and uses TRL's k3 estimator.
 """
+
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -31,6 +38,57 @@ _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
 
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
 IS_CORRECTIONS = ("none", "tis", "mask")
+
+
+def loss_option(default, help=None, flag=None, ratio_only=False, example=None, acts_with=(), **argparse_options):
+    """A LossSettings field. help: it gets a train.py flag (--field-name, or `flag`) with this help, these argparse
+    options and the field's default (config.py builds it); no help: the value comes from the flag of that name
+    declared elsewhere. ratio_only: it acts on the ratio rho only, which is exactly 1 with --mu 1 (a warning).
+    example: a valid value other than the default, for the tests that run every option (None: they pick one).
+    acts_with: the flags without which it does nothing (those tests give them to both sides)."""
+    metadata = dict(help=help, flag=flag, ratio_only=ratio_only, example=example, acts_with=tuple(acts_with),
+                    argparse=argparse_options)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Every option of the loss. Add one here and use it in `grpo_loss_sum`; its default must leave the paper's loss
+    unchanged (the defaults are the paper; study.py pins a new option at its default)."""
+    clip_eps: float = loss_option(0.2, "ratio clipped to [1 - this, 1 + --clip-eps-high]", ratio_only=True, type=float)
+    clip_eps_high: float | None = loss_option(
+        None, "upper clip of the ratio, 1 + this (DAPO clip-higher; default --clip-eps; acts only with "
+        "--updates-per-batch > 1, where the ratio differs from 1)", ratio_only=True, type=float)
+    aggregation: str = loss_option(
+        "sequence", "sequence: mean over rows of each row's token mean (paper); token: over all kept tokens (DAPO); "
+        "fixed: sum / (rows x --max-completion-tokens) (Dr. GRPO)", flag="--loss-aggregation",
+        choices=LOSS_AGGREGATIONS)
+    # mask_truncated is used by update.loss_mask: the mask grpo_loss_sum receives has those rows zeroed.
+    mask_truncated: bool = loss_option(
+        False, "completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
+    kl_coef: float = loss_option(0.0, "KL beta (needs LoRA: the reference is the adapter switched off)", type=float)
+    max_completion_tokens: int | None = loss_option(None)  # the generation limit: the "fixed" aggregation's denominator
+    # Against the sampler-trainer mismatch (rollout_check.py); grpo_loss_sum then needs the sampler's log-probs.
+    importance_sampling_correction: str = loss_option(
+        "none", "tis: weight each token's policy gradient by min(pi_old / pi_sampler, --is-clip); mask: drop the "
+        "tokens above it; none: the paper", choices=IS_CORRECTIONS, example="tis")
+    is_clip: float = loss_option(2.0, "the importance ratio's cap (TRL's and verl's default: 2)", type=float,
+                                 example=1.5, acts_with=("--importance-sampling-correction", "tis"))
+
+
+def flag_name(option: dataclasses.Field) -> str:
+    """The train.py flag of a LossSettings field, e.g. "--loss-aggregation" for `aggregation`."""
+    return option.metadata.get("flag") or "--" + option.name.replace("_", "-")
+
+
+def loss_settings(settings: LossSettings | None = None, **options) -> LossSettings:
+    """`settings` (None: the paper's) with the given fields replaced, e.g. loss_settings(clip_eps_high=0.28)."""
+    base = LossSettings() if settings is None else settings
+    names = {option.name for option in dataclasses.fields(LossSettings)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(f"unknown loss option(s) {unknown}; LossSettings has {sorted(names)}")
+    return dataclasses.replace(base, **options)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -158,28 +216,30 @@ def grpo_loss_sum(
     old_logprobs: Tensor,
     advantages: Tensor,
     completion_mask: Tensor,
-    clip_eps: float = 0.2,
+    settings: LossSettings | None = None,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    *,
-    clip_eps_high: float | None = None,
-    aggregation: str = "sequence",
-    token_weights: Tensor | None = None,
+    sampler_logprobs: Tensor | None = None,
+    **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Numerator of the loss of these rows: divide by `loss_denominator` of the whole update batch.
+
+    settings: the LossSettings (None: the paper's); options: fields of it to replace (`loss_settings`).
 
     "sequence": sum_i 1/|o_i| sum_t loss_it (a row with no tokens adds 0); "token" and "fixed":
     sum_it loss_it (they differ only in the denominator). Micro-batches therefore accumulate exactly:
     sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) = the full-batch loss.
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO clip-higher; None = clip_eps).
-    token_weights [B, C] (`importance_weights`) multiply each token's policy-gradient term, not its KL term.
+    With importance_sampling_correction, the weights (`importance_weights` of old_logprobs and sampler_logprobs
+    [B, C], the sampler's) multiply each token's policy-gradient term, not its KL term.
     Metrics: token means over this call's kept tokens, see `grpo_loss` (plus "importance_weight_mean").
     """
+    settings = loss_settings(settings, **options)
+    clip_eps, clip_eps_high, kl_coef, aggregation = (settings.clip_eps, settings.clip_eps_high, settings.kl_coef,
+                                                     settings.aggregation)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, C], got shape {tuple(logprobs.shape)}")
     same_shape = {
-        "old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs,
-        "token_weights": token_weights,
+        "old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs
     }
     for name, t in same_shape.items():
         if t is not None and t.shape != logprobs.shape:
@@ -196,6 +256,14 @@ def grpo_loss_sum(
         raise ValueError(f"kl_coef = {kl_coef} > 0 needs ref_logprobs")
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")
+
+    token_weights = None  # truncated importance sampling (rollout_check.py)
+    if settings.importance_sampling_correction != "none":
+        if sampler_logprobs is None or sampler_logprobs.shape != logprobs.shape:
+            raise ValueError(f"importance_sampling_correction {settings.importance_sampling_correction!r} needs the "
+                             "sampler's log-probs [B, C] (sampling.Rollouts.sampler_logprobs)")
+        token_weights = importance_weights(old_logprobs, sampler_logprobs, settings.importance_sampling_correction,
+                                           settings.is_clip)
 
     # Padded positions may hold anything (even inf/NaN): zero them *before* exp so that neither the
     # value nor the gradient (0 * inf) can turn into NaN.
@@ -247,16 +315,14 @@ def grpo_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     completion_mask: Tensor,
-    clip_eps: float = 0.2,
+    settings: LossSettings | None = None,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    *,
-    clip_eps_high: float | None = None,
-    aggregation: str = "sequence",
-    max_completion_tokens: int | None = None,
-    token_weights: Tensor | None = None,
+    sampler_logprobs: Tensor | None = None,
+    **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO loss -J of one whole batch (see module docstring) and TRL-named metrics.
+
+    settings / options: as in `grpo_loss_sum`, e.g. grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1).
 
     logprobs/old_logprobs/ref_logprobs/completion_mask: [B, C]; advantages: [B]. Computed in float32.
     = grpo_loss_sum / max(loss_denominator, 1). With the default aggregation each sequence is averaged
@@ -269,8 +335,8 @@ def grpo_loss(
     (rho > 1+eps_high and A > 0), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3, 0.0 when
     no ref_logprobs).
     """
-    loss_sum, metrics = grpo_loss_sum(
-        logprobs, old_logprobs, advantages, completion_mask, clip_eps, ref_logprobs, kl_coef,
-        clip_eps_high=clip_eps_high, aggregation=aggregation, token_weights=token_weights,
-    )
-    return loss_sum / max(loss_denominator(completion_mask, aggregation, max_completion_tokens), 1), metrics
+    settings = loss_settings(settings, **options)
+    loss_sum, metrics = grpo_loss_sum(logprobs, old_logprobs, advantages, completion_mask, settings, ref_logprobs,
+                                      sampler_logprobs)
+    denominator = loss_denominator(completion_mask, settings.aggregation, settings.max_completion_tokens)
+    return loss_sum / max(denominator, 1), metrics

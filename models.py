@@ -10,14 +10,20 @@ autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the b
 the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 
 `dropout_off` is the one place that switches dropout off (generation, the log-prob pass, the update).
+Loading is quiet: no loader progress bars (`quiet_loading`; downloads keep theirs), and bitsandbytes is imported only
+for 4-bit weights or 8-bit Adam (`quiet_peft`). The demo model's GGUF file is converted once into $PODS_CACHE_DIR
+(default ~/.cache/pods).
 Simplifications: one device (multigpu/ shards this same model with FSDP2); 4-bit is bitsandbytes NF4 (QLoRA) only.
 """
 
 import contextlib
 import importlib.util
+import io
 import os
 import shutil
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -60,18 +66,78 @@ def smollm2_cached_folder():
         return target
     cache_root = target.parent
     cache_root.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    model = _drop_gguf_quantizer(AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file))
+    print(f"converting the demo model's GGUF file once into {target} (about 20 s; PODS_CACHE_DIR moves this cache)",
+          flush=True)
     staging = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
     try:
-        model.to(torch.float32).save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        with _output_kept_unless_failed(), quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            model = _drop_gguf_quantizer(AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file))
+            model.to(torch.float32).save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
         os.replace(staging, target)  # rename: a crash mid-save never leaves a half-written cache
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "config.json").is_file():  # lost a race with another process: theirs is fine
             raise
     return target
+
+
+@contextlib.contextmanager
+def _output_kept_unless_failed():
+    """What the block writes to stderr (the GGUF reader's own progress bar, which no transformers switch turns off)
+    is held back, and shown only if the block fails."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' progress bars while weights load or are written (seconds for these models) are off for the
+    block; huggingface_hub's download bars stay as they were (a 3B model's download takes minutes)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    bars_on, downloads_on = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # turns the download bars off too: back on below
+    if downloads_on:
+        enable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars_on:
+            hf_logging.enable_progress_bar()
+        if not downloads_on:
+            disable_progress_bars()
+
+
+@contextlib.contextmanager
+def quiet_peft(quantized=False):
+    """peft as the run needs it and no more. peft imports bitsandbytes whenever it is installed (at `import peft`,
+    and again whenever it wraps a layer), and on a machine without bitsandbytes' optional kernels that import logs
+    a warning; a model that is not 4-bit needs none of it, so for the block the package looks absent (later, a 4-bit
+    model or 8-bit Adam imports it as usual). peft also calls what transformers has deprecated
+    (`is_gradient_checkpointing`, `gradient_checkpointing_enable`): those FutureWarnings concern peft, not the run,
+    and are not shown."""
+    hide = not quantized and "bitsandbytes" not in sys.modules
+    if hide:
+        sys.modules["bitsandbytes"] = None  # `import bitsandbytes` raises ImportError; find_spec returns None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`(is_gradient_checkpointing|gradient_checkpointing_enable)` is "
+                                    "deprecated", category=FutureWarning)
+            yield
+    finally:
+        if hide:
+            del sys.modules["bitsandbytes"]
+            import_utils = sys.modules.get("peft.import_utils")  # peft caches "bitsandbytes is absent": forget it
+            for name in ("is_bnb_available", "is_bnb_4bit_available"):
+                getattr(getattr(import_utils, name, None), "cache_clear", lambda: None)()
 
 
 def _pretrained_source(name_or_path):
@@ -90,7 +156,8 @@ def _pretrained_source(name_or_path):
 def _from_pretrained(auto_class, source, name_or_path, **kwargs):
     """auto_class.from_pretrained, with an unreachable Hub id or an unreadable folder as one ValueError line."""
     try:
-        return auto_class.from_pretrained(source, **kwargs)
+        with quiet_loading():
+            return auto_class.from_pretrained(source, **kwargs)
     except OSError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot load {name_or_path!r} ({reason}); with no network, pass --model a local folder "
@@ -198,19 +265,24 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
     """Attach LoRA (if lora_rank > 0) and gradient checkpointing to an already-built model."""
     model.config.use_cache = True  # generation wants the KV cache; the update passes use_cache=False
     if quantized:
-        from peft import prepare_model_for_kbit_training
+        with quiet_peft(quantized=True):
+            from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # its name in newer transformers (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_rank > 0:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
     if lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
+        with quiet_peft(quantized):
+            from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank, lora_dropout=lora_dropout,
-                            target_modules=list(lora_target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(model, config)
+            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank, lora_dropout=lora_dropout,
+                                target_modules=list(lora_target_modules), task_type="CAUSAL_LM")
+            model = get_peft_model(model, config)
     return model
 
 

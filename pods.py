@@ -1,7 +1,8 @@
 """Down-sampling rules of PODS (paper §3.2-3.3, Lemma 1, Algorithm 2, Theorems 1-2).
 
 PODS generates n rollouts per prompt and trains on a subset of m of them. This module picks that subset
-from the rewards alone and computes the group-relative advantages of the kept rollouts.
+from the rewards alone; the group-relative advantages of the kept rollouts come from advantages.py (re-exported
+here: `pods.selected_advantages` is `advantages.selected_advantages`).
 
 - `max_variance_indices` is the paper's rule (Algorithm 2). Lemma 1: some maximum-variance m-subset of
   real numbers is always "the k highest + the (m-k) lowest" for some k in 0..m. So one sort plus prefix
@@ -9,18 +10,17 @@ from the rewards alone and computes the group-relative advantages of the kept ro
   Theorem 2 follows for binary rewards: with enough of each value, the optimum is m/2 ones + m/2 zeros.
 - `random_indices`, `percentile_indices`, `max_reward_indices` are the baselines of the paper's ablation;
   `downsample(..., "none")` keeps every rollout (m == n), i.e. plain GRPO.
-- `group_advantages` / `selected_advantages`: GRPO advantages (r - mean) / (std + eps) with the
-  *unbiased* sample std and eps = 1e-4, as in the authors' code and TRL. The paper (§3.2) normalises with
-  the statistics of the selected subset (default); normalize="group" uses the full group of n instead
-  (the appendix ablation).
-- Variants (defaults = the paper): `scale_rewards` "group" (above), "batch" (one std over the whole
-  batch's statistics sets, as TRL's scale_rewards="batch") or "none" (centred only, Dr. GRPO);
-  `masked_advantages` takes any kept mask (uneven counts per prompt); `zero_variance_prompts` flags prompts
-  whose n rewards are all equal (zero advantages under any subset) so the trainer can drop them.
+- `group_advantages` / `selected_advantages` / `masked_advantages` (advantages.py): GRPO advantages
+  (r - mean) / (std + eps) over the selected subset (paper §3.2) or the group, and their variants.
+- `zero_variance_prompts` flags prompts whose n rewards are all equal (zero advantages under any subset) so the
+  trainer can drop them.
 - `select_across_prompts` is the cross-prompt scope the paper names as future work ("applying the
   max-variance rule within each prompt and then selecting a balanced subset across prompts"); its
   exact rule is in its docstring.
 - `select` is what a training step calls: the rule, the scope and the zero-variance option in one place.
+- `RULES` is the registry of down-sampling rules (name -> `SelectionRule`), filled by `@register_rule`: the flag's
+  choices, `downsample`, the batch scope's check, the docs table and the tests' parametrisation read it, so a new
+  rule is one decorated function here plus its own test (docs/method.md, "Extending pods").
 
 Simplifications: rewards are one scalar per rollout (already summed over reward functions); ties are
 broken deterministically (stable sort by reward, then position; the smallest k among equal-variance
@@ -31,42 +31,42 @@ distinct positions along the last dim. Deterministic rules return them in ascend
 (max_reward: descending); random_indices in random order.
 """
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
 
-RULES = ("max_variance", "random", "percentile", "max_reward", "none")
-NORMALIZE_MODES = ("selected", "group")
-SCALE_MODES = ("group", "batch", "none")
+from advantages import (NORMALIZE_MODES, SCALE_MODES, check_rewards, group_advantages, masked_advantages,  # noqa: F401
+                        raise_non_finite, selected_advantages)
+
 SELECTION_SCOPES = ("prompt", "batch")
 
 
-def _check_rewards(rewards: Tensor, m: int | None = None, check_finite: bool = True) -> int:
-    """Validate rewards (..., n) and subset size m; return n. Raises ValueError naming the problem."""
-    if not isinstance(rewards, Tensor):
-        raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
-    if rewards.dim() == 0:
-        raise ValueError("rewards must have shape (..., n), got a 0-d tensor")
-    if rewards.dtype == torch.bool or rewards.is_complex():
-        raise ValueError(f"rewards must be real numbers, got dtype {rewards.dtype}")
-    n = rewards.shape[-1]
-    if n == 0:
-        raise ValueError(f"rewards has empty rows: shape {tuple(rewards.shape)} (n = 0)")
-    if check_finite and rewards.is_floating_point() and not bool(torch.isfinite(rewards).all()):
-        _raise_non_finite(rewards)
-    if m is not None:
-        if isinstance(m, bool) or not isinstance(m, int):
-            raise ValueError(f"m must be an int, got {m!r}")
-        if m < 1 or m > n:
-            raise ValueError(f"subset size m = {m} must satisfy 1 <= m <= n = {n}")
-    return n
+@dataclass(frozen=True)
+class SelectionRule:
+    """A down-sampling rule: `indices(rewards (..., n), m)` -> LongTensor (..., m) of distinct positions."""
+    name: str
+    indices: Callable[..., Tensor]
+    summary: str                 # one line: --help and the docs table
+    random: bool = False         # also takes generator= (seeded per round: a resumed step draws the same subset)
+    batch_scope: bool = False    # fills each prompt's budget in the batch scope (select_across_prompts)
 
 
-def _raise_non_finite(rewards: Tensor) -> None:
-    bad = rewards[~torch.isfinite(rewards)]
-    raise ValueError(
-        f"rewards contain {bad.numel()} non-finite value(s) (e.g. {bad[0].item()}) "
-        f"in a tensor of shape {tuple(rewards.shape)}"
-    )
+RULES: dict[str, SelectionRule] = {}  # name -> rule, in registration order (the paper's rule first)
+
+
+def register_rule(name: str, summary: str, *, random: bool = False, batch_scope: bool = False):
+    """Decorator: add `indices(rewards, m[, generator])` to RULES under `name` (the --rule value)."""
+    def add(indices):
+        RULES[name] = SelectionRule(name, indices, summary, random, batch_scope)
+        return indices
+    return add
+
+
+def batch_scope_rules() -> tuple[str, ...]:
+    """The rules the batch selection scope can fill each prompt's budget with."""
+    return tuple(name for name, rule in RULES.items() if rule.batch_scope)
 
 
 def _sorted_ascending(rewards: Tensor) -> tuple[Tensor, Tensor]:
@@ -74,6 +74,8 @@ def _sorted_ascending(rewards: Tensor) -> tuple[Tensor, Tensor]:
     return torch.sort(rewards, dim=-1, stable=True)
 
 
+@register_rule("max_variance", "a maximum-variance m-subset of each row (the paper's rule, Algorithm 2)",
+               batch_scope=True)
 def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
     """Indices (..., m) of a maximum-variance m-subset of each row of rewards (..., n) (Algorithm 2).
 
@@ -86,7 +88,7 @@ def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
     float32/bfloat16 inputs. Scores within 1e-12 x (sum of squares of the ends) of the best count as
     tied and the smallest such k wins, so equal-variance candidates resolve the same way everywhere.
     """
-    n = _check_rewards(rewards, m, check_finite=False)  # finiteness is checked on the ends below
+    n = check_rewards(rewards, m, check_finite=False)  # finiteness is checked on the ends below
     sorted_r, order = _sorted_ascending(rewards)
     if 2 * m < n:  # ends = [m lowest, m highest], in sorted order
         ends = torch.cat([sorted_r[..., :m], sorted_r[..., n - m :]], dim=-1).to(torch.float64)
@@ -101,7 +103,7 @@ def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
     # sort puts NaN and +-inf at the ends of a row (either end for CUDA's signed NaNs), so they are
     # in `ends` and make its sums non-finite.
     if not bool(torch.isfinite(total_ss).all()):
-        _raise_non_finite(rewards)
+        raise_non_finite(rewards)
     k = torch.arange(m + 1, device=x.device)
     low_end, high_start = m - k, width - k
     # Candidate k = ends[:m-k] + ends[width-k:]: its sums are prefix[m-k] + prefix[width] - prefix[width-k].
@@ -115,137 +117,61 @@ def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
     return order.gather(-1, torch.where(j >= m - best_k, j + (n - m), j))
 
 
+@register_rule("random", "m positions per row, uniform without replacement", random=True)
 def random_indices(rewards: Tensor, m: int, generator: torch.Generator | None = None) -> Tensor:
     """m distinct positions per row drawn uniformly without replacement (random-subset baseline)."""
-    _check_rewards(rewards, m)
+    check_rewards(rewards, m)
     rand_device = generator.device if generator is not None else rewards.device
     keys = torch.rand(rewards.shape, generator=generator, device=rand_device)
     return keys.argsort(dim=-1)[..., :m].to(rewards.device)
 
 
+@register_rule("percentile", "the rewards at sorted positions floor((2j+1) n / (2m)), j = 0..m-1 (the (j+0.5)/m "
+               "quantiles; always distinct)")
 def percentile_indices(rewards: Tensor, m: int) -> Tensor:
     """The rewards at the (j + 0.5)/m quantiles, j = 0..m-1, of each sorted row.
 
     Exact definition: sorted position floor((2j + 1) * n / (2m)). Consecutive positions differ by at
     least n/m >= 1, so they are distinct, and the last is < n. m == n keeps everything.
     """
-    n = _check_rewards(rewards, m)
+    n = check_rewards(rewards, m)
     _, order = _sorted_ascending(rewards)
     j = torch.arange(m, device=rewards.device)
     return order[..., ((2 * j + 1) * n) // (2 * m)]
 
 
+@register_rule("max_reward", "the m highest rewards (descending; ties: lower position first)")
 def max_reward_indices(rewards: Tensor, m: int) -> Tensor:
     """The m highest rewards of each row, in descending order (ties: lower position first)."""
-    _check_rewards(rewards, m)
+    check_rewards(rewards, m)
     return torch.sort(rewards, dim=-1, descending=True, stable=True).indices[..., :m]
 
 
-def downsample(
-    rewards: Tensor, m: int, rule: str, generator: torch.Generator | None = None
-) -> Tensor:
-    """Single entry point: indices (..., m) of the rollouts to train on under `rule` (one of RULES).
-
-    "none" is plain GRPO and requires m == n; it returns arange(n) for every row.
-    """
-    if rule not in RULES:
-        raise ValueError(f"unknown down-sampling rule {rule!r}; expected one of {RULES}")
-    if rule == "max_variance":
-        return max_variance_indices(rewards, m)
-    if rule == "random":
-        return random_indices(rewards, m, generator=generator)
-    if rule == "percentile":
-        return percentile_indices(rewards, m)
-    if rule == "max_reward":
-        return max_reward_indices(rewards, m)
-    n = _check_rewards(rewards, m)
+@register_rule("none", "every rollout (plain GRPO): needs m == n, returns arange(n)")
+def all_indices(rewards: Tensor, m: int) -> Tensor:
+    """Every position of each row, arange(n): plain GRPO, so m must equal n."""
+    n = check_rewards(rewards, m)
     if m != n:
         raise ValueError(f"rule 'none' keeps every rollout, so it needs m == n; got m = {m}, n = {n}")
     return torch.arange(n, device=rewards.device).expand(rewards.shape).clone()
 
 
-def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
-    """GRPO advantages (r - mean) / (std + eps) along the last dim, with the unbiased sample std.
-
-    Computed in float32 (float64 stays float64). A group of one has no baseline, so its advantage is 0
-    (the unbiased std of one sample is undefined; we never return NaN).
-    """
-    k = _check_rewards(rewards)
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0 so the division is defined, got {eps}")
-    r = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
-    if k == 1 or r.numel() == 0:
-        return torch.zeros_like(r)
-    mean = r.mean(dim=-1, keepdim=True)
-    std = r.std(dim=-1, keepdim=True, correction=1)
-    return (r - mean) / (std + eps)
-
-
-def masked_advantages(
-    rewards: Tensor, keep: Tensor, normalize: str = "selected", scale_rewards: str = "group", eps: float = 1e-4
+def downsample(
+    rewards: Tensor, m: int, rule: str, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Advantages (..., n) of the rollouts where `keep` (..., n, bool) is True; 0 elsewhere.
+    """Single entry point: indices (..., m) of the rollouts to train on under `rule` (a name in RULES).
 
-    Statistics set of each prompt: its kept rewards (normalize="selected", paper §3.2) or all n
-    (normalize="group"). Advantage = (r - mean of the set) / (std + eps), std (unbiased) of the set
-    (scale_rewards="group"), of the union of every prompt's set (="batch"), or no division (="none").
-    A set of one has no baseline: advantage 0. Statistics in float64; returns float32 (float64 input:
-    float64). Works for any number of kept rollouts per prompt (the batch selection scope).
+    "none" is plain GRPO and requires m == n; it returns arange(n) for every row.
     """
-    _check_rewards(rewards)
-    if normalize not in NORMALIZE_MODES:
-        raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
-    if scale_rewards not in SCALE_MODES:
-        raise ValueError(f"scale_rewards must be one of {SCALE_MODES}, got {scale_rewards!r}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0 so the division is defined, got {eps}")
-    if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.shape != rewards.shape:
-        raise ValueError(f"keep must be a bool tensor of the rewards' shape {tuple(rewards.shape)}, got "
-                         f"{getattr(keep, 'dtype', type(keep))} {tuple(getattr(keep, 'shape', ()))}")
-    r = rewards.to(torch.float64)
-    stats = keep if normalize == "selected" else torch.ones_like(keep)
-    count = stats.sum(-1, keepdim=True)
-    mean = (r * stats).sum(-1, keepdim=True) / count.clamp(min=1)
-    centred = torch.where(stats, r - mean, 0.0)
-    scale = r.new_ones(())  # scale_rewards == "none": centred only
-    if scale_rewards == "group":
-        scale = ((centred * centred).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt() + eps
-    elif scale_rewards == "batch":
-        scale = (r[stats].std(correction=1) if int(stats.sum()) > 1 else r.new_zeros(())) + eps
-    advantages = torch.where(keep & (count > 1), (r - mean) / scale, 0.0)
-    return advantages.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
-
-
-def selected_advantages(
-    rewards: Tensor, indices: Tensor, normalize: str = "selected", eps: float = 1e-4, scale_rewards: str = "group"
-) -> Tensor:
-    """Advantages (..., m) of the rollouts `indices` (..., m) picked from `rewards` (..., n).
-
-    normalize="selected" (default, paper §3.2): mean/std of the m kept rewards.
-    normalize="group" (appendix ablation): mean/std of all n rewards, then gather the kept ones.
-    scale_rewards: see `masked_advantages` ("group" = the paper).
-    """
-    n = _check_rewards(rewards)
-    if not isinstance(indices, Tensor) or indices.dtype != torch.long:
-        raise ValueError(f"indices must be a LongTensor, got {getattr(indices, 'dtype', type(indices))}")
-    if indices.shape[:-1] != rewards.shape[:-1] or indices.dim() != rewards.dim():
-        raise ValueError(
-            f"indices shape {tuple(indices.shape)} does not match rewards shape {tuple(rewards.shape)} "
-            "in the leading dims"
-        )
-    if indices.shape[-1] == 0:
-        raise ValueError("indices select no rollouts (m = 0)")
-    if indices.numel() > 0 and (int(indices.min()) < 0 or int(indices.max()) >= n):
-        raise ValueError(
-            f"indices must lie in [0, {n}), got range [{int(indices.min())}, {int(indices.max())}]"
-        )
-    keep = torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device).scatter(-1, indices, True)
-    return masked_advantages(rewards, keep, normalize, scale_rewards, eps).gather(-1, indices)
+    if rule not in RULES:
+        raise ValueError(f"unknown down-sampling rule {rule!r}; expected one of {tuple(RULES)}")
+    entry = RULES[rule]
+    return entry.indices(rewards, m, generator=generator) if entry.random else entry.indices(rewards, m)
 
 
 def zero_variance_prompts(rewards: Tensor) -> Tensor:
     """Bool (...): True where all n rewards of a prompt are equal (every advantage is 0, whatever is kept)."""
-    _check_rewards(rewards)
+    check_rewards(rewards)
     return (rewards == rewards[..., :1]).all(dim=-1)
 
 
@@ -259,7 +185,7 @@ def batch_budgets(rewards: Tensor, m: int) -> Tensor:
     """Rollouts kept per prompt (P,) by `select_across_prompts` for rewards [P, n] (rule there)."""
     if rewards.dim() != 2:
         raise ValueError(f"batch selection needs rewards [P, n], got shape {tuple(rewards.shape)}")
-    n = _check_rewards(rewards, m)
+    n = check_rewards(rewards, m)
     informative = (~zero_variance_prompts(rewards)).nonzero().squeeze(1)
     budgets = torch.zeros(rewards.shape[0], dtype=torch.long, device=rewards.device)
     if len(informative) == 0:
@@ -274,8 +200,11 @@ def batch_budgets(rewards: Tensor, m: int) -> Tensor:
     return budgets
 
 
-def select_across_prompts(rewards: Tensor, m: int) -> Tensor:
+def select_across_prompts(rewards: Tensor, m: int, rule: str = "max_variance",
+                          generator: torch.Generator | None = None) -> Tensor:
     """Batch selection scope: bool mask [P, n] of the rollouts to train on, m x P slots in all.
+
+    rule: what fills each prompt's budget, one of `batch_scope_rules()` (the budgets are always those below).
 
     Rule. Prompts whose n rewards are all equal get nothing (any subset of them has zero advantages).
     The other P' prompts share M' = min(m P, P' n) slots as evenly as possible: q = M' // P' each, and
@@ -289,13 +218,20 @@ def select_across_prompts(rewards: Tensor, m: int) -> Tensor:
     scope (m each). Cost: O(P n log n): a few vectorised max-variance calls. The trainer trains on
     mask.sum() rows (fewer than m P only when P' n < m P; 0 when every prompt has zero variance).
     """
+    _check_batch_rule(rule)
     budgets = batch_budgets(rewards, m)
     keep = torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device)
     for size in budgets.unique().tolist():
         rows = (budgets == size).nonzero().squeeze(1)
         if size > 0:
-            keep[rows] = keep[rows].scatter(-1, max_variance_indices(rewards[rows], size), True)
+            keep[rows] = keep[rows].scatter(-1, downsample(rewards[rows], size, rule, generator), True)
     return keep
+
+
+def _check_batch_rule(rule: str, scope: str = "batch") -> None:
+    if scope not in SELECTION_SCOPES or (scope == "batch" and rule not in batch_scope_rules()):
+        raise ValueError(f"selection scope {scope!r} with rule {rule!r}: expected one of {SELECTION_SCOPES}, "
+                         f"'batch' only with {' or '.join(batch_scope_rules())}")
 
 
 def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", scale_rewards: str = "group",
@@ -309,16 +245,14 @@ def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", s
     rewards are all equal (zero advantages under any subset): with scope "prompt" the others keep m each; scope
     "batch" (select_across_prompts over m x P slots) never gives such prompts a slot, so their slots go to the
     others either way and the flag only counts them."""
-    if scope not in SELECTION_SCOPES or (scope == "batch" and rule != "max_variance"):
-        raise ValueError(f"selection scope {scope!r} with rule {rule!r}: expected one of {SELECTION_SCOPES}, "
-                         "'batch' only with max_variance")
+    _check_batch_rule(rule, scope)
     if scope == "prompt" and not drop_zero_variance:
         kept = downsample(rewards, m, rule, generator=generator)
         return kept, selected_advantages(rewards, kept, normalize, scale_rewards=scale_rewards), 0
     zero_variance = zero_variance_prompts(rewards)
     dropped = int(zero_variance.sum()) if drop_zero_variance else 0
     if scope == "batch":
-        keep = select_across_prompts(rewards, m)
+        keep = select_across_prompts(rewards, m, rule, generator)
         return keep, masked_advantages(rewards, keep, normalize, scale_rewards), dropped
     prompts = ~zero_variance
     keep, advantages = torch.zeros(rewards.shape, dtype=torch.bool), torch.zeros(rewards.shape)

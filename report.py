@@ -18,6 +18,8 @@ the advantage the loss used and its mean ratio pi / pi_sampler (rollout_check.py
 sample of each evaluation's completions and grades.
 `show_rollouts` prints one prompt's rollouts sorted by reward (`python eval.py rollouts RUN`); TensorBoard gets the
 same as text, W&B as a table.
+`start_line`, `eval_line`, `finish_lines`: what a run prints besides its progress bar (what trains, on what, for how
+long, where; each held-out evaluation; where the results are and the commands that read them).
 `timed` is the one stopwatch of the project: a step's phases (train.py), the decode engine's prefill and decode
 (engine/), the benchmarks.
 """
@@ -28,6 +30,7 @@ import io
 import json
 import math
 import re
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,3 +332,36 @@ def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_c
             yield log, write
         finally:
             close()
+
+
+# ------------------------------------------------------------------ what a run prints (train.py, main process)
+
+def start_line(label, args, run_dir):
+    """The run's first line: the method, the model, the dataset, the budget and the run folder."""
+    budget = " or ".join(text for text in (f"{args.max_time_s:g} s of training" if args.max_time_s else "",
+                                           f"{args.max_steps} steps" if args.max_steps else "") if text)
+    schedule = f"step 0, every {args.eval_interval} steps and the end" if args.eval_interval else "step 0 and the end"
+    evaluation = (f"held-out evaluation of {args.eval_samples} prompts at {schedule} (not counted in the budget)"
+                  if args.eval_samples else "no held-out evaluation")
+    return f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation} -> {run_dir}"
+
+
+def eval_line(step, result):
+    """One held-out evaluation's result (eval.EvalResult)."""
+    return (f"step {step}: held-out accuracy {result.accuracy:.2f}, format {result.format_accuracy:.2f} "
+            f"({result.num_samples} samples, {result.elapsed_s:.0f} s)")
+
+
+def finish_lines(run_dir, args, steps, elapsed_s):
+    """Where a finished run's results are, and the commands that read them, with the run's own folder."""
+    run, plot = shlex.quote(str(run_dir)), shlex.quote(str(Path(run_dir) / "accuracy.png"))
+    commands = []
+    if args.eval_samples:
+        commands.append(f"python compare.py {run} --plot {plot}   # held-out accuracy vs training time")
+    if args.log_completions_interval:
+        commands.append(f"python eval.py rollouts {run}   # one prompt's rollouts, the kept ones marked")
+    if args.checkpoint_interval_s >= 0:
+        commands.append(f"python eval.py --checkpoint {run} --repeats 5   # re-evaluate every checkpoint")
+    return [f"done: {steps} steps, {elapsed_s:.0f} s of training -> {run_dir}",
+            f"  results: {Path(run_dir) / checkpoint.METRICS_FILE} (a line per step and per evaluation)",
+            *(f"  {'next:' if i == 0 else '':8} {command}" for i, command in enumerate(commands))]

@@ -6,174 +6,37 @@ compared with the ground truth by Hugging Face's math-verify (sympy based), or a
 truth is a multiple-choice letter A-D. format: the whole completion is `<think>\\n...\\n</think>\\n<answer>\\n
 ...\\n</answer>`. tag count: 0.25 per tag string present exactly once (the open-r1 definition).
 
-Grading never hangs and never raises, on any thread. Cheap fast paths here decide most items without
-sympy: letters, plain numbers compared exactly as fractions (GSM8K never needs sympy), and pre-filters
-that score 0 on inputs able to stall sympy in C code (`9^9^9^9`, deep nesting, over-long answers). The
-rest go to grader.py: a verdict cache, then math-verify in worker processes under a hard per-comparison
+Grading never hangs and never raises, on any thread. Cheap fast paths (answers.py, which also reads the answer out)
+decide most items without sympy: letters, plain numbers compared exactly as fractions (GSM8K never needs sympy),
+and pre-filters that score 0 on inputs able to stall sympy in C code (`9^9^9^9`, deep nesting, over-long
+answers). The rest go to grader.py: a verdict cache, then math-verify in worker processes under a hard per-comparison
 time limit (VERIFY_TIMEOUT_S); a timed-out item scores 0.
 Simplification: completions longer than MAX_COMPLETION_CHARS are graded on their tail.
+
+Reward terms are a registry, `REWARD_TERMS` (name -> `RewardTerm`: TRL-shaped function, default weight, its own
+options), filled by `@register_reward`: train.py computes every registered term, --reward-weights changes weights and
+--reward-options sets options by name, so a new term is one decorated function here plus its own test.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grader
+from answers import (MAX_COMPLETION_CHARS, choice_letter, normalize_latex, pathological, plain_number,
+                     extract_final_answer, last_boxed_content)
 
 if TYPE_CHECKING:  # torch is imported where it is used: grading alone does not need it
     import torch
 
-MAX_COMPLETION_CHARS = 100_000  # longer completions: only the tail (where the answer is) is graded
-MAX_ANSWER_CHARS = 1_000  # longest MATH answer is 159 characters; longer "answers" score 0
-MAX_NESTING_DEPTH = 8  # deeper brackets score 0: MATH answers nest <= 3; each level costs the parser ~0.1 s
 VERIFY_TIMEOUT_S = 0.5  # per comparison (a MATH one takes ~5 ms, <0.3 s on a 3x-oversubscribed machine);
 # the worker is killed grader._KILL_GRACE_S later. Raise it (rewards.VERIFY_TIMEOUT_S = 2.0) on a busy
 # machine: grade_accuracy reads it at call time and passes it to the grader.
 THINK_PREFILL = "<think>\n"  # what data.render_prompts(prefill_think=True) appends to the prompt
 
-DEFAULT_REWARD_WEIGHTS = {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}  # the paper; authors' code 1/.1/.1
 logger = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------- extraction
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
-
-
-def _last_tag_block(text, open_tag, close_tag):
-    end = text.rfind(close_tag)
-    start = text.rfind(open_tag, 0, end) if end >= 0 else -1
-    return None if start < 0 else text[start + len(open_tag):end]
-
-
-def _braced_content(text, open_pos):
-    """Content of the `{...}` group opening at text[open_pos], or None if it does not close within
-    MAX_ANSWER_CHARS (bounded scan: an unclosed brace in a 10^6-character text stays cheap)."""
-    depth = 0
-    for match in re.finditer(r"[{}]", text[open_pos:open_pos + MAX_ANSWER_CHARS + 2]):
-        depth += 1 if match.group() == "{" else -1
-        if depth == 0:
-            return text[open_pos + 1:open_pos + match.start()]
-    return None
-
-
-def last_boxed_content(text):
-    """Content of the last complete `\\boxed{...}` / `\\fbox{...}` (nested braces), or `\\boxed 5` -> "5".
-    Looks at the last 16 occurrences at most, so a text full of unclosed boxes stays cheap."""
-    end = len(text)
-    for _ in range(16):
-        start = max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))
-        if start < 0:
-            return None
-        end = start
-        after = re.match(r"\\(?:boxed|fbox)(\s*)", text[start:start + 16])
-        position = start + after.end()
-        if text.startswith("{", position):
-            content = _braced_content(text, position)
-        elif after.group(1):  # unbraced form `\boxed 2`; `\boxed.` ends a sentence
-            content = re.match(r"[^\s${}]*", text[position:position + MAX_ANSWER_CHARS]).group().rstrip(".,;")
-        else:
-            content = None  # e.g. `\boxeddot`
-        if content and content.strip():
-            return content.strip()
-    return None
-
-
-def extract_final_answer(completion):
-    """Last <answer> block, else last \\boxed{}, else last number; None when the text has none."""
-    if not isinstance(completion, str):
-        return None
-    text = completion[-MAX_COMPLETION_CHARS:]
-    block = _last_tag_block(text, "<answer>", "</answer>")
-    if block is not None:
-        return block.strip()
-    boxed = last_boxed_content(text)
-    if boxed is not None:
-        return boxed
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-# ---------------------------------------------------------------------------------------- fast paths
-# Possessive `\s*+` keeps these linear on long runs of spaces.
-_ANSWER_PREFIX = re.compile(r"^(?:the\s++)?(?:final\s++)?answer\s*+(?:is|:)\s*+:?\s*+", re.IGNORECASE)
-_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[-+]?\.\d+")
-_UNIT_WORDS = re.compile(r"(?:\s+[A-Za-z]+\.?)+")
-_LETTER_AT_START = re.compile(r"^(?:(?i:option|choice)\s*)?\(?([A-D])\)?(?=$|[\s.:,)\]])")
-_LETTER_ANSWER_IS = re.compile(r"(?i:answer)\s*+(?:(?i:is)\s*+)?(?::\s*+)?(?:(?i:option)\s*+)?"
-                               r"\(?([A-D])\)?(?![A-Za-z])")
-
-
-def _unwrap(text):
-    """Strip whitespace, markdown bold, `$`, a trailing period and one \\boxed/\\text wrapper (repeatedly)."""
-    for _ in range(4):
-        before = text
-        text = text.strip().strip("*").strip().removesuffix(".").strip()
-        if len(text) >= 2 and text[0] == "$" and text[-1] == "$":
-            text = text.strip("$")
-        wrapper = re.match(r"\\(?:boxed|text|textbf|mathrm)\s*\{", text)
-        if wrapper and _braced_content(text, wrapper.end() - 1) == text[wrapper.end():-1]:
-            text = text[wrapper.end():-1]
-        if text == before:
-            break
-    return text
-
-
-def _plain_number(text, allow_words=False):
-    """Fraction for '1,234', '$72', '72.', '72 dollars' (allow_words), 'The answer is 72'; else None."""
-    text = _unwrap(_ANSWER_PREFIX.sub("", _unwrap(text)))
-    text = text.removeprefix("\\$").removeprefix("$").strip()
-    match = _PLAIN_NUMBER.match(text)
-    if not match:
-        return None
-    rest = text[match.end():]
-    if rest and not (allow_words and _UNIT_WORDS.fullmatch(rest)):
-        return None
-    return Fraction(match.group().replace(",", "").rstrip("."))
-
-
-def _choice_letter(text, whole_completion=False):
-    """'B', '(B)', 'B.', 'B) text', '**B**', '\\boxed{B}', 'The answer is B' -> 'B'. In a whole completion
-    (no <answer> block, no \\boxed) only 'answer is B' or a bare letter counts, not a leading 'A ...'."""
-    text = _unwrap(text.replace("**", ""))
-    said = list(_LETTER_ANSWER_IS.finditer(text[-MAX_ANSWER_CHARS:]))
-    if said:
-        return said[-1].group(1)
-    match = _LETTER_AT_START.match(text)
-    return match.group(1) if match and (not whole_completion or len(text) <= 3) else None
-
-
-def _nesting_depth(text):
-    depth = deepest = 0
-    for char in re.findall(r"[{}()\[\]]", text):
-        depth = depth + 1 if char in "{([" else max(depth - 1, 0)
-        deepest = max(deepest, depth)
-    return deepest
-
-
-# Numeric towers (9^9^9, 10**10**10, (10^{10})^{10^{10}}), any three nested exponent groups (e^{e^{e^{x}}}),
-# exponents of 6+ digits (10^{1234567}, 1e1234567) and factorials of 5+ digits: numbers no answer needs.
-_POWER_TOWER = re.compile(r"\d\s*[})]*\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d+(?:\.\d+)?\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d"
-                          r"|\^\s*\{[^{}]*\^\s*\{[^{}]*\^")
-_HUGE_EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*[-+]?\d{6,}|\d[eE][-+]?\d{6,}|\d{5,}\s*!")
-
-
-def _pathological(text):
-    """Inputs that can stall sympy inside C code (huge integers) or its recursion: graded 0 up front."""
-    return (len(text) > MAX_ANSWER_CHARS or bool(_POWER_TOWER.search(text))
-            or bool(_HUGE_EXPONENT.search(text)) or _nesting_depth(text) > MAX_NESTING_DEPTH)
-
-
-_LATEX_REPLACEMENTS = (("\u2212", "-"), ("\u00b0", "^\\circ"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                       ("{,}", ","), ("\\!", ""), ("\\,", ""))  # unicode minus/degree; MATH's `32,\!348`
-
-
-def _normalize_latex(text):
-    for old, new in _LATEX_REPLACEMENTS:
-        text = text.replace(old, new)
-    return text.strip()
 
 
 # ------------------------------------------------------------------------------------------ grading
@@ -185,13 +48,13 @@ def _grade_cheaply(completion, answer):
     prediction = extract_final_answer(completion)
     if len(gold) == 1 and gold in "ABCD":  # multiple choice: compare letters
         text = prediction if prediction is not None else completion[-MAX_COMPLETION_CHARS:]
-        return float(_choice_letter(text, whole_completion=prediction is None) == gold), None
-    if not prediction or not gold or _pathological(prediction) or _pathological(gold):
+        return float(choice_letter(text, whole_completion=prediction is None) == gold), None
+    if not prediction or not gold or pathological(prediction) or pathological(gold):
         return 0.0, None
-    gold, prediction = _normalize_latex(gold), _normalize_latex(prediction)
-    gold_number = _plain_number(gold)
+    gold, prediction = normalize_latex(gold), normalize_latex(prediction)
+    gold_number = plain_number(gold)
     if gold_number is not None:
-        predicted_number = _plain_number(prediction, allow_words=True)
+        predicted_number = plain_number(prediction, allow_words=True)
         if predicted_number is not None:
             return float(predicted_number == gold_number), None
     return None, (gold, prediction)
@@ -251,6 +114,73 @@ def tag_count_reward(completion: str) -> float:
     return 0.25 * sum(completion.count(tag) == 1 for tag in tags)
 
 
+# ------------------------------------------------------------------------------ the registry of terms
+@dataclass
+class RewardTerm:
+    """A reward term. func(prompts, completions, answer, completion_ids, num_workers, **options) -> list[float | None],
+    called with keyword arguments (TRL's shape: take **kwargs for what you do not use); completion_ids: each
+    completion's token ids (a list per completion, its length = its token count) or None outside training.
+    weight: its default weight in the total (0: logged, not trained on). options: name -> default, set per run with
+    --reward-options NAME.OPTION=VALUE (parsed to the default's type) and passed to func as keyword arguments."""
+    name: str
+    func: Callable
+    weight: float = 1.0
+    options: dict = field(default_factory=dict)
+    summary: str = ""
+
+
+REWARD_TERMS: dict[str, RewardTerm] = {}  # name -> term, in registration order
+REWARD_FUNCS: dict[str, Callable] = {}  # name -> function: the TRL view of REWARD_TERMS (reward_funcs)
+DEFAULT_REWARD_WEIGHTS: dict[str, float] = {}  # name -> default weight (the paper: 1/1/1; authors' code 1/.1/.1)
+
+
+def register_reward(name: str, weight: float = 1.0, summary: str = "", **options):
+    """Decorator: add a TRL-shaped reward function to the registry as `name`, with its default weight and options."""
+    def add(func):
+        REWARD_TERMS[name] = RewardTerm(name, func, float(weight), dict(options), summary)
+        REWARD_FUNCS[name], DEFAULT_REWARD_WEIGHTS[name] = func, float(weight)
+        return func
+    return add
+
+
+def parse_reward_weights(spec):
+    """"format=0.1" (or the dict a config.json holds) -> {name: weight} of every registered reward term: the named
+    ones changed, the others at their default weight (DEFAULT_REWARD_WEIGHTS). An unknown name is an error."""
+    weights = dict(DEFAULT_REWARD_WEIGHTS)
+    items = spec.items() if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
+    for name, value in items:
+        name = name.strip()
+        if name not in REWARD_FUNCS:
+            raise ValueError(f"unknown reward function {name!r} in --reward-weights; "
+                             f"expected names from {sorted(REWARD_FUNCS)}")
+        try:
+            weights[name] = float(value) if value != "" else 1.0
+        except (TypeError, ValueError):
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
+    return weights
+
+
+def parse_reward_options(spec):
+    """"term.option=value,..." (or the dict a config.json holds) -> {term: {option: value}}, each value of its
+    default's type; an unknown term or option, or a value of the wrong type, is an error."""
+    items = ((f"{term}.{key}", value) for term, given in spec.items() for key, value in given.items()) \
+        if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
+    options = {}
+    for key, value in items:
+        term, _, option = key.strip().partition(".")
+        known = REWARD_TERMS[term].options if term in REWARD_TERMS else {}
+        if option not in known:
+            raise ValueError(f"--reward-options: no option {key.strip()!r}; reward terms' options: "
+                             f"{[f'{t.name}.{o}' for t in REWARD_TERMS.values() for o in t.options]}")
+        kind = type(known[option])
+        try:
+            parsed = {"true": True, "false": False}[str(value).lower()] if kind is bool else value
+            options.setdefault(term, {})[option] = kind(parsed)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"--reward-options: {key.strip()} needs a {kind.__name__}, got {value!r}") from None
+    return options
+
+
 # -------------------------------------------------------------------------------- TRL-shaped batch API
 def completion_text(completion):
     """Text of a completion given as a string or as TRL conversational messages."""
@@ -263,6 +193,7 @@ def completion_text(completion):
     return ""
 
 
+@register_reward("accuracy", 1.0, "1 if the final answer equals the ground truth (math-verify), else 0")
 def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None, **kwargs) -> list[float]:
     """TRL reward function: `answer` is the dataset column of ground truths (one per completion)."""
     if answer is None:
@@ -270,15 +201,15 @@ def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None
     return grade_accuracy([completion_text(c) for c in completions], list(answer), num_workers, timeout_s)
 
 
+@register_reward("format", 1.0, "1 if the completion is exactly <think>...</think><answer>...</answer>")
 def format_rewards(prompts, completions, answer=None, **kwargs) -> list[float]:
     return [format_reward(completion_text(c)) for c in completions]
 
 
+@register_reward("tag_count", 1.0, "0.25 per think/answer tag present exactly once")
 def tag_count_rewards(prompts, completions, answer=None, **kwargs) -> list[float]:
     return [tag_count_reward(completion_text(c)) for c in completions]
 
-
-REWARD_FUNCS = {"accuracy": accuracy_rewards, "format": format_rewards, "tag_count": tag_count_rewards}
 
 
 @dataclass
@@ -294,16 +225,22 @@ class RewardResult:
         return out
 
 
-def compute_rewards(prompts, completions, answers, reward_funcs=REWARD_FUNCS, weights=DEFAULT_REWARD_WEIGHTS,
-                    num_workers=0) -> RewardResult:
+def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=None, num_workers=0, *, options=None,
+                    completion_ids=None) -> RewardResult:
     """Every reward function on every completion, and their weighted sum (paper: 1/1/1).
 
-    reward_funcs: name -> TRL-shaped f(prompts, completions, answer, **kwargs) -> list[float | None];
-    they also get num_workers. A None from a user function (TRL: "not applicable") is NaN in per_func and
-    counts 0 in total. weights must name every function, and only those (weight 0: logged, not summed);
-    anything else is a ValueError, since a silently defaulted weight would change the objective."""
+    reward_funcs: name -> TRL-shaped f(prompts, completions, answer, **kwargs) -> list[float | None] (None: every
+    registered term, REWARD_FUNCS); each is called with keywords, also num_workers, completion_ids (token ids per
+    completion, or None) and its options (a registered term's defaults, replaced by options[name]). A None from a
+    function (TRL: "not applicable") is NaN in per_func and counts 0 in total. weights: name -> weight (weight 0:
+    logged, not summed); a registered term not named keeps its default weight, any other function needs one, and a
+    weight for no function is a ValueError (a silently defaulted or ignored weight would change the objective)."""
     import torch
 
+    reward_funcs = REWARD_FUNCS if reward_funcs is None else reward_funcs
+    weights = {**{name: DEFAULT_REWARD_WEIGHTS[name] for name in reward_funcs if name in REWARD_TERMS},
+               **(weights or {})}
+    options = options or {}
     unknown, unweighted = set(weights) - set(reward_funcs), set(reward_funcs) - set(weights)
     if unknown:
         raise ValueError(f"weights given for unknown reward functions {sorted(unknown)}; "
@@ -317,8 +254,9 @@ def compute_rewards(prompts, completions, answers, reward_funcs=REWARD_FUNCS, we
     per_func, total = {}, torch.zeros(len(completions), dtype=torch.float32)
     for name, func in reward_funcs.items():
         try:
+            own = {**(REWARD_TERMS[name].options if name in REWARD_TERMS else {}), **options.get(name, {})}
             values = func(prompts=list(prompts), completions=list(completions), answer=list(answers),
-                          num_workers=num_workers)
+                          completion_ids=completion_ids, num_workers=num_workers, **own)
         except Exception as error:
             error.add_note(f"(in reward function {name!r})")
             raise

@@ -21,6 +21,7 @@ Simplification: demo scale only; the paper-scale settings (a)-(d) are run with t
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import shlex
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 import checkpoint
+import grpo_loss
+import rewards
 from compare import compare
 
 METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
@@ -46,11 +49,10 @@ STUDY_TRAIN_ARGS = (
     "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--no-bf16",
     "--no-gradient-checkpointing", "--dataset", "arithmetic", "--num-train-rows", "1000", "--one-shot",
     "--system-prompt", STUDY_SYSTEM_PROMPT, "--max-prompt-tokens", "256", "--advantage-normalization", "selected",
-    "--reward-weights", "accuracy=1,format=1,tag_count=1", "--prompts-per-step", "1", "--grad-accum-steps", "1",
+    "--reward-options", "", "--prompts-per-step", "1", "--grad-accum-steps", "1",
     "--updates-per-batch", "1", "--clip-eps", "0.2", "--kl-coef", "0", "--learning-rate", "5e-4",
     "--scale-rewards", "group", "--selection-scope", "prompt", "--no-drop-zero-variance", "--clip-eps-high", "0.2",
-    "--loss-aggregation", "sequence", "--no-mask-truncated", "--importance-sampling-correction", "none",
-    "--is-clip", "2", "--report-to", "none",
+    "--loss-aggregation", "sequence", "--no-mask-truncated", "--report-to", "none",
     "--weight-decay", "0", "--max-grad-norm", "1.0", "--optimizer", "adamw", "--temperature", "1.0",
     "--top-p", "1.0", "--max-completion-tokens", "32", "--rollout-batch-size", "64", "--micro-batch-size", "16",
     "--eval-samples", "20", "--eval-interval", "3", "--eval-temperature", "0", "--checkpoint-interval-s", "100000")
@@ -97,11 +99,27 @@ def variants_plan(seeds, num_rollouts=16, update_size=4):
     return runs, f"PODS max_variance {num_rollouts}/{update_size}"
 
 
+def registry_pins():
+    """Pins for what the registries may gain after the tables were recorded: the paper's reward weights 1/1/1 and
+    weight 0 for any other reward term (logged, not trained on); every loss option not in STUDY_TRAIN_ARGS at its
+    LossSettings default, the paper's loss (an option whose default is None cannot be given: None is off)."""
+    weights = ["accuracy=1", "format=1", "tag_count=1"]
+    weights += [f"{name}=0" for name in rewards.REWARD_TERMS if name not in ("accuracy", "format", "tag_count")]
+    pins = ["--reward-weights", ",".join(weights)]
+    for option in dataclasses.fields(grpo_loss.LossSettings):
+        flag = grpo_loss.flag_name(option)
+        pinned = flag in STUDY_TRAIN_ARGS or "--no-" + flag[2:] in STUDY_TRAIN_ARGS
+        if option.metadata["help"] and not pinned and option.default is not None:
+            is_bool = isinstance(option.default, bool)
+            pins += [flag if option.default else "--no-" + flag[2:]] if is_bool else [flag, str(option.default)]
+    return pins
+
+
 def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=()):
     """train.py's flags for one run of the study: the pinned settings, the run's method, then the user's."""
     return ["--preset", "demo", "--output-dir", str(run_dir), "--max-time-s", str(max_time_s), "--no-progress",
             "--num-threads", str(num_threads), "--device", "cpu", "--max-steps", "0", *STUDY_TRAIN_ARGS,
-            *method_flags, *train_args]
+            *registry_pins(), *method_flags, *train_args]
 
 
 def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_threads=1,
@@ -191,9 +209,12 @@ def main(argv=None):
         import compare as compare_module
 
         return compare_module.main(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):  # the commands, as the module docstring shows them
+        return print("\n\n".join(__doc__.split("\n\n")[1:3]) + "\n\npython study.py run --help (or variants --help) "
+                     "lists a command's flags.")
     if argv[:1] not in (["run"], ["variants"]):
         sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...] | "
-                 "python study.py variants --out DIR [...]")
+                 "python study.py variants --out DIR [...] (python study.py --help describes them)")
     command = argv[0]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[1:argv.index("--")] if "--" in argv else argv[1:]

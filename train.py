@@ -76,7 +76,8 @@ class OneProcess:
         return value
 
     def save_checkpoint(self, run_dir, step, model, optimizer, state, run_config, keep_last):
-        return checkpoint.save_checkpoint(run_dir, step, model, optimizer, state, run_config, keep_last)
+        with models.quiet_loading():  # no "Writing model shards" bar at every checkpoint of full fine-tuning
+            return checkpoint.save_checkpoint(run_dir, step, model, optimizer, state, run_config, keep_last)
 
     def load_checkpoint(self, path, model, optimizer):
         return checkpoint.load_checkpoint(path, model, optimizer)
@@ -124,9 +125,11 @@ def stop_on_signal():
 def score(rollouts, examples, args):
     """([P, n] weighted rewards, per-function values) of every rollout; a prefilled "<think>\\n" is graded too."""
     rows = rollouts.prompt_index.tolist()
+    completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
     result = rewards.compute_rewards([examples[i].prompt for i in rows],
                                      [data.graded_completion(text, args.prefill_think) for text in rollouts.texts],
-                                     [examples[i].answer for i in rows], weights=args.reward_weights)
+                                     [examples[i].answer for i in rows], weights=args.reward_weights,
+                                     options=args.reward_options, completion_ids=completion_ids)
     return result.total.view(len(examples), -1), result.per_func
 
 
@@ -209,6 +212,8 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes):
         result = heldout.evaluate(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
                                   settings, seed=first_chunk, samples_out=samples)
     result = processes.merged(result)
+    if processes.is_main:
+        tqdm.write(report.eval_line(state.step, result))  # above the progress bar
     if args.log_completions_interval:
         write(report.eval_completions_record(state.step, samples[:report.EVAL_COMPLETIONS_LOGGED]))
     state.evaluated_step = state.step
@@ -236,6 +241,7 @@ def train(args, processes=OneProcess()):
     run_config = dict(vars(args), label=config.method_label(args), output_dir=str(run_dir))
     if processes.is_main:
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=1))
+        print(report.start_line(run_config["label"], args, run_dir), flush=True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
@@ -254,6 +260,8 @@ def train(args, processes=OneProcess()):
                              first_step=state.step + 1 if args.resume else 0, run_config=run_config,
                              enabled=processes.is_main) as (log, write), stop_on_signal() as signalled:
         if eval_set and state.step == 0:
+            if processes.is_main:
+                print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
         bar = tqdm(total=args.max_steps or None, initial=state.step, disable=not (args.progress and processes.is_main),
                    desc=config.method_label(args))
@@ -296,9 +304,9 @@ def train(args, processes=OneProcess()):
                   f"with --output-dir {run_dir} --resume", file=sys.stderr)
         raise Stopped(128 + stop)
     if processes.is_main:
-        print(f"done: {state.step} steps, {state.elapsed_s:.0f} s of training -> {run_dir}"
-              + (f"; the decode engine was left: {sampling.fallback_reason(model)}" if sampling.fallback_reason(model)
-                 else ""))
+        fallback = sampling.fallback_reason(model)   # the run left the decode engine: its last line says why
+        print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)
+                        + ([f"  note: the decode engine was left: {fallback}"] if fallback else [])))
     return run_dir
 
 

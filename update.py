@@ -19,7 +19,7 @@ lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is no
 gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
 The sampler check (rollout_check.py): the first pass of `update_policy` (the policy that sampled) is compared
 with the sampler's log-probs of the kept tokens, at no extra forward pass (`UpdateMetrics.sampler_gap`); with
-`UpdateSettings.importance_sampling` its ratio also weights the loss (grpo_loss.importance_weights).
+`LossSettings.importance_sampling_correction` its ratio also weights the loss (grpo_loss.importance_weights).
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
@@ -61,17 +61,10 @@ class UpdateBatch:
 class UpdateSettings:
     micro_batch_size: int = 4       # sequences per forward/backward
     temperature: float = 1.0        # the sampling temperature: log-probs are of the policy that sampled
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0            # KL beta (k3 estimator against the adapter-off reference)
     updates_per_batch: int = 1      # mu
     max_grad_norm: float = 1.0      # <= 0: no clipping
     autocast_dtype: torch.dtype | None = None  # bf16 compute over fp32 weights (full fine-tuning)
-    clip_eps_high: float | None = None  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (None: clip_eps)
-    loss_aggregation: str = "sequence"  # grpo_loss.LOSS_AGGREGATIONS; "sequence" is the paper's
-    max_completion_tokens: int | None = None  # the generation limit: the "fixed" aggregation's denominator
-    mask_truncated: bool = False        # rows that hit the length limit contribute no loss
-    importance_sampling: str = "none"   # grpo_loss.IS_CORRECTIONS: reweight by pi_old / pi_sampler (off: the paper)
-    is_clip: float = 2.0                # the ratio's cap ("tis") or the ratio above which a token drops ("mask")
+    loss: grpo_loss.LossSettings = grpo_loss.LossSettings()  # every option of the loss, passed to it unchanged
 
 
 @dataclass
@@ -174,7 +167,7 @@ def _logprobs(model, micro, settings, device):
 def fill_logprobs(model, batches, settings):
     """Set each batch's old_logprobs (only mu > 1) and ref_logprobs (only kl_coef > 0; LoRA adapter disabled =
     the reference policy), in one no-grad pass with the update's micro-batches; None where not needed."""
-    need_old, need_ref = settings.updates_per_batch > 1, settings.kl_coef > 0
+    need_old, need_ref = settings.updates_per_batch > 1, settings.loss.kl_coef > 0
     if need_ref and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs a LoRA model: the adapter switched off is the reference policy")
     device = next(model.parameters()).device
@@ -196,18 +189,15 @@ def micro_batch_loss(logprobs, micro, settings):
     """(the micro-batch's loss numerator, grpo_loss metrics): divided by `loss_normaliser` it adds up to the
     step's loss. mu == 1 and no old log-probs: pi_old = pi, so the ratio is 1 with no extra forward pass."""
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-    weights = None if settings.importance_sampling == "none" else grpo_loss.importance_weights(
-        old, micro.sampler_logprobs, settings.importance_sampling, settings.is_clip)
-    return grpo_loss.grpo_loss_sum(logprobs, old, micro.advantages, micro.completion_mask, settings.clip_eps,
-                                   micro.ref_logprobs, settings.kl_coef, clip_eps_high=settings.clip_eps_high,
-                                   aggregation=settings.loss_aggregation, token_weights=weights)
+    return grpo_loss.grpo_loss_sum(logprobs, old, micro.advantages, micro.completion_mask, settings.loss,
+                                   micro.ref_logprobs, micro.sampler_logprobs)
 
 
 def loss_denominator(batches, settings):
     """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask):
     kept rows ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed")."""
-    return grpo_loss.loss_denominator([loss_mask(batch, settings.mask_truncated) for batch in batches],
-                                      settings.loss_aggregation, settings.max_completion_tokens)
+    return grpo_loss.loss_denominator([loss_mask(batch, settings.loss.mask_truncated) for batch in batches],
+                                      settings.loss.aggregation, settings.loss.max_completion_tokens)
 
 
 def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
@@ -222,10 +212,11 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     if total(rows) == 0:
         optimizer.zero_grad(set_to_none=True)
         return UpdateMetrics(loss=0.0, grad_norm=0.0, token_means={}, rows=0, optimizer_steps=0, skipped_steps=0)
-    for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.kl_coef > 0)):
+    for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.loss.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
-    if settings.importance_sampling != "none" and any(batch.sampler_logprobs is None for batch in batches):
+    if settings.loss.importance_sampling_correction != "none" and any(batch.sampler_logprobs is None
+                                                                      for batch in batches):
         raise ValueError("importance sampling correction needs the sampler's log-probs (sampling.Rollouts)")
     checked = all(batch.sampler_logprobs is not None for batch in batches)
     gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan) for batch in batches]
@@ -239,7 +230,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
             for batch, batch_ratios in zip(batches, ratios):
-                for micro in micro_batches(batch, settings.micro_batch_size, device, settings.mask_truncated):
+                for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
                     logprobs = _logprobs(model, micro, settings, device)
                     if checked and not losses:  # the policy before its first optimizer step: the one that sampled
                         gap = gap + rollout_check.SamplerGap.of(logprobs, micro.sampler_logprobs, micro.completion_mask)

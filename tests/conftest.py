@@ -28,11 +28,21 @@ def tiny_model():
     return models.tiny_random_model("llama")
 
 
+def find_data_dir():
+    """The real data folder, found as train.py finds it (data.default_data_dir): $PODS_DATA_DIR, else
+    ../shared/data next to the repository; None when neither is a folder."""
+    import data
+
+    path = data.default_data_dir()
+    return path.resolve() if path is not None and path.is_dir() else None
+
+
 @pytest.fixture(scope="session")
 def data_dir():
-    path = (ROOT.parent / "shared" / "data").resolve()
-    if not path.is_dir():
-        pytest.skip(f"shared data folder not found at {path}")
+    path = find_data_dir()
+    if path is None:
+        pytest.skip("no data folder: set PODS_DATA_DIR to a folder holding gsm8k/, math/, chemistry/ "
+                    "(README, Set-up), or put it at ../shared/data")
     return path
 
 

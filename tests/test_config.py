@@ -2,7 +2,9 @@
 once, every bad flag, path or combination failing in parse_args, before anything loads, and every selection flag
 arriving through train.train_step at the update (against pods.select called directly with the flag's value)."""
 
+import argparse
 import json
+import warnings
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import rewards
 import sampling
 import train
 import update
+from grpo_loss import LossSettings
 
 
 @pytest.mark.filterwarnings("ignore:--bf16 on CPU")
@@ -45,7 +48,6 @@ def test_presets_baseline_and_overrides():
     (["--load-in-4bit", "--device", "cpu"], "incompatible flags"),
     (["--optimizer", "adamw8bit", "--device", "cpu"], "adamw8bit"),
     (["--reward-weights", "accuracy=1,bogus=2"], "unknown reward function"),
-    (["--reward-weights", "accuracy=1"], r"no weight for \['format', 'tag_count'\]"),
     (["--reward-weights", "accuracy=1,format=x,tag_count=1"], "not a number"),
     (["--resume"], "--output-dir"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
@@ -72,9 +74,37 @@ def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
 
 def test_reward_weights_are_parsed_once_into_a_dict():
     args = config.parse_args(["--reward-weights", "accuracy=2,format=0,tag_count=0.5"])
-    assert args.reward_weights == {"accuracy": 2.0, "format": 0.0, "tag_count": 0.5}
-    assert config.parse_reward_weights(args.reward_weights) == args.reward_weights  # a config.json dict is accepted
-    assert config.parse_args([]).reward_weights == {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}
+    assert args.reward_weights == dict(rewards.DEFAULT_REWARD_WEIGHTS, accuracy=2.0, format=0.0, tag_count=0.5)
+    assert rewards.parse_reward_weights(args.reward_weights) == args.reward_weights  # a config.json dict is accepted
+    assert config.parse_args([]).reward_weights == rewards.DEFAULT_REWARD_WEIGHTS  # every registered term's default
+    paper = {name: rewards.DEFAULT_REWARD_WEIGHTS[name] for name in ("accuracy", "format", "tag_count")}
+    assert paper == {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}
+    # Only the weights that change are named; the others keep their defaults (the registry's).
+    assert config.parse_args(["--reward-weights", "format=0.1"]).reward_weights == dict(
+        rewards.DEFAULT_REWARD_WEIGHTS, format=0.1)
+
+
+@pytest.mark.parametrize("name", [name for name in config.LABEL_FLAGS if name != "reward_options"])  # that one:
+def test_every_label_flag_that_differs_from_the_preset_is_in_the_label(name):  # test_rewards_registry (needs a term)
+    """Each entry of config.LABEL_FLAGS, given a value other than the demo preset's, adds its words to the label
+    (a new entry needs a value in `changed`)."""
+    paper = config.preset_defaults("demo")
+    changed = {"loss_aggregation": "token", "scale_rewards": "none", "selection_scope": "batch", "clip_eps_high": 0.28,
+               "mask_truncated": True, "drop_zero_variance": True, "advantage_normalization": "group",
+               "clip_eps": 0.3, "kl_coef": 0.05,
+               "reward_weights": dict(paper["reward_weights"], format=0.1)}
+    args = argparse.Namespace(**dict(paper, **{name: changed[name]}))
+    words = config.LABEL_FLAGS[name](changed[name], args)
+    assert words and config.method_label(args) == f"PODS max_variance 16/4 + {words}"
+
+
+def test_a_ratio_only_loss_option_with_mu_1_warns_in_one_line():
+    with pytest.warns(UserWarning, match=r"--clip-eps-high 0.28 cannot act with --updates-per-batch 1") as caught:
+        config.parse_args(["--clip-eps-high", "0.28"])
+    assert "\n" not in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.parse_args(["--clip-eps-high", "0.28", "--mu", "2"])  # the ratio differs from 1: no warning
 
 
 @pytest.mark.filterwarnings("ignore:--bf16 on CPU")
@@ -108,9 +138,9 @@ def test_update_settings_follow_the_flags():
     args = config.parse_args(["--mu", "3", "--clip-eps", "0.3", "--micro-batch-size", "5", "--temperature", "0.7",
                               "--max-grad-norm", "0"])
     settings = config.update_settings(args)
-    assert settings == update.UpdateSettings(micro_batch_size=5, temperature=0.7, clip_eps=0.3, kl_coef=0.0,
-                                             updates_per_batch=3, max_grad_norm=0.0, autocast_dtype=None,
-                                             max_completion_tokens=32)
+    assert settings == update.UpdateSettings(micro_batch_size=5, temperature=0.7, updates_per_batch=3,
+                                             max_grad_norm=0.0, autocast_dtype=None,
+                                             loss=LossSettings(clip_eps=0.3, kl_coef=0.0, max_completion_tokens=32))
 
 
 def test_variant_flags_reach_the_update_settings_and_the_label():
@@ -120,8 +150,9 @@ def test_variant_flags_reach_the_update_settings_and_the_label():
     args = config.parse_args(["--loss-aggregation", "fixed", "--clip-eps-high", "0.28", "--mask-truncated",
                               "--scale-rewards", "none", "--selection-scope", "batch", "--drop-zero-variance"])
     settings = config.update_settings(args)
-    assert (settings.loss_aggregation, settings.clip_eps_high, settings.mask_truncated) == ("fixed", 0.28, True)
-    assert settings.max_completion_tokens == args.max_completion_tokens == 32
+    loss = settings.loss
+    assert (loss.aggregation, loss.clip_eps_high, loss.mask_truncated) == ("fixed", 0.28, True)
+    assert settings.loss.max_completion_tokens == args.max_completion_tokens == 32
     assert config.method_label(args) == ("PODS max_variance 16/4 + fixed loss, none std, batch scope, clip-high 0.28, "
                                          "truncated masked, zero-variance dropped")
     same_clip = config.parse_args(["--clip-eps-high", "0.2"])  # = --clip-eps: the paper's objective, same label
@@ -292,3 +323,15 @@ def test_every_selection_flag_arrives_at_the_update(argv, baseline, tiny_model, 
         other, _ = expected_selection(rollouts, config.parse_args([*SELECT_BASE, *baseline]))
         assert not same_rows(expected, other) or not torch.allclose(expected.advantages, other.advantages), \
             f"{argv} selects the same as {baseline} on these rewards: the test has no power"
+
+
+def test_print_config_shows_the_preset_resolved_values_before_any_check(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # a data folder that does not exist: nothing is checked yet
+        config.parse_args(["--preset", "b", "--baseline", "--data-dir", str(tmp_path / "none"), "--print-config"])
+    shown = json.loads(capsys.readouterr().out)
+    assert exit_info.value.code == 0 and "print_config" not in shown
+    assert (shown["kl_coef"], shown["weight_decay"], shown["num_rollouts"], shown["rule"]) == (0.04, 0.1, 8, "none")
+    with pytest.raises(SystemExit):
+        config.parse_args(["--print-config"])
+    assert json.loads(capsys.readouterr().out)["weight_decay"] == 0.0  # the demo's: no weight decay
+    assert not hasattr(config.parse_args([]), "print_config")  # a run's config.json holds no such flag

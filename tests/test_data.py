@@ -322,3 +322,14 @@ def test_graded_completion_restores_the_think_prefill():
     assert data.graded_completion(completion, prefill_think=False) == completion
     graded = data.graded_completion(completion, prefill_think=True)
     assert graded == rewards.THINK_PREFILL + completion and rewards.format_reward(graded) == 1.0
+
+
+def test_the_tests_find_the_data_folder_as_train_does(tmp_path, monkeypatch):
+    from conftest import find_data_dir  # the data_dir fixture's folder
+
+    monkeypatch.setenv("PODS_DATA_DIR", str(tmp_path))
+    assert find_data_dir() == tmp_path.resolve() == data.default_data_dir().resolve()
+    monkeypatch.setenv("PODS_DATA_DIR", str(tmp_path / "missing"))
+    assert find_data_dir() is None  # the tests that read real data skip, naming PODS_DATA_DIR
+    monkeypatch.delenv("PODS_DATA_DIR")
+    assert find_data_dir() == (data.DEFAULT_DATA_DIR.resolve() if data.DEFAULT_DATA_DIR.is_dir() else None)

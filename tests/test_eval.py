@@ -241,3 +241,47 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, argv, message):
         runpy.run_path(str(Path(eval_module.__file__)), run_name="__main__")
     text = str(exit_info.value.code)
     assert text.startswith("eval.py: error: ") and "\n" not in text and re.search(message, text)
+
+
+def test_preset_evaluates_a_base_model_exactly_as_the_run_evaluates_its_policy(tiny_model_dir, tmp_path, monkeypatch):
+    """A base model under --preset demo gets the very completions the demo run's step-0 evaluation got (its LoRA
+    adapter starts at zero): the same prompts (one-shot, the demo's system prompt), sample, temperature, lengths."""
+    import report
+    import train
+    from run_helpers import fake_compute_rewards, read_lines, tiny_argv
+
+    monkeypatch.setattr(rewards, "compute_rewards", fake_compute_rewards)
+    run_dir = train.main(tiny_argv(tiny_model_dir, tmp_path / "run", "--max-steps", "1", "--eval-samples", "3"))
+    step0 = read_lines(run_dir, "eval")[0]
+    logged = report.read_completions(run_dir, 0, "eval_step")[1]
+    real, samples = eval_module.evaluate_repeats, []
+    monkeypatch.setattr(eval_module, "evaluate_repeats",
+                        lambda *args, **kwargs: real(*args, **dict(kwargs, samples_out=samples)))
+    out = tmp_path / "base.json"
+    eval_module.main(["--preset", "demo", "--model", str(tiny_model_dir), "--num-prompts", "3", "--repeats", "1",
+                      "--max-completion-tokens", "8", "--out", str(out), "--no-progress"])
+    assert [(s["prompt"], s["completion"]) for s in samples] == [(r["prompt"], r["completion"]) for r in logged]
+    assert "Reply in the format" in samples[0]["prompt"] and "23 + 45" in samples[0]["prompt"]  # demo, one-shot
+    saved = json.loads(out.read_text())
+    assert saved["config"]["temperature"] == 0.9 and saved["config"]["one_shot"] is True
+    base = saved["results"]["base"]
+    assert base["accuracy"]["mean"] == step0["eval/accuracy"]
+    assert base["mean_completion_length"]["mean"] == step0["eval/mean_completion_length"]
+
+
+def test_preset_supplies_the_runs_settings_and_flags_still_win(monkeypatch, capsys):
+    args = eval_module.parse_args(["--preset", "a"])
+    assert (args.model, args.num_prompts, args.temperature, args.batch_size, args.dtype) == (
+        "Qwen/Qwen2.5-3B-Instruct", 200, 0.9, 64, "bfloat16")
+    assert eval_module.run_settings(args, [])["max_completion_tokens"] == 512
+    demo = eval_module.parse_args(["--preset", "demo", "--num-prompts", "7", "--model", "other"])
+    assert (demo.model, demo.num_prompts, demo.dtype) == ("other", 7, "float32")
+    settings = eval_module.run_settings(demo, [])
+    assert settings["one_shot"] and settings["dataset"] == "arithmetic" and settings["max_completion_tokens"] == 32
+    for argv, message in ((["--preset", "demo", "--checkpoint", "runs/x"], "--preset is for --model"),
+                          ([], "one of the arguments --checkpoint --model --preset is required")):
+        monkeypatch.setattr("sys.argv", ["eval.py", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(Path(eval_module.__file__)), run_name="__main__")
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and error.count("\n") == 1 and message in error

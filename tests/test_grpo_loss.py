@@ -86,7 +86,8 @@ def test_importance_weights_match_a_per_token_reference(correction, clip):
     expected, expected_grad = naive_loss_and_grad(*[t.tolist() for t in (logp, old, adv, mask, ref)], beta=0.1,
                                                   weights=weights.tolist())
     x = logp.clone().requires_grad_(True)
-    loss, metrics = gl.grpo_loss(x, old, adv, mask, ref_logprobs=ref, kl_coef=0.1, token_weights=weights)
+    loss, metrics = gl.grpo_loss(x, old, adv, mask, ref_logprobs=ref, sampler_logprobs=sampler, kl_coef=0.1,
+                                 importance_sampling_correction=correction, is_clip=clip)
     loss.backward()
     assert abs(loss.item() - expected) < 1e-5 and torch.allclose(x.grad, expected_grad, atol=1e-6)
     assert metrics["importance_weight_mean"] == pytest.approx(float(weights[mask.bool()].double().mean()))
@@ -94,6 +95,8 @@ def test_importance_weights_match_a_per_token_reference(correction, clip):
         gl.importance_weights(old, sampler, correction, 0.5)
     with pytest.raises(ValueError, match="one of"):
         gl.importance_weights(old, sampler, "none", 2.0)
+    with pytest.raises(ValueError, match="needs the sampler's log-probs"):
+        gl.grpo_loss(x, old, adv, mask, importance_sampling_correction=correction)
 
 
 def test_metrics_match_naive_counts():

@@ -73,3 +73,47 @@ def test_an_unreachable_hub_model_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", offline)
     with pytest.raises(ValueError, match=r"cannot load 'org/some-model' \(We couldn't connect .*\); with no network"):
         models.load_tokenizer("org/some-model")
+
+
+def test_quiet_loading_turns_the_loaders_bars_off_and_leaves_the_download_bars(monkeypatch):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    before = (hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled())
+    with models.quiet_loading():
+        assert not hf_logging.is_progress_bar_enabled()
+        assert are_progress_bars_disabled() == before[1]
+    assert (hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()) == before
+
+
+def test_quiet_peft_hides_bitsandbytes_and_one_warning_inside_the_block_only(monkeypatch):
+    import importlib.util
+    import sys
+    import warnings
+
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)  # as in a fresh process (restored afterwards)
+    installed = importlib.util.find_spec("bitsandbytes") is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # pytest.ini ignores FutureWarning; quiet_peft's own rule goes in front
+        with models.quiet_peft():
+            with pytest.raises(ImportError):
+                import bitsandbytes  # noqa: F401
+            assert importlib.util.find_spec("bitsandbytes") is None
+            warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning)
+            warnings.warn("another deprecation", FutureWarning)
+    assert [str(w.message) for w in caught] == ["another deprecation"]
+    assert "bitsandbytes" not in sys.modules and (importlib.util.find_spec("bitsandbytes") is not None) == installed
+    with models.quiet_peft(quantized=True):  # 4-bit weights need it: nothing hidden
+        assert (importlib.util.find_spec("bitsandbytes") is not None) == installed
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning(lora_rank):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # pytest.ini ignores FutureWarning
+        model = models.prepare_for_training(models.tiny_random_model("llama"), lora_rank=lora_rank,
+                                            gradient_checkpointing=True)
+    assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+    assert sum(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()) >= 1

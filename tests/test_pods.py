@@ -144,7 +144,10 @@ def test_exact_ties_between_splits_resolve_to_the_smallest_k():
         assert torch.all((chosen == a).sum(-1)[distinct] == c + 1)
 
 
-@pytest.mark.parametrize("rule", ["max_variance", "percentile", "max_reward", "none"])
+DETERMINISTIC_RULES = [name for name, rule in pods.RULES.items() if not rule.random]
+
+
+@pytest.mark.parametrize("rule", DETERMINISTIC_RULES)
 def test_batched_call_equals_per_row_calls(rule):
     gen = torch.Generator().manual_seed(1)
     rewards = torch.randint(0, 4, (2, 3, 16), generator=gen).float() + torch.rand(2, 3, 16, generator=gen)
@@ -198,13 +201,30 @@ def test_downsample_dispatches_and_none_is_plain_grpo():
         pods.downsample(rewards, 4, "best")
 
 
+@pytest.mark.parametrize("rule", pods.RULES)
+def test_every_registered_rule_returns_m_distinct_positions_through_downsample(rule):
+    """What every rule promises, so a rule added to pods.RULES is checked here: downsample calls its function
+    (with the generator when it draws), and it returns m distinct in-range positions for every valid m, any
+    leading dims and a zero-prompt batch; random rules are reproducible from the generator."""
+    entry = pods.RULES[rule]
+    rewards = torch.randint(0, 3, (2, 3, 7), generator=torch.Generator().manual_seed(4)).float()
+    for m in ([7] if rule == "none" else range(1, 8)):
+        extra = lambda: dict(generator=torch.Generator().manual_seed(m)) if entry.random else {}  # noqa: E731
+        idx = pods.downsample(rewards, m, rule, **extra())
+        assert idx.shape == (2, 3, m) and torch.equal(idx, entry.indices(rewards, m, **extra()))
+        assert_valid_indices(idx, 7, m)
+        assert pods.downsample(torch.zeros(0, 7), m, rule, **extra()).shape == (0, m)
+    assert entry.name == rule and entry.summary
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
 def test_low_precision_and_integer_rewards(dtype):
     rewards = torch.tensor([[3, 0, 2, 1, 3, 0, 1, 2]]).to(dtype)
     idx = pods.max_variance_indices(rewards, 4)
     assert sorted(rewards[0, idx[0]].tolist()) == [0, 0, 3, 3]
-    for rule in ("random", "percentile", "max_reward"):
-        assert_valid_indices(pods.downsample(rewards, 4, rule), 8, 4)
+    for rule in pods.RULES:
+        if rule not in ("max_variance", "none"):  # max_variance: above; none: needs m == n
+            assert_valid_indices(pods.downsample(rewards, 4, rule), 8, 4)
 
 
 def test_group_advantages_use_unbiased_std_plus_eps():
@@ -246,16 +266,17 @@ BAD_REWARDS = [
 
 @pytest.mark.parametrize("m,message", BAD_M)
 def test_bad_subset_size_raises_value_error_naming_it(m, message):
-    for rule in ("max_variance", "random", "percentile", "max_reward", "none"):
+    for rule in pods.RULES:
         with pytest.raises(ValueError, match=message):
             pods.downsample(torch.zeros(2, 8), m, rule)
 
 
 @pytest.mark.parametrize("rewards,message", BAD_REWARDS)
 def test_bad_rewards_raise_value_error_naming_them(rewards, message):
-    for rule in ("max_variance", "random", "percentile", "max_reward"):
-        with pytest.raises(ValueError, match=message):
-            pods.downsample(rewards, 1, rule)
+    for rule in pods.RULES:
+        if rule != "none":  # m = 1 < n: "none" refuses m itself
+            with pytest.raises(ValueError, match=message):
+                pods.downsample(rewards, 1, rule)
     with pytest.raises(ValueError, match=message):
         pods.group_advantages(rewards)
 

@@ -145,6 +145,25 @@ def test_batch_selection_equals_prompt_scope_without_zero_variance_prompts_and_b
         pods.select_across_prompts(rewards, 17)
 
 
+@pytest.mark.parametrize("rule", pods.RULES)
+def test_batch_scope_fills_the_balanced_budgets_with_the_rule_or_refuses_it(rule):
+    """Every registered rule: one the registry marks batch_scope fills each prompt's budget (batch_budgets) with its
+    own subset of that size; any other is refused in one line naming the rules that can."""
+    rewards = torch.tensor([[0.0, 1, 2, 3, 1], [0, 0, 0, 10, 2], [5, 5, 5, 5, 5], [1, 0, 1, 0, 1]])
+    generator = torch.Generator().manual_seed(0)
+    if not pods.RULES[rule].batch_scope:
+        with pytest.raises(ValueError, match="'batch' only with " + " or ".join(pods.batch_scope_rules())):
+            pods.select(rewards, 2, rule, scope="batch", generator=generator)
+        return
+    keep, _, _ = pods.select(rewards, 2, rule, scope="batch", generator=generator)
+    budgets = pods.batch_budgets(rewards, 2)
+    assert keep.sum(-1).tolist() == budgets.tolist() and int(budgets.sum()) == 8
+    for row, budget in zip(range(4), budgets.tolist()):
+        if budget and not pods.RULES[rule].random:  # a random rule's draw depends on the other prompts
+            expected = pods.downsample(rewards[row:row + 1], budget, rule)
+            assert sorted(rewards[row, keep[row]].tolist()) == sorted(rewards[row, expected[0]].tolist())
+
+
 def test_select_paper_default_drop_and_batch_scope():
     rewards_matrix = torch.tensor([[0.0, 1.0, 1.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 3.0, 1.0]])
     kept, advantages, dropped = pods.select(rewards_matrix, 2, "max_variance")

@@ -166,3 +166,20 @@ def test_tensorboard_text_and_wandb_table_of_the_completions(tmp_path, monkeypat
         write(report.completions_record(3, [scored_round()]))
     columns, table_rows = tables[0]
     assert "kept" in columns and "advantage" in columns and len(table_rows) == 8 and tables[1] == (3, {"step": "table"})
+
+
+def test_the_closing_lines_offer_only_the_commands_the_run_can_answer():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(eval_samples=0, eval_interval=0, log_completions_interval=0, checkpoint_interval_s=-1.0,
+                           max_time_s=0.0, max_steps=3, model="m", dataset="gsm8k")
+    assert report.finish_lines("runs/a b", args, 3, 4.6) == ["done: 3 steps, 5 s of training -> runs/a b",
+                                                            "  results: runs/a b/metrics.jsonl (a line per step and "
+                                                            "per evaluation)"]
+    assert report.start_line("GRPO 4/4", args, "r") == "GRPO 4/4: m on gsm8k, 3 steps; no held-out evaluation -> r"
+    args.checkpoint_interval_s, args.eval_samples = 0.0, 10
+    commands = report.finish_lines("runs/a b", args, 3, 4.6)[2:]
+    assert [line.split("#")[0].strip() for line in commands] == [
+        "next:    python compare.py 'runs/a b' --plot 'runs/a b/accuracy.png'",
+        "python eval.py --checkpoint 'runs/a b' --repeats 5"]  # quoted: the folder has a space; no completions log
+    assert "evaluation of 10 prompts at step 0 and the end" in report.start_line("GRPO 4/4", args, "r")

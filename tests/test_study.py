@@ -65,12 +65,13 @@ def test_run_study_trains_compares_and_resumes(tmp_path):
 # Flags whose value cannot change the recorded tables (or cannot be given on the command line: store_true
 # flags that are off; --backend unset, the engine with its fallback), so the study leaves them to their defaults.
 UNPINNED_OK = {"baseline", "load_in_4bit", "generation_copy", "prefill_think", "data_dir", "keep_checkpoints", "resume",
-               "dist_timeout_s", "log_completions_interval", "backend"}
+               "dist_timeout_s", "log_completions_interval", "print_config", "backend"}
 
 
 def test_every_setting_of_the_recorded_tables_is_pinned():
     """Each train.py flag is given explicitly, so a later preset or default edit cannot change the study."""
     import config
+    import grpo_loss
 
     parser = config.build_parser()
     unset = object()
@@ -79,10 +80,22 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     for flags in [*runs.values(), *study.variants_plan([0])[0].values()]:
         args = parser.parse_args(study.train_flags("runs/x", flags, 120))
         unpinned = {name for name, value in vars(args).items() if value is unset}
+        unpinned -= {grpo_loss.flag_name(option)[2:].replace("-", "_")  # a loss option whose default is None (off)
+                     for option in config.LOSS_FLAGS if option.default is None}
         assert unpinned <= UNPINNED_OK, f"pin these in study.STUDY_TRAIN_ARGS: {sorted(unpinned - UNPINNED_OK)}"
     assert args.eval_temperature == 0 and args.eval_samples == 20 and args.eval_interval == 3  # greedy, as recorded
     assert args.prompts_per_step == 1 and args.max_completion_tokens == 32 and args.num_threads == 1
     assert args.system_prompt == study.STUDY_SYSTEM_PROMPT and args.learning_rate == 5e-4
+
+
+def test_the_variant_studys_baseline_label_is_the_label_train_py_writes(tmp_path):
+    import config
+
+    runs, baseline = study.variants_plan([0])
+    labels = {name: config.method_label(config.parse_args(study.train_flags(tmp_path / name, flags, 120)))
+              for name, flags in runs.items()}
+    assert labels == {"paper-n16-m4-s0": baseline, "token-n16-m4-s0": baseline + " + token loss",
+                      "cliphigh-n16-m4-s0": baseline + " + clip-high 0.28"}
 
 
 def test_a_run_with_a_checkpoint_is_resumed(tmp_path, capsys):
@@ -153,3 +166,10 @@ def test_variant_study_end_to_end_with_a_tiny_model(tmp_path, smollm2_tokenizer)
     assert (tmp_path / "out" / "variants.png").is_file()
     assert all(f"| {label} | 1 |" in tables["variants"] for label in (
         "PODS max_variance 16/4", "PODS max_variance 16/4 + token loss", "PODS max_variance 16/4 + clip-high 0.28"))
+
+
+def test_help_describes_the_commands_with_their_flags(capsys):
+    study.main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("python study.py run --out", "python study.py variants --out", "python study.py compare"):
+        assert command in out

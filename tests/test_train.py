@@ -44,7 +44,7 @@ def lora_model(tiny_model):
     return models.prepare_for_training(tiny_model, lora_rank=4, lora_alpha=8)
 
 
-@pytest.mark.parametrize("rule", ["max_variance", "random", "percentile", "max_reward", "none"])
+@pytest.mark.parametrize("rule", pods.RULES)
 def test_every_rule_runs_one_step(rule, lora_model, smollm2_tokenizer):
     args = step_args(rule=rule, update_size=4 if rule == "none" else 2)
     optimizer = make_optimizer(lora_model, args)

@@ -92,7 +92,7 @@ def test_a_planted_fault_falls_back_to_hf_and_the_run_finishes(fault, step, peak
         assert line["sampler/engine"] == 1
     for line in steps[step:]:   # Hugging Face generate() from then on: on-policy again
         assert line["sampler/engine"] == 0 and line["sampler/logprob_diff_mean"] < 1e-5
-    assert f"the decode engine was left: the decode engine samples from another policy than the one trained " \
+    assert f"note: the decode engine was left: the decode engine samples from another policy than the one trained " \
            f"(step {step}:" in capsys.readouterr().out.splitlines()[-1]
 
 

@@ -12,6 +12,7 @@ import grpo_loss
 import models
 import sampling
 import update
+from grpo_loss import LossSettings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 256
@@ -86,8 +87,8 @@ def test_fill_logprobs_old_and_reference_only_when_needed():
     batch = random_batch(3, 4, 5, VOCAB, seed=1)
     update.fill_logprobs(model, [batch], update.UpdateSettings(micro_batch_size=2))
     assert batch.old_logprobs is None and batch.ref_logprobs is None  # mu = 1, beta = 0: nothing to compute
-    update.fill_logprobs(model, [batch], update.UpdateSettings(micro_batch_size=2, updates_per_batch=2, kl_coef=0.1,
-                                                               temperature=0.7))
+    update.fill_logprobs(model, [batch], update.UpdateSettings(micro_batch_size=2, updates_per_batch=2, temperature=0.7,
+                                                               loss=LossSettings(kl_coef=0.1)))
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     with torch.no_grad():
         policy = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), 5, 0.7)
@@ -229,8 +230,8 @@ def test_micro_batches_accumulate_to_the_full_batch_loss_gradient(aggregation, m
     expected = grads(model)
     assert expected.abs().max() > 0
     for micro in (1, 2, 4):
-        settings = update.UpdateSettings(micro_batch_size=micro, max_grad_norm=0, loss_aggregation=aggregation,
-                                         max_completion_tokens=8, mask_truncated=mask_truncated)
+        settings = update.UpdateSettings(micro_batch_size=micro, max_grad_norm=0, loss=LossSettings(
+            aggregation=aggregation, max_completion_tokens=8, mask_truncated=mask_truncated))
         metrics = update.update_policy(model, frozen, batches, settings)
         torch.testing.assert_close(grads(model), expected, rtol=1e-4, atol=1e-6)
         assert metrics.loss == pytest.approx(expected_loss.item(), rel=1e-4, abs=1e-6)
@@ -239,9 +240,9 @@ def test_micro_batches_accumulate_to_the_full_batch_loss_gradient(aggregation, m
 
 
 def test_the_denominator_of_the_token_aggregation_counts_the_loss_mask():
-    settings = update.UpdateSettings(loss_aggregation="token")
+    settings = update.UpdateSettings(loss=LossSettings(aggregation="token"))
     assert update.loss_denominator([varied_batch(6, seed=1)], settings) == 19
-    empty = update.UpdateSettings(loss_aggregation="token", mask_truncated=True)
+    empty = update.UpdateSettings(loss=LossSettings(aggregation="token", mask_truncated=True))
     assert update.loss_denominator([varied_batch(3, seed=1)], empty) == 2  # rows 0 (truncated) masked: 2 + 0
     assert update.loss_denominator([varied_batch(1, seed=1)], empty) == 0  # no token left ...
     model = lora_model()
@@ -280,7 +281,7 @@ def test_an_update_with_no_rows_takes_no_step():
     optimizer = update.make_optimizer(model, 1e-2, weight_decay=0.1)  # decay alone would move the weights
     before = trainable(model)
     empty = random_batch(0, 3, 5, VOCAB)
-    settings = update.UpdateSettings(updates_per_batch=2, loss_aggregation="token")
+    settings = update.UpdateSettings(updates_per_batch=2, loss=LossSettings(aggregation="token"))
     update.fill_logprobs(model, [empty], settings)
     metrics = update.update_policy(model, optimizer, [empty], settings)
     assert (metrics.rows, metrics.optimizer_steps, metrics.skipped_steps, metrics.loss) == (0, 0, 0, 0.0)

@@ -59,19 +59,13 @@ def direct_update(model, batch, args):
         if args.kl_coef > 0:
             with model.disable_adapter():
                 ref = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-    weights = None
-    if args.importance_sampling_correction != "none":   # per token, from the definitions (TRL, verl)
-        ratio = torch.exp(old - batch.sampler_logprobs)
-        weights = torch.minimum(ratio, torch.tensor(args.is_clip)) if args.importance_sampling_correction == "tis" \
-            else torch.where(ratio > args.is_clip, 0.0, 1.0)
     losses = []
     for _ in range(args.updates_per_batch):
         for p in params:
             p.grad = None
         logprobs = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, args.clip_eps, ref, args.kl_coef,
-                                      clip_eps_high=args.clip_eps_high, aggregation=args.loss_aggregation,
-                                      max_completion_tokens=args.max_completion_tokens, token_weights=weights)
+        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, config.loss_settings(args), ref,
+                                      batch.sampler_logprobs)
         loss.backward()
         norm = float(torch.cat([p.grad.flatten() for p in params]).norm())
         scale = min(1.0, args.max_grad_norm / (norm + 1e-6)) if args.max_grad_norm > 0 else 1.0
@@ -116,8 +110,11 @@ def fresh_batch(model, args):
 
 
 def stale_batch(model, args):
+    """Old log-probs of an older policy, and the sampler's further off (so that importance sampling acts)."""
     batch = varied_batch(6, seed=1)
     batch.old_logprobs = stale_logprobs(model, batch, args.temperature)
+    batch.sampler_logprobs = batch.old_logprobs + 0.5 * torch.randn(batch.completion_ids.shape,
+                                                                    generator=torch.Generator().manual_seed(3))
     return batch
 
 
@@ -167,7 +164,6 @@ UPDATE_FLAG_CASES = [  # (flags, the flags they are compared with (power), batch
     (["--importance-sampling-correction", "mask"], [], offpolicy_batch),
     (["--importance-sampling-correction", "mask", "--is-clip", "1.5"], ["--importance-sampling-correction", "mask"],
      offpolicy_batch),
-    (["--importance-sampling-correction", "tis", "--mu", "2"], ["--mu", "2"], offpolicy_batch),
     (["--clip-eps", "0.15", "--clip-eps-high", "0.25", "--kl-coef", "0.2", "--loss-aggregation", "token",
       "--mask-truncated", "--temperature", "0.8", "--max-grad-norm", "0.5", "--mu", "2"], [], stale_batch),
 ]
@@ -204,3 +200,36 @@ def test_importance_sampling_does_nothing_when_the_sampler_is_exact(correction, 
     corrected, _ = run_both(model, weights, exact_batch, ["--importance-sampling-correction", correction])
     plain, _ = run_both(model, weights, exact_batch, [])
     assert_same_update(corrected, plain)
+
+
+def non_default_flag(option):
+    """(argv, value): a LossSettings field's flag set to a value other than its default."""
+    flag, kind = grpo_loss.flag_name(option), option.metadata["argparse"]
+    if option.metadata["example"] is not None:
+        return [flag, str(option.metadata["example"])], option.metadata["example"]
+    if not kind:  # a bool flag
+        return [flag if not option.default else "--no-" + flag[2:]], not option.default
+    if "choices" in kind:
+        value = [choice for choice in kind["choices"] if choice != option.default][-1]
+        return [flag, value], value
+    value = kind["type"](0.35 if option.default is None else option.default + 0.05)
+    return [flag, str(value)], value
+
+
+@pytest.mark.parametrize("option", config.LOSS_FLAGS, ids=lambda option: option.name)
+def test_every_loss_option_reaches_the_loss_the_update_and_the_label(option, flag_model):
+    """Each field of grpo_loss.LossSettings that has a flag (a new loss option is tested here with no edit): a value
+    other than its default, given on the command line, is that field of config.update_settings(args).loss, changes
+    the method label, and changes update_policy's loss, gradient and weights exactly as grpo_loss called directly
+    does (mu = 2 on stale old log-probs, so ratio-only options act), and it matters for this input."""
+    argv, value = non_default_flag(option)
+    context = ["--mu", "2", *option.metadata["acts_with"]]   # e.g. --is-clip acts with a correction on
+    args = flag_args(*context, *argv)
+    assert getattr(config.update_settings(args).loss, option.name) == value
+    assert config.method_label(args) != config.method_label(flag_args(*context))
+    model, weights = flag_model
+    actual, expected = run_both(model, weights, stale_batch, [*context, *argv])
+    assert_same_update(actual, expected)
+    restore(model, weights)
+    without = direct_update(model, stale_batch(model, flag_args(*context)), flag_args(*context))
+    assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
