@@ -150,6 +150,8 @@ def build_parser():
     add = parser.add_argument_group("generation").add_argument
     add("--temperature", type=float)
     add("--top-p", type=float, default=1.0)
+    add("--backend", choices=sampling.BACKENDS[1:], help="engine: the decode engine, any failure or log-prob gap an "
+        "error; hf: generate(); default: the engine, falling back when it fails (docs/generation.md)")
     add("--generation-copy", action=argparse.BooleanOptionalAction, default=None,
         help="decode from a copy of the weights with LoRA merged in (plain GEMMs, CUDA graphs); default: on, except "
              "with --load-in-4bit, where the bf16 copy costs ~2 bytes per base parameter (5.5 GB for a 3B model)")
@@ -242,8 +244,10 @@ def check_args(args, restarted=False):
     if args.rule == "none" and args.update_size != args.num_rollouts:
         raise ValueError(f"rule 'none' (plain GRPO) trains on every rollout: needs m == n, got m = "
                          f"{args.update_size}, n = {args.num_rollouts}; pick a PODS rule or set m = n")
-    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1:
-        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0 and 0 < --top-p <= 1")
+    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1 \
+            or not args.is_clip >= 1:
+        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0, 0 < --top-p <= 1 and "
+                         "--is-clip >= 1")
     for name in ("num_train_rows", "lora_alpha"):  # optional counts
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -363,6 +367,7 @@ def generation_settings(args, **overrides):
     cuda = str(args.device).startswith("cuda")
     settings = dict(max_new_tokens=args.max_completion_tokens, temperature=args.temperature, top_p=args.top_p,
                     rollout_batch_size=args.rollout_batch_size, generation_copy=args.generation_copy,
+                    backend=args.backend,
                     cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0)
     return sampling.GenerationSettings(**dict(settings, **overrides))
 

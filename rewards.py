@@ -159,7 +159,7 @@ def parse_reward_weights(spec):
         except (TypeError, ValueError):
             raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
         if not math.isfinite(weights[name]):  # nan or inf would reach the loss and config.json
-            raise ValueError(f"--reward-weights: weight of {name!r} must be finite, got {value!r}")
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r} (it must be finite)")
     return weights
 
 

@@ -30,6 +30,7 @@ import models
 import pods
 import report
 import rewards
+import rollout_check
 import runfolder
 import sampling
 import update
@@ -136,12 +137,13 @@ def score(rollouts, examples, args):
 def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess()):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
-    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage)."""
+    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
+    log-probs check the sampler's (rollout_check.check: off-policy engine rollouts switch generation to HF)."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
     generation, settings = config.generation_settings(args), config.update_settings(args)
-    scored, batches = [], []
+    scored, batches, backends = [], [], set()
     with processes.full_weights(model):
         for round_index, examples in enumerate(rounds):
             examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size)
@@ -149,6 +151,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
             with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
                 rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples],
                                                       args.num_rollouts, generation, seed, first_chunk)
+            backends.add(rollouts.backend)
             with report.timed(costs, "reward_s"):
                 reward_matrix, per_func = score(rollouts, examples, args)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
@@ -164,9 +167,18 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
         result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
+    for scored_round, ratios in zip(scored, result.sampler_ratios or []):  # for the completions log
+        scored_round.sampler_ratios[scored_round.kept_rows] = ratios
     costs["peak_mem_gib"] = update.peak_memory_gib(args.device)
     scored, result, costs = processes.merged((scored, result, costs))
-    return report.step_metrics(scored, result, optimizer, costs, args.mask_truncated), scored
+    metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
+    # Did the rollouts come from the policy? The update's log-probs against the sampler's (rollout_check.py).
+    metrics["sampler/engine"] = float("hf" not in backends)
+    fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
+    if result.sampler_gap is not None and (fallback := rollout_check.check(model, result.sampler_gap, fast,
+                                                                           args.backend, f"step {step}")):
+        metrics["sampler/fallback"] = fallback
+    return metrics, scored
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -317,7 +329,9 @@ def run(args, run_dir, processes):
                   f"with --output-dir {run_dir} --resume", file=sys.stderr)
         raise Stopped(128 + stop)
     if processes.is_main:
-        print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)))
+        fallback = sampling.fallback_reason(model)   # the run left the decode engine: its last line says why
+        print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)
+                        + ([f"  note: the decode engine was left: {fallback}"] if fallback else [])))
     return run_dir
 
 
@@ -331,5 +345,6 @@ if __name__ == "__main__":
                  "e.g. torchrun --nproc-per-node 8 -m multigpu --preset e")
     try:
         main()
-    except (ValueError, OSError, update.TrainingError, data.HubUnavailable) as error:  # one line (OSError: the disk)
+    except (ValueError, OSError, update.TrainingError, data.HubUnavailable,
+            sampling.SamplerError) as error:  # one line (OSError: the disk)
         sys.exit(f"train.py: error: {error}")
