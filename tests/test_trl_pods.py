@@ -156,9 +156,10 @@ def weights(model):
 
 def test_training_changes_the_weights_and_logs_pods_metrics(tmp_path):
     model = tiny_qwen2()
-    before = weights(model)
-    trainer = pods_trainer(tmp_path, model=model)
+    before = weights(model)  # the 4 kept rows of each generation in 2 micro-batches of 2 (steps_per_generation 2)
+    trainer = pods_trainer(tmp_path, model=model, per_device_train_batch_size=N, gradient_accumulation_steps=2)
     trainer.train()
+    assert trainer.args.steps_per_generation == 2 and trainer._buffered_inputs[0]["completion_ids"].shape[0] == M
     after = weights(trainer.model)
     assert any(not torch.equal(before[name], after[name]) for name in before)
     logged = [line for line in trainer.state.log_history if "pods/kept_reward_mean" in line]
