@@ -39,7 +39,8 @@ def unsupported_flag(args):
                  kl_coef=0.0, resume=False, device="cpu", load_in_4bit=False, report_to="none")
     for name, value in fixed.items():
         if getattr(args, name) != value:
-            return f"--{name.replace('_', '-')} {getattr(args, name)} is not mapped onto TRL by this demo (only {value})"
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} {getattr(args, name)} is not mapped onto TRL by this demo (only {value})"
     if (args.prompts_per_step * args.update_size) % args.micro_batch_size:
         return (f"the kept rows of a step ({args.prompts_per_step} x {args.update_size}) must be a multiple of "
                 f"--micro-batch-size (now {args.micro_batch_size})")

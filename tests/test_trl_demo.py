@@ -12,7 +12,8 @@ from integrations import trl_demo  # noqa: E402
 from run_helpers import read_lines, tiny_argv  # noqa: E402
 
 
-@pytest.mark.parametrize("flags, n, m, rule, rows", [([], 16, 4, "max_variance", 64), (["--baseline"], 4, 4, "none", 16)])
+@pytest.mark.parametrize("flags, n, m, rule, rows", [([], 16, 4, "max_variance", 64),
+                                                     (["--baseline"], 4, 4, "none", 16)])
 def test_the_demo_preset_maps_onto_one_trl_generation_per_step(tmp_path, flags, n, m, rule, rows):
     args = config.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
     trl_args = trl_demo.trl_config(args, tmp_path)

@@ -104,6 +104,8 @@ def test_trained_rows_and_advantages_are_pods_selection(scored, rule, normalize,
     assert torch.equal(trainer.last_selection.rewards, rewards)  # selected on what the reward function returned
     generator = torch.Generator().manual_seed(trainer.args.seed * 1_000_003 + trainer._step)
     expected = pods.downsample(rewards, M, rule, generator=generator).sort(dim=-1).values
+    if rule == "max_variance":
+        assert torch.equal(expected, pods.max_variance_indices(rewards, M).sort(dim=-1).values)
     assert torch.equal(trainer.last_selection.kept, expected)
     rows = (expected + torch.arange(PROMPTS_PER_BATCH)[:, None] * N).flatten()
     width = kept_batch["completion_ids"].shape[1]
