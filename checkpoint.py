@@ -73,11 +73,13 @@ class TrainerState:
 
 
 def open_metrics_log(run_dir, keep_bytes=0):
-    """metrics.jsonl of a run, opened for appending after cutting it to `keep_bytes` (0: a new, empty log; a
-    resume passes TrainerState.metrics_bytes, dropping lines written after its checkpoint)."""
+    """metrics.jsonl of a run, opened for appending after cutting it back to the last complete line within its first
+    `keep_bytes` (0: a new, empty log; a resume passes TrainerState.metrics_bytes, dropping lines written after its
+    checkpoint). Never extended: a log cut short (a full disk, a copy) loses its broken line, not the next one."""
     path = Path(run_dir) / METRICS_FILE
-    with open(path, "r+" if keep_bytes else "w") as handle:
-        handle.truncate(keep_bytes)
+    with open(path, "a+b") as handle:
+        handle.seek(0)
+        handle.truncate(handle.read(keep_bytes).rfind(b"\n") + 1)
     return open(path, "a")
 
 

@@ -298,7 +298,10 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
         except (ValueError, OSError, KeyError, json.JSONDecodeError) as error:
             problems.append(f"- skipped {run_dir}: {error}")
     if not runs:
-        raise ValueError("no readable run directory among: " + ", ".join(map(str, run_dirs)))
+        raise ValueError("no readable run directory: " + "; ".join(p.removeprefix("- skipped ") for p in problems))
+    settings = Counter(f"{r.config.get('preset')} ({r.config.get('dataset')}, {r.config.get('model')})" for r in runs)
+    if len(settings) > 1:  # seeds of one label on two datasets are not one method's curve
+        raise ValueError(f"runs of different presets, datasets or models (compare them apart): {dict(settings)}")
     problems += [f"- {r.run_dir}: {r.skipped_lines} unreadable metrics lines skipped" for r in runs if r.skipped_lines]
     problems += [f"- {r.run_dir}: {r.nonfinite_evals} eval points left out, their time or {metric} not a finite number"
                  for r in runs if r.nonfinite_evals]
@@ -346,5 +349,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError) as error:  # a missing path, no runs, no baseline: one line
+    except (ValueError, OSError) as error:  # a missing path, no runs, no baseline, the disk: one line
         sys.exit(f"compare.py: error: {error}")

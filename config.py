@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 import time
 import warnings
@@ -21,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
 import data
 import dynamic_sampling
 import grpo_loss
@@ -29,6 +29,7 @@ import models
 import pods
 import report
 import rewards
+import runfolder
 import sampling
 import update
 
@@ -75,6 +76,16 @@ POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_
                  "max_generation_rounds")
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
                 "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
+# What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
+# Others may change: RECORDED_AT_RESUME into config.json "changes" and the metrics; budget, logging, memory silently.
+RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha", "lora_target_modules",
+                "dataset", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
+                "rule", "num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
+                "advantage_normalization", "scale_rewards", "selection_scope", "drop_zero_variance", "reward_weights",
+                "reward_options", "optimizer", "temperature", "top_p", "max_completion_tokens", "eval_samples",
+                "eval_temperature") + tuple(grpo_loss.flag_name(option).removeprefix("--").replace("-", "_")
+                                            for option in LOSS_FLAGS)  # every loss option, as the registry grows
+RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -146,6 +157,8 @@ def build_parser():
     add = parser.add_argument_group("generation").add_argument
     add("--temperature", type=float)
     add("--top-p", type=float, default=1.0)
+    add("--backend", choices=sampling.BACKENDS[1:], help="engine: the decode engine, any failure or log-prob gap an "
+        "error; hf: generate(); default: the engine, falling back when it fails (docs/generation.md)")
     add("--generation-copy", action=argparse.BooleanOptionalAction, default=None,
         help="decode from a copy of the weights with LoRA merged in (plain GEMMs, CUDA graphs); default: on, except "
              "with --load-in-4bit, where the bf16 copy costs ~2 bytes per base parameter (5.5 GB for a 3B model)")
@@ -158,7 +171,8 @@ def build_parser():
         help="CPU threads for torch (0 = torch's default, one per physical core; give 1 to runs that share a machine)")
     add("--max-steps", type=int, default=0, help="0 = no step limit")
     add("--max-time-s", type=float, default=0.0,
-        help="training wall-clock budget (evaluation excluded): no step starts that would likely end past it")
+        help="training wall-clock budget (evaluation excluded): no step starts that would likely end past it; "
+             "0 = no time limit")
     add("--checkpoint-interval-s", type=float, help="seconds of training between checkpoints; <0 = never")
     add("--keep-checkpoints", type=int, default=0, help="keep only the newest K (0 = all)")
     add("--eval-interval", type=int, help="held-out evaluation every K steps (also at step 0 and the end)")
@@ -170,7 +184,8 @@ def build_parser():
              "0 = never); view them with python eval.py rollouts RUN")
     add("--output-dir", help="default: runs/<preset>-<method>-s<seed>-<time>")
     add("--resume", action="store_true",
-        help="continue the run in --output-dir from its latest checkpoint (flags given now override its config)")
+        help="continue the run in --output-dir from its newest readable checkpoint; budget, logging and optimizer "
+             "flags given now win, flags that change what the run is are refused (docs/training.md, section 5)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
     add("--print-config", action="store_true", help="print the resolved flags (preset, --baseline, flags) and exit")
     add("--report-to", choices=report.REPORT_TO, default="none",
@@ -188,14 +203,15 @@ def parse_args(argv=None, restarted=False):
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     first = parser.parse_args(argv)
-    if not first.resume and restarted and first.output_dir and checkpoint.latest_checkpoint(first.output_dir):
+    checkpointed = first.output_dir and runfolder.newest_checkpoint(first.output_dir, readable=False)[0]
+    if not first.resume and restarted and checkpointed:
         argv, first.resume = argv + ["--resume"], True
-    saved = {}
-    if first.resume:
-        if not first.output_dir or not (Path(first.output_dir) / "config.json").is_file():
-            raise ValueError("--resume needs --output-dir of an existing run (with config.json)")
-        saved = json.loads((Path(first.output_dir) / "config.json").read_text())
-    # A resumed run keeps its preset unless --preset is given again (config.json records what the run is).
+    if first.output_dir:
+        runfolder.check_output_dir(first.output_dir)
+    if first.resume and not (first.output_dir and (Path(first.output_dir) / "config.json").is_file()):
+        raise ValueError("--resume needs --output-dir of an existing run (with config.json)")
+    saved = runfolder.read_config(first.output_dir) if first.resume else {}
+    # A resumed run keeps its preset (config.json records what the run is; another --preset is refused below).
     given = any(arg == "--preset" or arg.startswith("--preset=") for arg in argv)
     preset = first.preset if given or saved.get("preset") not in PRESETS else saved["preset"]
     defaults = dict(PRESETS[preset], preset=preset)
@@ -209,6 +225,9 @@ def parse_args(argv=None, restarted=False):
         print(json.dumps(vars(args), indent=1))
         parser.exit()
     check_args(args, restarted)
+    if args.resume:  # the weights compared as parsed (older runs saved the flag's text)
+        saved["reward_weights"] = rewards.parse_reward_weights(saved.get("reward_weights", DEFAULT_REWARD_WEIGHTS))
+    args.changes = runfolder.resume_changes(args, saved, RUN_IDENTITY, RECORDED_AT_RESUME) if args.resume else []
     return args
 
 
@@ -217,6 +236,10 @@ def check_args(args, restarted=False):
     once, into a dict), the run folder, the data and the model source."""
     if args.log_completions_interval is None:
         args.log_completions_interval = args.eval_interval
+    for action in build_parser()._actions:  # NaN passes every `x < 0` test below; no flag gives infinity a meaning
+        value = getattr(args, action.dest, None)
+        if action.type is float and value is not None and not math.isfinite(value):
+            raise ValueError(f"{action.option_strings[0]} must be a finite number, got {value}")
     for name in POSITIVE_INTS:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -228,8 +251,10 @@ def check_args(args, restarted=False):
     if args.rule == "none" and args.update_size != args.num_rollouts:
         raise ValueError(f"rule 'none' (plain GRPO) trains on every rollout: needs m == n, got m = "
                          f"{args.update_size}, n = {args.num_rollouts}; pick a PODS rule or set m = n")
-    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1:
-        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0 and 0 < --top-p <= 1")
+    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1 \
+            or not args.is_clip >= 1:
+        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0, 0 < --top-p <= 1 and "
+                         "--is-clip >= 1")
     for name in ("num_train_rows", "lora_alpha"):  # optional counts
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -239,7 +264,7 @@ def check_args(args, restarted=False):
     args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
     args.reward_options = rewards.parse_reward_options(args.reward_options)
     _check_device_flags(args)
-    _check_run_dir(args, restarted)
+    runfolder.check_run_dir(args, restarted)
     _check_data(args)
     models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
     if args.bf16 and not str(args.device).startswith("cuda"):
@@ -274,21 +299,6 @@ def _check_variant_flags(args):
         raise ValueError(f"incompatible flags: --selection-scope batch balances a rule across prompts; it needs "
                          f"--rule {' or '.join(pods.batch_scope_rules())}, got --rule {args.rule}")
     report.check_report_to(args.report_to)
-
-
-def _check_run_dir(args, restarted):
-    if restarted and not args.resume:
-        return  # restarted before the first checkpoint: the run starts over
-    if args.resume:
-        if args.output_dir is None:
-            raise ValueError("--resume needs --output-dir")
-        if checkpoint.latest_checkpoint(args.output_dir) is None:
-            raise ValueError(f"--resume: no complete checkpoint in {Path(args.output_dir) / 'checkpoints'}")
-    elif args.output_dir is not None:
-        metrics = Path(args.output_dir) / checkpoint.METRICS_FILE
-        if metrics.exists() and metrics.stat().st_size > 0:
-            raise ValueError(f"{args.output_dir} already holds a run: pass --resume to continue it or another "
-                             "--output-dir")
 
 
 def _check_data(args):
@@ -365,6 +375,7 @@ def generation_settings(args, **overrides):
     cuda = str(args.device).startswith("cuda")
     settings = dict(max_new_tokens=args.max_completion_tokens, temperature=args.temperature, top_p=args.top_p,
                     rollout_batch_size=args.rollout_batch_size, generation_copy=args.generation_copy,
+                    backend=args.backend,
                     cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0)
     return sampling.GenerationSettings(**dict(settings, **overrides))
 

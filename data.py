@@ -36,6 +36,7 @@ SPLITS = ("train", "test")
 CHEMISTRY_TEST_FRACTION = 0.2  # 2100 rows -> 1680 train / 420 test
 ARITHMETIC_TEST_FRACTION = 0.2  # of the unordered {a, b} pairs
 ARITHMETIC_DEFAULT_ROWS = {"train": 1000, "test": 100}
+ARITHMETIC_MAX_ROWS = 100_000
 _SPLIT_SALT = "pods-split-v1"  # fixed: the held-out rows never depend on a run's seed
 _FILES = {("gsm8k", "train"): "gsm8k/train.jsonl", ("gsm8k", "test"): "gsm8k/test.jsonl",
           ("math", "train"): "math/train.jsonl", ("math", "test"): "math/test500.jsonl",
@@ -105,8 +106,12 @@ def read_jsonl(path, required_fields=()):
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path} (pass data_dir=/path/to/data or set PODS_DATA_DIR)")
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # bytes: a byte that is not UTF-8 is reported with its line
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 ({error.reason}, byte {error.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -229,6 +234,9 @@ def _arithmetic_rows(split, num_rows, seed, max_digits):
     pairs = [(a, b) for a in range(high) for b in range(a, high) if (a, b) != (23, 45)]  # not the one-shot
     pool = _split_part(pairs, [f"{a}+{b}" for a, b in pairs], ARITHMETIC_TEST_FRACTION, split)
     rng = random.Random(f"{seed}:{split}:{max_digits}")
+    if num_rows > ARITHMETIC_MAX_ROWS:  # a typo would fill the memory before any message
+        raise ValueError(f"arithmetic: {num_rows} rows asked (--num-train-rows, --eval-samples), the most is "
+                         f"{ARITHMETIC_MAX_ROWS}")
     rows = []
     while len(rows) < num_rows:  # each pass uses every pair once: no repeats until the pool is used up
         rng.shuffle(pool)

@@ -140,11 +140,16 @@ def join(batches, pad_id):
         return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
                                                   value=value) for t in tensors])
 
+    # The sampler's log-probs (checked every step): a round without rows may lack them (another process's refill).
+    sampler = [b.sampler_logprobs if b.sampler_logprobs is not None or len(b.advantages) else
+               torch.zeros(0, completion_width) for b in batches]
     return update.UpdateBatch(padded([b.prompt_ids for b in batches], prompt_width, pad_id, True),
                               padded([b.prompt_mask for b in batches], prompt_width, 0, True),
                               padded([b.completion_ids for b in batches], completion_width, pad_id, False),
                               padded([b.completion_mask for b in batches], completion_width, 0, False),
-                              torch.cat([b.advantages for b in batches]), torch.cat([b.truncated for b in batches]))
+                              torch.cat([b.advantages for b in batches]), torch.cat([b.truncated for b in batches]),
+                              sampler_logprobs=None if any(s is None for s in sampler) else
+                              padded(sampler, completion_width, 0.0, False))
 
 
 def step_metrics(scored, wanted):

@@ -67,6 +67,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
     `progress` and a repeat is reproducible on its own."""
     import data
     import rewards
+    import rollout_check
     import sampling
 
     temperature, batch_size = settings.temperature, settings.rollout_batch_size
@@ -89,8 +90,16 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
         correct, formatted, both, total_tokens, count = 0, 0, 0, 0, 0
         for chunk_index, start in enumerate(chunk_starts):
             chunk_prompts = list(prompts[start:start + prompts_per_chunk])
+            chunk_seed = seed + 100_003 * repeat + chunk_index
             rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
-                                                  seed=seed + 100_003 * repeat + chunk_index)
+                                                  seed=chunk_seed)
+            # The guard of train.py without an update pass: the first chunk's tokens scored by the model itself;
+            # a gap no correct sampler reaches falls back to HF generate() (sampling.fall_back) and redoes it.
+            if repeat == chunk_index == 0 and rollouts.backend != "hf" and rollout_check.check(
+                    model, rollout_check.measure(model, rollouts, temperature), rollouts.backend, settings.backend,
+                    "evaluation"):
+                rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
+                                                      seed=chunk_seed)
             rows = [start + row // samples_per_prompt for row in range(len(rollouts.texts))]  # row i*K+j
             # A prompt that ends in the think prefill (data.render_prompts(prefill_think=True)) made the
             # model's output start after "<think>\n": grade prefill + generated text.
@@ -184,6 +193,8 @@ def parse_args(argv):
     parser.add_argument("--max-completion-tokens", "--max-new-tokens", type=int, default=None,
                         help="default: the run's, else 256")
     parser.add_argument("--batch-size", type=int, default=64, help="rows (prompts x samples) per generate call")
+    parser.add_argument("--backend", choices=("engine", "hf"), help="as train.py's: engine (no fallback) or hf; "
+                        "default: the decode engine, falling back to generate() when it fails or samples off-policy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the model's own")
@@ -257,9 +268,16 @@ def main(argv=None, load_sharded=None):
     import checkpoint
     import data
     import models
+    import runfolder
     import sampling
 
     checkpoints = checkpoint.find_checkpoints(args.checkpoint) if args.checkpoint else []
+    problems = {path: runfolder.checkpoint_problem(path) for path in checkpoints}  # a file empty or cut short
+    for path in [path for path in checkpoints if problems[path]]:
+        print(f"skipping {path}: {problems[path]}", file=sys.stderr)
+    checkpoints = [path for path in checkpoints if not problems[path]]
+    if args.checkpoint and not checkpoints:
+        raise ValueError(f"{args.checkpoint}: no readable checkpoint")
     sharded = [path for path in checkpoints if checkpoint.is_sharded(path)]
     if sharded and load_sharded is None:
         raise ValueError(f"{sharded[0]} was written by several processes (dcp/): evaluate it with "
@@ -312,7 +330,7 @@ def main(argv=None, load_sharded=None):
 
                     model = PeftModel.from_pretrained(base, str(path / "adapter"))
         generation = sampling.GenerationSettings(settings["max_completion_tokens"], args.temperature, args.top_p,
-                                                 args.batch_size)
+                                                 args.batch_size, backend=args.backend)
         sampling.check_generation_fits(model, args.batch_size, longest + generation.max_new_tokens,
                                        f"--batch-size (now {args.batch_size}) or --max-completion-tokens (now "
                                        f"{generation.max_new_tokens})")
@@ -337,7 +355,9 @@ def main(argv=None, load_sharded=None):
 
 
 if __name__ == "__main__":
+    import sampling
+
     try:
         main()
-    except (ValueError, FileNotFoundError) as error:  # bad flags, paths, data: a message, not a traceback
+    except (ValueError, OSError, sampling.SamplerError) as error:  # bad flags, paths, data, the disk; no fallback
         sys.exit(f"eval.py: error: {error}")

@@ -12,7 +12,10 @@ additional updates on the same batch.
 
 Variants (defaults = the paper): `aggregation` "sequence" (above), "token" (DAPO: sum over all kept
 tokens / their number) or "fixed" (Dr. GRPO: sum / (rows x max completion tokens)); clip-higher (DAPO:
-ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit.
+ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit;
+`importance_sampling_correction` (truncated importance sampling, as TRL's vLLM correction and verl's rollout_is;
+`importance_weights`) multiplies each token's policy-gradient term by min(pi_old / pi_sampler, C) ("tis") or drops
+the tokens whose ratio exceeds C ("mask"; a dropped token still counts in the "token" denominator), C = is_clip.
 The trainer accumulates micro-batches, so "token" and "fixed" must normalise over the whole update batch:
 `grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
 
@@ -34,14 +37,17 @@ from torch import Tensor
 _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
 
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
+IS_CORRECTIONS = ("none", "tis", "mask")
 
 
-def loss_option(default, help=None, flag=None, ratio_only=False, example=None, **argparse_options):
+def loss_option(default, help=None, flag=None, ratio_only=False, example=None, acts_with=(), **argparse_options):
     """A LossSettings field. help: it gets a train.py flag (--field-name, or `flag`) with this help, these argparse
     options and the field's default (config.py builds it); no help: the value comes from the flag of that name
     declared elsewhere. ratio_only: it acts on the ratio rho only, which is exactly 1 with --mu 1 (a warning).
-    example: a valid value other than the default, for the tests that run every option (None: they pick one)."""
-    metadata = dict(help=help, flag=flag, ratio_only=ratio_only, example=example, argparse=argparse_options)
+    example: a valid value other than the default, for the tests that run every option (None: they pick one).
+    acts_with: the flags without which it does nothing (those tests give them to both sides)."""
+    metadata = dict(help=help, flag=flag, ratio_only=ratio_only, example=example, acts_with=tuple(acts_with),
+                    argparse=argparse_options)
     return field(default=default, metadata=metadata)
 
 
@@ -62,6 +68,12 @@ class LossSettings:
         False, "completions that hit --max-completion-tokens contribute no loss (counted: num_truncated_masked)")
     kl_coef: float = loss_option(0.0, "KL beta (needs LoRA: the reference is the adapter switched off)", type=float)
     max_completion_tokens: int | None = loss_option(None)  # the generation limit: the "fixed" aggregation's denominator
+    # Against the sampler-trainer mismatch (rollout_check.py); grpo_loss_sum then needs the sampler's log-probs.
+    importance_sampling_correction: str = loss_option(
+        "none", "tis: weight each token's policy gradient by min(pi_old / pi_sampler, --is-clip); mask: drop the "
+        "tokens above it; none: the paper", choices=IS_CORRECTIONS, example="tis")
+    is_clip: float = loss_option(2.0, "the importance ratio's cap (TRL's and verl's default: 2)", type=float,
+                                 example=1.5, acts_with=("--importance-sampling-correction", "tis"))
 
 
 def flag_name(option: dataclasses.Field) -> str:
@@ -149,6 +161,17 @@ def mask_truncated(completion_mask: Tensor, truncated: Tensor) -> Tensor:
     return completion_mask.masked_fill(truncated[:, None].to(completion_mask.device), 0)
 
 
+def importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, correction: str, clip: float) -> Tensor:
+    """Detached per-token weights [B, C] of the policy-gradient term for rollouts sampled by another sampler than
+    pi_old: ratio = exp(old - sampler); "tis": min(ratio, clip); "mask": 1 where ratio <= clip, else 0."""
+    if correction not in IS_CORRECTIONS[1:]:
+        raise ValueError(f"importance sampling correction must be one of {IS_CORRECTIONS[1:]}, got {correction!r}")
+    if not clip >= 1:
+        raise ValueError(f"the importance ratio's clip must be >= 1, got {clip}")
+    ratio = torch.exp(old_logprobs.detach().float() - sampler_logprobs.float())
+    return ratio.clamp(max=clip) if correction == "tis" else (ratio <= clip).float()
+
+
 def _check_aggregation(aggregation: str) -> None:
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
@@ -195,6 +218,7 @@ def grpo_loss_sum(
     completion_mask: Tensor,
     settings: LossSettings | None = None,
     ref_logprobs: Tensor | None = None,
+    sampler_logprobs: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Numerator of the loss of these rows: divide by `loss_denominator` of the whole update batch.
@@ -205,7 +229,9 @@ def grpo_loss_sum(
     sum_it loss_it (they differ only in the denominator). Micro-batches therefore accumulate exactly:
     sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) = the full-batch loss.
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO clip-higher; None = clip_eps).
-    Metrics: token means over this call's kept tokens, see `grpo_loss`.
+    With importance_sampling_correction, the weights (`importance_weights` of old_logprobs and sampler_logprobs
+    [B, C], the sampler's) multiply each token's policy-gradient term, not its KL term.
+    Metrics: token means over this call's kept tokens, see `grpo_loss` (plus "importance_weight_mean").
     """
     settings = loss_settings(settings, **options)
     clip_eps, clip_eps_high, kl_coef, aggregation = (settings.clip_eps, settings.clip_eps_high, settings.kl_coef,
@@ -231,6 +257,14 @@ def grpo_loss_sum(
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")
 
+    token_weights = None  # truncated importance sampling (rollout_check.py)
+    if settings.importance_sampling_correction != "none":
+        if sampler_logprobs is None or sampler_logprobs.shape != logprobs.shape:
+            raise ValueError(f"importance_sampling_correction {settings.importance_sampling_correction!r} needs the "
+                             "sampler's log-probs [B, C] (sampling.Rollouts.sampler_logprobs)")
+        token_weights = importance_weights(old_logprobs, sampler_logprobs, settings.importance_sampling_correction,
+                                           settings.is_clip)
+
     # Padded positions may hold anything (even inf/NaN): zero them *before* exp so that neither the
     # value nor the gradient (0 * inf) can turn into NaN.
     keep = completion_mask.bool()
@@ -244,6 +278,8 @@ def grpo_loss_sum(
     ratio = torch.exp(logp - tokens(old_logprobs))
     clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_high)
     per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if token_weights is not None:
+        per_token = per_token * tokens(token_weights.detach())
     if ref_logprobs is not None:
         log_ref_ratio = tokens(ref_logprobs) - logp
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
@@ -269,6 +305,8 @@ def grpo_loss_sum(
             "ratio_mean": masked_mean(ratio),
             "kl": masked_mean(kl) if ref_logprobs is not None else 0.0,
         }
+        if token_weights is not None:
+            metrics["importance_weight_mean"] = masked_mean(tokens(token_weights))
     return loss_sum, metrics
 
 
@@ -279,6 +317,7 @@ def grpo_loss(
     completion_mask: Tensor,
     settings: LossSettings | None = None,
     ref_logprobs: Tensor | None = None,
+    sampler_logprobs: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO loss -J of one whole batch (see module docstring) and TRL-named metrics.
@@ -297,6 +336,7 @@ def grpo_loss(
     no ref_logprobs).
     """
     settings = loss_settings(settings, **options)
-    loss_sum, metrics = grpo_loss_sum(logprobs, old_logprobs, advantages, completion_mask, settings, ref_logprobs)
+    loss_sum, metrics = grpo_loss_sum(logprobs, old_logprobs, advantages, completion_mask, settings, ref_logprobs,
+                                      sampler_logprobs)
     denominator = loss_denominator(completion_mask, settings.aggregation, settings.max_completion_tokens)
     return loss_sum / max(denominator, 1), metrics

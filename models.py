@@ -17,6 +17,7 @@ Simplifications: one device (multigpu/ shards this same model with FSDP2); 4-bit
 """
 
 import contextlib
+import fnmatch
 import importlib.util
 import io
 import os
@@ -186,13 +187,30 @@ def max_positions(name_or_path):
     return getattr(config, "max_position_embeddings", None)
 
 
+MODEL_FOLDER_PARTS = {"config.json": ("config.json",), "weights (*.safetensors, *.bin)": ("*.safetensors", "*.bin"),
+                      "tokenizer (tokenizer.json, tokenizer.model, vocab.json)": ("tokenizer.json", "tokenizer.model",
+                                                                                  "vocab.json")}
+
+
+def _check_model_folder(folder):
+    """What from_pretrained reads from a local folder: a config, weights and a tokenizer (one line, not a traceback)."""
+    names = [path.name for path in Path(folder).iterdir()]
+    missing = [part for part, patterns in MODEL_FOLDER_PARTS.items()
+               if not any(fnmatch.fnmatch(name, pattern) for name in names for pattern in patterns)]
+    if missing:
+        raise FileNotFoundError(f"model folder {folder} holds no {' and no '.join(missing)}: pass a folder that "
+                                "save_pretrained wrote the model and its tokenizer into")
+
+
 def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=0):
     """Fail fast (before any weights load) on a missing local path or a missing demo package, and on prompt +
     completion tokens beyond the model's positions where its config is at hand (`max_positions`)."""
     if name_or_path == SMOLLM2_ALIAS:
         smollm2_gguf_location()
     else:
-        _pretrained_source(name_or_path)
+        source, options = _pretrained_source(name_or_path)
+        if Path(source).is_dir() and not options:  # a local folder (not a .gguf file)
+            _check_model_folder(source)
     limit = max_positions(name_or_path) if max_completion_tokens else None
     if limit is not None and max_prompt_tokens + max_completion_tokens > limit:
         raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} + --max-completion-tokens {max_completion_tokens} "

@@ -13,8 +13,9 @@ that step are purged; W&B: a new run in the same project).
 
 The completions log shows the method's one decision, which m of the n rollouts it trains on (paper §3.2): for every
 --log-completions-interval-th step, <out>/completions/step_XXXXXX.jsonl holds each prompt once and each rollout with
-its completion, every reward function's value and the weighted total, length, truncation, whether the rule kept it
-and the advantage the loss used; eval_step_XXXXXX.jsonl holds a sample of each evaluation's completions and grades.
+its completion, every reward function's value and the weighted total, length, truncation, whether the rule kept it,
+the advantage the loss used and its mean ratio pi / pi_sampler (rollout_check.py); eval_step_XXXXXX.jsonl holds a
+sample of each evaluation's completions and grades.
 `show_rollouts` prints one prompt's rollouts sorted by reward (`python eval.py rollouts RUN`); TensorBoard gets the
 same as text, W&B as a table.
 `start_line`, `eval_line`, `finish_lines`: what a run prints besides its progress bar (what trains, on what, for how
@@ -62,6 +63,8 @@ class ScoredRound:
     answers: list                # [P] reference answers
     texts: list                  # [P*n] completions
     filtered: torch.Tensor       # [P] bool: set aside by --dynamic-sampling (no reward spread), not trained on
+    sampler_ratios: torch.Tensor | None = None  # [P*n] mean pi / pi_sampler over a kept rollout's tokens (NaN: not
+                                                # kept); set by train_step after the update
 
     @classmethod
     def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped,
@@ -73,7 +76,8 @@ class ScoredRound:
         filtered = torch.zeros(rewards.shape[0], dtype=torch.bool) if filtered is None else filtered
         return cls(rewards, per_func, kept_rows, advantages, zero_variance_dropped, rollouts.lengths,
                    rollouts.truncated, int(rollouts.prompt_mask.sum()) * rewards.shape[1],
-                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts), filtered)
+                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts), filtered,
+                   torch.full((rewards.numel(),), math.nan))
 
 
 @contextlib.contextmanager
@@ -106,6 +110,8 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
                     "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
                     float(torch.cat([s.truncated for s in scored]).float().mean())})
     metrics.update(result.token_means)
+    if result.sampler_gap is not None:  # the sampler's log-probs against the update's (rollout_check.py)
+        metrics.update(result.sampler_gap.metrics())
     step_tokens = sum(s.prompt_tokens + int(s.lengths.sum()) for s in scored)
     masked = sum(int(s.truncated[s.kept_rows].sum()) for s in scored) if mask_truncated else 0
     metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
@@ -170,7 +176,9 @@ def completions_record(step, scored):
                              "rewards": {name: _finite_or_none(values[r])
                                          for name, values in scored_round.per_func.items()},
                              "length": int(scored_round.lengths[r]), "truncated": bool(scored_round.truncated[r]),
-                             "kept": bool(kept[r]), "advantage": _finite_or_none(scored_round.advantages[r])})
+                             "kept": bool(kept[r]), "advantage": _finite_or_none(scored_round.advantages[r]),
+                             "sampler_ratio": None if scored_round.sampler_ratios is None else
+                             _finite_or_none(scored_round.sampler_ratios[r])})
     return {"type": "completions", "name": f"step_{step:06d}", "step": step, "rows": rows}
 
 
@@ -308,8 +316,7 @@ def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_c
     if not enabled:
         yield io.StringIO(), (lambda record: None)
         return
-    if first_step:
-        drop_completions_after(run_dir, first_step - 1)
+    drop_completions_after(run_dir, first_step - 1)  # a new run (0) in a folder whose run started over: every file
     with checkpoint.open_metrics_log(run_dir, keep_bytes) as log:
         send, close = (lambda record: None), (lambda: None)
         if report_to == "tensorboard":

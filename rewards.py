@@ -21,6 +21,7 @@ options), filled by `@register_reward`: train.py computes every registered term,
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -157,6 +158,8 @@ def parse_reward_weights(spec):
             weights[name] = float(value) if value != "" else 1.0
         except (TypeError, ValueError):
             raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
+        if not math.isfinite(weights[name]):  # nan or inf would reach the loss and config.json
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r} (it must be finite)")
     return weights
 
 

@@ -9,22 +9,31 @@ Two backends. "hf": Hugging Face `generate`, the reference, readable in `_hf_chu
 applies): the optional fast path in engine/ for Llama-family models (prefill once per distinct prompt, a bucketed
 static KV cache, a decode step recorded as a CUDA graph, finished rows dropped); every other architecture falls back
 to "hf" with a warning. Only our settings shape the distribution on both: the model's own generation_config is
-never consulted.
+never consulted. Both return, for every generated token, its log-probability under the sampler (`sampler_logprobs`),
+which the update compares with the trainer's (rollout_check.py); an exception inside the engine falls back to eager
+decoding, then to "hf", one warning line each (`--backend engine`: an error instead).
 Simplifications: no vLLM / paged attention, no continuous batching across chunks.
 """
 
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 import engine
 import models
 
 BACKENDS = (None, "engine", "hf")
+BACKEND_NAMES = {"engine": "the decode engine", "eager": "the decode engine without CUDA graphs",
+                 "hf": "Hugging Face generate()"}
+
+
+class SamplerError(RuntimeError):
+    """The fast path failed or samples from another policy, and `--backend engine` allows no fallback."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,8 @@ class GenerationSettings:
     temperature: float = 1.0              # 0 = greedy
     top_p: float = 1.0
     rollout_batch_size: int = 64          # rows per generation call: the memory bound of generation
-    backend: str | None = None            # "engine", "hf", or None: the engine where it can decode the model
+    backend: str | None = None            # "engine" (no fallback), "hf", or None: the engine where it can decode
+                                          # the model, falling back when it fails
     generation_copy: bool | None = None   # engine: decode from a merged 16-bit weight copy (None: unless 4-bit)
     cache_tokens: int = 0                 # engine: floor on the KV-cache length (a run's calls share CUDA graphs)
 
@@ -50,6 +60,10 @@ class Rollouts:
     lengths: torch.Tensor           # LongTensor[P*n], completion_mask.sum(1)
     truncated: torch.Tensor         # BoolTensor[P*n], no EOS within max_new_tokens
     prompt_index: torch.Tensor      # LongTensor[P*n], i for row i*n + j
+    # FloatTensor[P*n, Tc]: log p of each token under the sampler, softmax(logits / T) over the whole vocabulary
+    # (before the top-p cut; greedy: T = 1), as grpo_loss.token_logprobs defines it; 0 after the first EOS
+    sampler_logprobs: torch.Tensor | None = None
+    backend: str = "hf"             # what generated them: "engine", "eager" or "hf" (BACKEND_NAMES)
 
 
 def derived_seed(*parts):
@@ -85,20 +99,48 @@ def completion_mask_after_eos(completion_ids, eos_ids):
 
 
 _WARNED = set()
+_FALLBACKS = weakref.WeakKeyDictionary()   # model -> (the backend it fell back to: "eager" or "hf", why)
 
 
 def resolve_backend(model, backend, cache_len=0):
-    """None -> 'engine' where the engine can decode the model, else 'hf' with a one-line warning (once per reason).
-    `backend` is one of BACKENDS (check_settings)."""
+    """None -> 'engine' where the engine can decode the model, else 'hf' with a one-line warning (once per reason),
+    or what the model fell back to (`fall_back`). `backend` is one of BACKENDS (check_settings); "engine" where the
+    engine cannot decode the model raises SamplerError."""
     if backend == "hf":
         return "hf"
     reason = engine.unsupported_reason(model, cache_len)
     if reason is not None:
+        if backend == "engine":
+            raise SamplerError(f"--backend engine: the decode engine cannot run this model ({reason}); leave "
+                               "--backend unset to generate with Hugging Face generate()")
         if reason not in _WARNED:
             _WARNED.add(reason)
             warnings.warn(f"decode engine: {reason}; generating with Hugging Face generate() instead")
         return "hf"
-    return "engine"
+    return "engine" if backend == "engine" else _FALLBACKS.get(model, ("engine",))[0]
+
+
+def fall_back(model, backend, reason):
+    """From now on `model` generates with `backend` ("eager" or "hf") unless a call asks for "engine"; one
+    warning line with the reason."""
+    _FALLBACKS[model] = (backend, reason)
+    warnings.warn(f"{reason}; generating with {BACKEND_NAMES[backend]} from now on")
+
+
+def fallback_reason(model):
+    """Why `model` no longer generates with the decode engine (`fall_back`), or None."""
+    return _FALLBACKS.get(model, (None, None))[1]
+
+
+def after_engine_error(model, backend, error, requested):
+    """The backend to retry a chunk with after `error` inside the engine: "eager" after "engine" (CUDA-graph
+    recording or compilation failed), then "hf". requested "engine": SamplerError instead."""
+    what = f"{BACKEND_NAMES[backend]} failed ({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]})"
+    if requested == "engine":
+        raise SamplerError(f"{what}, and --backend engine allows no fallback; leave --backend unset to fall back "
+                           "to eager decoding, then Hugging Face generate()") from error
+    fall_back(model, "eager" if backend == "engine" else "hf", what)
+    return _FALLBACKS[model][0]
 
 
 def check_settings(settings, n=1):
@@ -116,13 +158,43 @@ def check_settings(settings, n=1):
 
 def generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id):
     """The GenerationConfig of the HF backend: our settings, neutral values spelled out (top_k=0 = off, not the
-    library's 50). Run it inside `neutral_generation_config`, so nothing of the model's own config is merged in."""
-    sampling = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0) \
-        if temperature > 0 else dict(do_sample=False)
+    library's 50). Run it inside `neutral_generation_config`, so nothing of the model's own config is merged in.
+    Temperature and top-p are not in it but in `logits_processors` (the same warpers, in generate's order), so
+    the sampler's log-probs can be read between the two."""
+    sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
     return GenerationConfig(
         max_new_tokens=max_new_tokens, min_new_tokens=0, use_cache=True, num_beams=1, repetition_penalty=1.0,
         no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, eos_token_id=list(eos_ids),
         pad_token_id=pad_id, **sampling)
+
+
+class SamplerLogprobs(LogitsProcessor):
+    """At each step of generate(), the log-prob of the token chosen at the previous step under the distribution
+    kept from that step (the temperature-scaled scores, before top-p): one [rows, vocab] tensor is held, never
+    [steps, rows, vocab]. `logprobs(completion_ids)` adds the last token's after the call."""
+
+    def __init__(self):
+        self.kept, self.columns = None, []
+
+    def __call__(self, input_ids, scores):
+        if self.kept is not None:
+            self.columns.append(self.kept.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.kept = scores.float().log_softmax(-1)
+        return scores
+
+    def logprobs(self, completion_ids):
+        if self.kept is not None and len(self.columns) < completion_ids.shape[1]:
+            self.columns.append(self.kept.gather(-1, completion_ids[:, -1:]).squeeze(-1))
+        self.kept = None
+        return torch.stack(self.columns, 1) if self.columns else torch.zeros(completion_ids.shape)
+
+
+def logits_processors(temperature, top_p, recorder):
+    """generate()'s temperature and top-p warpers (what it would build from the config), `recorder` between."""
+    if temperature == 0:
+        return [recorder]
+    return [TemperatureLogitsWarper(float(temperature)), recorder] + ([TopPLogitsWarper(float(top_p))] if top_p < 1
+                                                                       else [])
 
 
 @contextmanager
@@ -173,19 +245,23 @@ def check_generation_fits(model, rows, tokens, flags):
                          f"{kv_bytes / 2**30:.1f} GiB) but {free / 2**30:.1f} GiB are free on {device}: lower {flags}")
 
 
-def _hf_chunk(model, ids, mask, config, seed):
-    """One chunk through Hugging Face generate (the reference backend): completion ids [R, <= max_new_tokens]."""
-    device = ids.device
+def _hf_chunk(model, ids, mask, config, settings, seed):
+    """One chunk through Hugging Face generate (the reference backend): (completion ids [R, <= max_new_tokens],
+    their sampler log-probs)."""
+    device, recorder = ids.device, SamplerLogprobs()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), neutral_generation_config(model):
         torch.manual_seed(seed)
-        output = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return output[:, ids.shape[1]:]
+        output = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                logits_processor=logits_processors(settings.temperature, settings.top_p, recorder))
+    completions = output[:, ids.shape[1]:]
+    return completions, recorder.logprobs(completions)
 
 
 def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, settings, seed=0, first_chunk=0):
     """Tensor core of generate_rollouts: left-padded prompt ids [P, Tp] -> (completion_ids, completion_mask,
-    truncated) for the P*n rows (row i*n + j = rollout j of prompt i), on the CPU. eos_ids=[]: no row ends (every
-    completion runs to max_new_tokens; benchmarks decode fixed lengths this way).
+    truncated, sampler_logprobs, backend) for the P*n rows (row i*n + j = rollout j of prompt i), on the CPU
+    (Rollouts' fields). eos_ids=[]: no row ends (every completion runs to max_new_tokens; benchmarks decode fixed
+    lengths this way). An exception inside the engine retries the chunk on the next backend (after_engine_error).
 
     Chunk c (rows c*B .. c*B+B-1, B = settings.rollout_batch_size) is sampled with seed derived_seed(seed, c), so
     the caller's RNG is untouched and a chunk's rollouts depend only on (seed, c, its own prompts): same seed + same
@@ -197,7 +273,6 @@ def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, setti
                          f"{tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
     s = settings
     backend = resolve_backend(model, s.backend, prompt_ids.shape[1] - 1 + s.max_new_tokens)
-    device = next(model.parameters()).device
     prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
     hf_config = generation_config_for(s.max_new_tokens, s.temperature, s.top_p, eos_ids, pad_id)
     chunks = []
@@ -206,23 +281,41 @@ def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, setti
             rows = prompt_index[start:start + s.rollout_batch_size]
             keep = int(prompt_mask[rows].sum(1).max())  # drop padding columns no row of this chunk needs
             seed_c = derived_seed(seed, first_chunk + chunk_index)
-            if backend == "hf":
-                ids, mask = prompt_ids[rows, -keep:].to(device), prompt_mask[rows, -keep:].to(device)
-                chunks.append(_hf_chunk(model, ids, mask, hf_config, seed_c).cpu())
-                continue
-            distinct, row_prompt = torch.unique(rows, return_inverse=True)  # each distinct prompt prefilled once
-            chunks.append(engine.generate(
-                model, prompt_ids[distinct, -keep:].to(device), prompt_mask[distinct, -keep:].to(device), row_prompt,
-                s.max_new_tokens, eos_ids, pad_id, temperature=s.temperature, top_p=s.top_p, seed=seed_c,
-                max_rows=s.rollout_batch_size, generation_copy=s.generation_copy, refresh_weights=chunk_index == 0,
-                cache_tokens=s.cache_tokens).cpu())
-    width = max(chunk.shape[1] for chunk in chunks)
-    completion_ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
+            while True:
+                try:
+                    chunks.append([t.cpu() for t in _chunk(model, prompt_ids, prompt_mask, rows, keep, backend,
+                                                           hf_config, s, eos_ids, pad_id, seed_c, chunk_index == 0)])
+                    break
+                except (ValueError, torch.cuda.OutOfMemoryError):
+                    raise   # bad arguments; out of memory (the caller names the flags that bound it)
+                except Exception as error:
+                    if backend == "hf":
+                        raise
+                    backend = after_engine_error(model, backend, error, s.backend)
+    width = max(ids.shape[1] for ids, _ in chunks)
+    completion_ids, logprobs = (torch.cat([torch.nn.functional.pad(chunk[i], (0, width - chunk[i].shape[1]),
+                                                                   value=pad) for chunk in chunks])
+                                for i, pad in ((0, pad_id), (1, 0.0)))
     completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
     # The engine runs up to check_every steps past the last EOS; generate() stops at it: same width for both.
     width = int(completion_mask.sum(1).max())
     completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
-    return completion_ids.masked_fill(completion_mask == 0, pad_id), completion_mask, truncated
+    return (completion_ids.masked_fill(completion_mask == 0, pad_id), completion_mask, truncated,
+            logprobs[:, :width].float() * completion_mask, backend)
+
+
+def _chunk(model, prompt_ids, prompt_mask, rows, keep, backend, hf_config, s, eos_ids, pad_id, seed, first):
+    """One chunk's (completion ids, sampler log-probs) on `backend`; `keep` prompt columns."""
+    device = next(model.parameters()).device
+    if backend == "hf":
+        ids, mask = prompt_ids[rows, -keep:].to(device), prompt_mask[rows, -keep:].to(device)
+        return _hf_chunk(model, ids, mask, hf_config, s, seed)
+    distinct, row_prompt = torch.unique(rows, return_inverse=True)  # each distinct prompt prefilled once
+    return engine.generate(
+        model, prompt_ids[distinct, -keep:].to(device), prompt_mask[distinct, -keep:].to(device), row_prompt,
+        s.max_new_tokens, eos_ids, pad_id, temperature=s.temperature, top_p=s.top_p, seed=seed,
+        max_rows=s.rollout_batch_size, generation_copy=s.generation_copy, refresh_weights=first,
+        cache_tokens=s.cache_tokens, capture=False if backend == "eager" else None, return_logprobs=True)
 
 
 def generate_rollouts(model, tokenizer, prompts, n, settings, seed=0, first_chunk=0):
@@ -239,11 +332,12 @@ def generate_rollouts(model, tokenizer, prompts, n, settings, seed=0, first_chun
     prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
     if (prompt_mask.sum(1) == 0).any():
         raise ValueError("a prompt tokenizes to zero tokens")
-    completion_ids, completion_mask, truncated = sample_completions(
+    completion_ids, completion_mask, truncated, logprobs, backend = sample_completions(
         model, prompt_ids, prompt_mask, n, eos_ids, pad_id, settings, seed, first_chunk)
     lengths = completion_mask.sum(1)
     texts = tokenizer.batch_decode([row[:length].tolist() for row, length in zip(completion_ids, lengths)],
                                    skip_special_tokens=True)
     return Rollouts(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                     completion_mask=completion_mask, texts=texts, lengths=lengths, truncated=truncated,
-                    prompt_index=torch.arange(len(prompts)).repeat_interleave(n))
+                    prompt_index=torch.arange(len(prompts)).repeat_interleave(n), sampler_logprobs=logprobs,
+                    backend=backend)

@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-import checkpoint
 import grpo_loss
 import rewards
+import runfolder
 from compare import compare
 
 METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
@@ -136,7 +136,7 @@ def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_thre
         if (run_dir / "study_done.json").is_file():
             continue
         command = [sys.executable, str(train_script), *train_flags(run_dir, flags, max_time_s, num_threads, train_args)]
-        if checkpoint.latest_checkpoint(run_dir) is not None:
+        if runfolder.newest_checkpoint(run_dir, readable=False)[0] is not None:  # latest.txt may be lost
             command.append("--resume")
         elif run_dir.exists() and not dry_run:
             shutil.rmtree(run_dir)  # interrupted before its first checkpoint: nothing worth keeping

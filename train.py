@@ -31,6 +31,8 @@ import models
 import pods
 import report
 import rewards
+import rollout_check
+import runfolder
 import sampling
 import update
 
@@ -156,7 +158,8 @@ def generate_and_score(model, tokenizer, examples, args, seed, costs, processes,
 def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess(), draw=None):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
-    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). With
+    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
+    log-probs check the sampler's (rollout_check.check: off-policy engine rollouts switch generation to HF). With
     --dynamic-sampling, `draw(count)` gives the next `count` examples of the prompt order for the refills."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
@@ -164,7 +167,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     if args.dynamic_sampling and draw is None:
         raise ValueError("train_step with --dynamic-sampling needs draw(count), the next examples of the prompt order")
     settings = config.update_settings(args)
-    scored, batches = [], []
+    scored, batches, batch_rounds, backends = [], [], [], set()
     with processes.full_weights(model):
         for round_index, examples in enumerate(rounds):
             seed = sampling.derived_seed(args.seed, step, round_index)  # a resumed step draws what it drew before
@@ -174,6 +177,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
                     model, tokenizer, draw(sum(missing)), args, sampling.derived_seed(seed, again), costs, processes,
                     missing), len(generated[0].examples), args.dynamic_sampling_metric, args.max_generation_rounds,
                     processes.counts)
+            backends.update(part.rollouts.backend for part in generated if part.examples)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
                 kept, advantages, dropped = pods.select(
                     dynamic_sampling.entered_rewards(generated), args.update_size, args.rule,
@@ -182,18 +186,30 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
                     generator=torch.Generator().manual_seed(sampling.derived_seed(seed, generated[0].first_chunk)))
             part_batches = dynamic_sampling.kept_batches(generated, kept, advantages)
             batches.append(dynamic_sampling.join([batch for batch, _ in part_batches], tokenizer.pad_token_id or 0))
+            batch_rounds.append([])
             for part, (batch, kept_rows) in zip(generated, part_batches):
-                scored.append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards, part.per_func,
-                                                    kept_rows, batch.advantages, dropped, part.filtered))
+                batch_rounds[-1].append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards,
+                                                              part.per_func, kept_rows, batch.advantages, dropped,
+                                                              part.filtered))
                 dropped = 0  # counted once per rollout batch
+            scored += batch_rounds[-1]
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
         result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
+    for rounds_of_batch, ratios in zip(batch_rounds, result.sampler_ratios or []):  # for the completions log
+        for scored_round, part in zip(rounds_of_batch, ratios.split([len(s.kept_rows) for s in rounds_of_batch])):
+            scored_round.sampler_ratios[scored_round.kept_rows] = part
     costs["peak_mem_gib"] = update.peak_memory_gib(args.device)
     scored, result, costs = processes.merged((scored, result, costs))
     metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
     if args.dynamic_sampling:
         metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
+    # Did the rollouts come from the policy? The update's log-probs against the sampler's (rollout_check.py).
+    metrics["sampler/engine"] = float("hf" not in backends)
+    fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
+    if result.sampler_gap is not None and (fallback := rollout_check.check(model, result.sampler_gap, fast,
+                                                                           args.backend, f"step {step}")):
+        metrics["sampler/fallback"] = fallback
     return metrics, scored
 
 
@@ -206,6 +222,8 @@ def load(args, processes):
                   system_prompt=args.system_prompt or data.SYSTEM_PROMPT)
     train_set = data.build_prompt_set(args.dataset, "train", tokenizer, num_rows=args.num_train_rows,
                                       max_prompt_tokens=args.max_prompt_tokens, **common)
+    if args.prompts_per_step > len(train_set):  # a step would repeat prompts (a typo's count: fill the memory)
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} exceeds the {len(train_set)} training prompts")
     eval_set = data.build_prompt_set(args.dataset, "test", tokenizer, num_rows=args.eval_samples,
                                      **common) if args.eval_samples else []
     torch.manual_seed(args.seed)  # LoRA initialisation; right here, as imports above may draw random numbers
@@ -242,27 +260,41 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes):
 
 
 def resume(run_dir, model, optimizer, args, processes):
-    """The TrainerState of the run's latest checkpoint, with model, optimizer and RNG restored."""
-    path = checkpoint.latest_checkpoint(run_dir)
+    """The TrainerState of the run's newest readable checkpoint, with model, optimizer and RNG restored."""
+    path, skipped = runfolder.newest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: no readable checkpoint in {run_dir}: " + "; ".join(why for _, why in skipped))
     state = checkpoint.TrainerState.from_saved(processes.load_checkpoint(path, model, optimizer))
     update.set_hyperparameters(optimizer, args.learning_rate, args.weight_decay)  # this run's flags win
     if processes.is_main:
+        for passed, why in skipped:
+            print(f"passed over {passed}: {why}", file=sys.stderr)
         print(f"resumed {path} (step {state.step}, {state.elapsed_s:.0f} s of training)")
     return state
 
 
 def train(args, processes=OneProcess()):
-    """The training run described by `args` (config.parse_args); returns the run directory."""
+    """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder."""
     run_dir = config.run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    run_config = dict(vars(args), label=config.method_label(args), output_dir=str(run_dir))
+    with runfolder.folder_lock(run_dir) if processes.is_main else contextlib.nullcontext():  # one writer
+        return run(args, run_dir, processes)
+
+
+def run(args, run_dir, processes):
+    """The run in its folder: load, resume or start, then step, log, evaluate and checkpoint until the budget ends."""
     if processes.is_main:
-        (run_dir / "config.json").write_text(json.dumps(run_config, indent=1))
-        print(report.start_line(run_config["label"], args, run_dir), flush=True)
+        print(report.start_line(config.method_label(args), args, run_dir), flush=True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
+    changed_now = args.changes[-1] if args.changes and args.changes[-1]["step"] is None else None
+    if changed_now:  # what this resume changed (config.RECORDED_AT_RESUME), at the step it continues from
+        changed_now["step"] = state.step
+    run_config = dict(vars(args), label=config.method_label(args), output_dir=str(run_dir))
+    if processes.is_main:  # strict JSON: config.parse_args lets no NaN or inf through
+        checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
     step_s, accuracy, stop = 0.0, None, None
     last_checkpoint_s = state.elapsed_s
@@ -275,13 +307,19 @@ def train(args, processes=OneProcess()):
     def save():
         nonlocal saved, last_checkpoint_s
         state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
-        processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
+        with runfolder.disk_full_said(run_dir, runfolder.checkpoint_bytes(model, optimizer)):
+            processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
         saved, last_checkpoint_s = (state.step, state.evaluated_step), state.elapsed_s
+
+    def signalled_stop():  # the signal that reached some process (every process stops at the same point), or None
+        return signalled.get("signal", signal.SIGTERM) if processes.total(len(signalled)) else None
 
     with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
                              first_step=state.step + 1 if args.resume else 0, run_config=run_config,
                              enabled=processes.is_main) as (log, write), stop_on_signal() as signalled:
-        if eval_set and state.step == 0:
+        if changed_now:
+            write(dict(type="resume", **changed_now))
+        if eval_set and state.step == 0 and state.evaluated_step != 0:  # a stop after it saved it already
             if processes.is_main:
                 print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
@@ -290,8 +328,8 @@ def train(args, processes=OneProcess()):
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
                 not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):
-            if processes.total(len(signalled)):  # a signal reached some process: every process stops here
-                stop = signalled.get("signal", signal.SIGTERM)
+            stop = signalled_stop()
+            if stop is not None:
                 break
             step_start = time.perf_counter()
             rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
@@ -312,8 +350,10 @@ def train(args, processes=OneProcess()):
             bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}",
                             t=f"{state.elapsed_s:.0f}s")
         bar.close()
+        stop = stop or signalled_stop()  # a signal during the last step: stopped as during any other
         if eval_set and state.evaluated_step != state.step and stop is None:
             evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
+            stop = signalled_stop()  # ... or during the final evaluation
         if (args.checkpoint_interval_s >= 0 or stop) and saved != (state.step, state.evaluated_step):
             save()  # the final state, unless saved already
     if stop is not None:
@@ -322,7 +362,9 @@ def train(args, processes=OneProcess()):
                   f"with --output-dir {run_dir} --resume", file=sys.stderr)
         raise Stopped(128 + stop)
     if processes.is_main:
-        print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)))
+        fallback = sampling.fallback_reason(model)   # the run left the decode engine: its last line says why
+        print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)
+                        + ([f"  note: the decode engine was left: {fallback}"] if fallback else [])))
     return run_dir
 
 
@@ -336,5 +378,6 @@ if __name__ == "__main__":
                  "e.g. torchrun --nproc-per-node 8 -m multigpu --preset e")
     try:
         main()
-    except (ValueError, FileNotFoundError, update.TrainingError, data.HubUnavailable) as error:  # one line
+    except (ValueError, OSError, update.TrainingError, data.HubUnavailable,
+            sampling.SamplerError) as error:  # one line (OSError: the disk)
         sys.exit(f"train.py: error: {error}")

@@ -17,6 +17,9 @@ deterministic policies. Full fine-tuning in bf16 keeps fp32 master weights and r
 bf16 autocast (`UpdateSettings.autocast_dtype`, see models.compute_dtypes): bf16 weights cannot hold updates of
 lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is not taken (its
 gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
+The sampler check (rollout_check.py): the first pass of `update_policy` (the policy that sampled) is compared
+with the sampler's log-probs of the kept tokens, at no extra forward pass (`UpdateMetrics.sampler_gap`); with
+`LossSettings.importance_sampling_correction` its ratio also weights the loss (grpo_loss.importance_weights).
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
@@ -30,6 +33,7 @@ import torch
 
 import grpo_loss
 import models
+import rollout_check
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
@@ -50,6 +54,7 @@ class UpdateBatch:
     truncated: torch.Tensor         # [B] bool, no EOS within the completion budget
     old_logprobs: torch.Tensor | None = None  # [B, C] (fill_logprobs, mu > 1)
     ref_logprobs: torch.Tensor | None = None  # [B, C] (fill_logprobs, kl_coef > 0)
+    sampler_logprobs: torch.Tensor | None = None  # [B, C] the sampler's (sampling.Rollouts), checked every step
 
 
 @dataclass
@@ -71,6 +76,8 @@ class UpdateMetrics:
     optimizer_steps: int        # optimizer steps taken
     skipped_steps: int          # optimizer steps not taken: non-finite loss or gradient norm
     tokens: int = 0             # kept tokens the token means are over (this process; merged across processes)
+    sampler_gap: rollout_check.SamplerGap | None = None  # the sampler's log-probs vs this update's (first pass)
+    sampler_ratios: list | None = None  # per batch, [B] each kept row's mean pi / pi_sampler (NaN: no tokens)
 
 
 @dataclass
@@ -83,6 +90,7 @@ class MicroBatch:
     advantages: torch.Tensor        # [b]
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
+    sampler_logprobs: torch.Tensor | None = None
 
     @property
     def width(self):
@@ -116,9 +124,10 @@ def kept_batch(rollouts, kept, advantages):
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_prompts * n):
         raise ValueError(f"kept rows must lie in [0, P*n = {num_prompts * n})")
     prompt_rows = rollouts.prompt_index[rows]
+    sampler = None if rollouts.sampler_logprobs is None else rollouts.sampler_logprobs[rows]
     return UpdateBatch(rollouts.prompt_ids[prompt_rows], rollouts.prompt_mask[prompt_rows],
                        rollouts.completion_ids[rows], rollouts.completion_mask[rows],
-                       advantages.flatten().float().cpu(), rollouts.truncated[rows])
+                       advantages.flatten().float().cpu(), rollouts.truncated[rows], sampler_logprobs=sampler)
 
 
 def loss_mask(batch, mask_truncated=False):
@@ -137,10 +146,10 @@ def micro_batches(batch, size, device, mask_truncated=False):
         width = max(1, int(batch.completion_mask[rows].sum(1).max()))
         input_ids = torch.cat([batch.prompt_ids[rows, -prompt_width:], batch.completion_ids[rows, :width]], 1)
         attention_mask = torch.cat([batch.prompt_mask[rows, -prompt_width:], batch.completion_mask[rows, :width]], 1)
-        old, ref = (None if logprobs is None else logprobs[rows, :width].to(device)
-                    for logprobs in (batch.old_logprobs, batch.ref_logprobs))
+        old, ref, sampler = (None if logprobs is None else logprobs[rows, :width].to(device)
+                             for logprobs in (batch.old_logprobs, batch.ref_logprobs, batch.sampler_logprobs))
         yield MicroBatch(rows, input_ids.to(device), attention_mask.to(device),
-                         mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref)
+                         mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref, sampler)
 
 
 def _compute(settings, device):
@@ -181,7 +190,7 @@ def micro_batch_loss(logprobs, micro, settings):
     step's loss. mu == 1 and no old log-probs: pi_old = pi, so the ratio is 1 with no extra forward pass."""
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
     return grpo_loss.grpo_loss_sum(logprobs, old, micro.advantages, micro.completion_mask, settings.loss,
-                                   micro.ref_logprobs)
+                                   micro.ref_logprobs, micro.sampler_logprobs)
 
 
 def loss_denominator(batches, settings):
@@ -206,6 +215,11 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.loss.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
+    if settings.loss.importance_sampling_correction != "none" and any(batch.sampler_logprobs is None
+                                                                      for batch in batches):
+        raise ValueError("importance sampling correction needs the sampler's log-probs (sampling.Rollouts)")
+    checked = all(batch.sampler_logprobs is not None for batch in batches)
+    gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan) for batch in batches]
     device = next(model.parameters()).device
     normaliser = max(denominator, 1)  # no kept token: the numerators are 0 too
     params = [p for p in model.parameters() if p.requires_grad]
@@ -215,9 +229,14 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
-            for batch in batches:
+            for batch, batch_ratios in zip(batches, ratios):
                 for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
-                    loss_sum, metrics = micro_batch_loss(_logprobs(model, micro, settings, device), micro, settings)
+                    logprobs = _logprobs(model, micro, settings, device)
+                    if checked and not losses:  # the policy before its first optimizer step: the one that sampled
+                        gap = gap + rollout_check.SamplerGap.of(logprobs, micro.sampler_logprobs, micro.completion_mask)
+                        batch_ratios[micro.rows] = rollout_check.row_mean_ratios(
+                            logprobs, micro.sampler_logprobs, micro.completion_mask).cpu()
+                    loss_sum, metrics = micro_batch_loss(logprobs, micro, settings)
                     scaled = loss_sum / normaliser
                     scaled.backward()
                     loss += scaled.item()
@@ -237,7 +256,8 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     mu = settings.updates_per_batch
     return UpdateMetrics(loss=sum(losses) / mu, grad_norm=sum(grad_norms) / mu,
                          token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
-                         rows=rows, optimizer_steps=mu - skipped, skipped_steps=skipped, tokens=token_count // mu)
+                         rows=rows, optimizer_steps=mu - skipped, skipped_steps=skipped, tokens=token_count // mu,
+                         sampler_gap=gap if checked else None, sampler_ratios=ratios if checked else None)
 
 
 def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw"):

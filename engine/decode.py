@@ -75,12 +75,13 @@ class State:
     stop_at: torch.Tensor     # [rows] step at which EOS is forced (benchmarks), NEVER otherwise
     row_keys: torch.Tensor    # [rows] 32-bit noise key
     out: torch.Tensor         # [rows, cache_len] generated tokens, column = step
+    logprobs: torch.Tensor    # [rows, cache_len] float32 sampler log-prob of each generated token (0 once done)
     scalars: dict             # shared: slot, step [1]; temperature, top_p, pad []; eos [EOS_SLOTS]
     sample: bool              # temperature > 0 (else greedy)
     nucleus: bool             # top_p < 1
 
 
-ROW_FIELDS = ("valid", "tokens", "positions", "done", "stop_at", "row_keys", "out")
+ROW_FIELDS = ("valid", "tokens", "positions", "done", "stop_at", "row_keys", "out", "logprobs")
 
 
 _ENGINES = weakref.WeakKeyDictionary()
@@ -122,8 +123,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     copy = not quantized if generation_copy is None else bool(generation_copy)
     backend = DEFAULT_COMPILE_BACKEND if compile_backend is None else compile_backend
     if capture is None:
-        capture = hf.model.embed_tokens.weight.device.type == "cuda" and (copy or not quantized) \
-            and not fsdp_sharded(model)  # not bnb kernels; not FSDP's re-allocated weights
+        capture = records_graphs(model, copy, quantized)
     key = (copy, backend if isinstance(backend, (str, bool)) else id(backend), bool(capture))
     engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
     fresh = engine is None or engine.signature != signature
@@ -142,6 +142,13 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     if refresh_weights or fresh:
         weights.refresh_copies(engine.copies)
     return engine
+
+
+def records_graphs(model, copy, quantized):
+    """Whether the engine records CUDA graphs by default: on CUDA, unless bitsandbytes kernels run in the step or
+    FSDP re-allocates the weights around every unshard."""
+    hf = models.hf_model(model)
+    return hf.model.embed_tokens.weight.device.type == "cuda" and (copy or not quantized) and not fsdp_sharded(model)
 
 
 def release(model=None):
@@ -185,6 +192,7 @@ def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
               for _ in range(2 * len(dec.layers))]
         buffers = dict(keys=kv[::2], values=kv[1::2], valid=zeros(max_rows, cache_len, dtype=torch.bool),
                        done=zeros(max_rows, dtype=torch.bool), out=zeros(max_rows, cache_len, dtype=torch.long),
+                       logprobs=zeros(max_rows, cache_len),
                        **{name: zeros(max_rows, dtype=torch.long) for name in ("tokens", "positions", "stop_at",
                                                                                "row_keys")},
                        scalars=dict(slot=zeros(1, dtype=torch.long), step=zeros(1, dtype=torch.long),
@@ -244,9 +252,10 @@ def record_graph(engine, state):
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids, pad_id, *, temperature=1.0,
              top_p=1.0, seed=0, max_rows=None, forced_lengths=None, check_every=CHECK_EVERY, generation_copy=None,
-             compile_backend=None, refresh_weights=True, cache_tokens=0):
+             compile_backend=None, refresh_weights=True, cache_tokens=0, capture=None, return_logprobs=False):
     """Completions [R, max_new_tokens] (pad after the first EOS) of R rows; row r continues prompt row_prompt[r]
-    of the D distinct left-padded prompts prompt_ids / prompt_mask [D, W] (each prefilled once).
+    of the D distinct left-padded prompts prompt_ids / prompt_mask [D, W] (each prefilled once). return_logprobs:
+    (completions, the sampler's log-prob of every token [R, max_new_tokens] float32, 0 after the first EOS).
 
     temperature 0 = greedy. seed: the chunk's noise seed (row r's tokens depend on (seed, r, its prompt) only).
     max_rows: the largest chunk of the process (its row buckets, e.g. rollout_batch_size). cache_tokens: a floor
@@ -254,7 +263,8 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
     one set of graphs). forced_lengths [R]
     (benchmarks' synthetic lengths): row r emits eos_ids[0] as token number forced_lengths[r] unless it ended
     before. eos_ids=[]: no row ends. generation_copy, compile_backend, refresh_weights: see engine_for (a caller
-    running several chunks of one policy refreshes once). The caller sets the model's mode (eval(): no dropout)."""
+    running several chunks of one policy refreshes once). capture: see engine_for (False: eager decoding, the
+    fallback when recording fails). The caller sets the model's mode (eval(): no dropout)."""
     rows, width = len(row_prompt), prompt_ids.shape[1]
     needed = max(width - 1 + max_new_tokens, cache_tokens)
     cache_len = -(-needed // CACHE_BUCKET_TOKENS) * CACHE_BUCKET_TOKENS
@@ -264,7 +274,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         raise ValueError("prompts must be left padded (the last column real for every prompt)")
     if len(eos_ids) > EOS_SLOTS or (forced_lengths is not None and not eos_ids):
         raise ValueError(f"need 1..{EOS_SLOTS} EOS ids with forced_lengths, at most {EOS_SLOTS} otherwise")
-    engine, device = engine_for(model, generation_copy, compile_backend, refresh_weights), prompt_ids.device
+    engine, device = engine_for(model, generation_copy, compile_backend, refresh_weights, capture), prompt_ids.device
     max_rows = max(max_rows or rows, rows)
     with report.timed(STATS, "prefill_s", device):
         prefix_keys, prefix_values = decode_step.prefill(engine, prompt_ids, prompt_mask)
@@ -288,6 +298,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
             state.scalars[name].fill_(value)
         state.scalars["eos"].copy_(torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids))))
         result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(rows, max_new_tokens, device=device)
         row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
         for step in range(max_new_tokens):
             graph.replay() if graph is not None else engine.step(engine, state)
@@ -299,7 +310,9 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
                 break
             if bucket_for(len(alive), max_rows) < size:   # drop finished rows into a smaller bucket
                 result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
+                logprobs[row_ids[row_ids >= 0], :step + 1] = state.logprobs[row_ids >= 0, :step + 1]
                 size = bucket_for(len(alive), max_rows)
                 state, graph, row_ids = compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags)
         result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
-    return result
+        logprobs[row_ids[row_ids >= 0], :step + 1] = state.logprobs[row_ids >= 0, :step + 1]
+    return (result, logprobs) if return_logprobs else result

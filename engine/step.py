@@ -2,7 +2,8 @@
 
 Paper Algorithm 1, line 1 (sampling rollouts), at the level of one token: the decoder layers over a preallocated
 KV cache (attention by SDPA over the valid positions), the prefill of distinct prompts, and the choice of the next
-token (greedy, or softmax(logits / T) within the top-p nucleus, sampled by inverse CDF from a hashed uniform).
+token (greedy, or softmax(logits / T) within the top-p nucleus, sampled by inverse CDF from a hashed uniform) with its
+log-probability under the sampler (what the trainer checks it against).
 Everything here works in place on fixed-shape tensors, so the engine can record a step as one CUDA graph.
 Simplifications: Llama/Qwen2/Mistral layouts only (pre-norm, rotary, gated MLP); no sliding window.
 """
@@ -55,6 +56,14 @@ def choose_tokens(logits, state):
     return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=logits.shape[-1] - 1)
 
 
+def sampler_logprob(logits, token, state):
+    """log p(token) under softmax(logits / T) over the whole vocabulary (before the top-p cut; greedy: T = 1): the
+    definition of grpo_loss.token_logprobs, so the trainer can check the sampler token by token. [rows] float32,
+    gathered here so no [rows, vocab] tensor outlives the step."""
+    scaled = logits / state.scalars["temperature"] if state.sample else logits
+    return scaled.gather(-1, token[:, None]).squeeze(-1) - scaled.logsumexp(-1)
+
+
 def attend(q, keys, values, mask, scaling):
     """q [B, heads, T, hd] over the cache [B, kv_heads, L, hd] where mask [B, 1, T, L] -> [B, T, heads * hd].
     The query heads sharing a KV head (transformers' repeat_kv) act as that head's group * T queries, so the
@@ -91,10 +100,13 @@ def decode_step(dec, state):
     state.valid.index_fill_(1, scalars["slot"], True)
     hidden = run_layers(dec, dec.embed(state.tokens[:, None]), state.positions[:, None], state.keys, state.values,
                         scalars["slot"], state.valid[:, None, None, :])
-    token = choose_tokens(dec.lm_head(dec.norm(hidden))[:, -1].float(), state)
+    logits = dec.lm_head(dec.norm(hidden))[:, -1].float()
+    token = choose_tokens(logits, state)
     token = torch.where(state.stop_at == scalars["step"], scalars["eos"][0], token)
     token = torch.where(state.done, scalars["pad"], token)
     state.out.index_copy_(1, scalars["step"], token[:, None])
+    logprob = torch.where(state.done, 0.0, sampler_logprob(logits, token, state))
+    state.logprobs.index_copy_(1, scalars["step"], logprob[:, None])
     state.done |= (token[:, None] == scalars["eos"]).any(-1)
     state.tokens.copy_(token)
     state.positions += 1

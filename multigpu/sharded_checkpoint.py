@@ -11,7 +11,7 @@ The same run-folder layout as checkpoint.py, written by every rank at once with 
 
 Every rank writes into one staging folder (checkpoint.staging_folder, named by rank 0); after a barrier rank 0
 publishes it (checkpoint.publish: flush, rename, then latest.txt), so a crash at any point leaves the previous
-checkpoint and latest.txt intact, and checkpoint.latest_checkpoint / find_checkpoints read both kinds.
+checkpoint and latest.txt intact, and runfolder.newest_checkpoint / checkpoint.find_checkpoints read both kinds.
 
 For evaluation a checkpoint becomes a plain model in one process (`load_merged_model`, `export_hf`):
 

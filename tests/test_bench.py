@@ -13,7 +13,7 @@ import torch
 import bench.__main__ as cli
 import models
 import pods
-from bench import common, decode, grading, phases, selector
+from bench import common, decode, grading, phases, sampler, selector
 
 SMALL = ["--prompt-tokens", "4", "--completion-tokens", "4", "--device", "cpu"]
 
@@ -102,6 +102,18 @@ def test_decode_tiny_reports_bound_targets_and_greedy_agreement(tmp_path, capsys
     never, dropped = result["lengths"]   # 4 rows, EOS forced at lengths drawn from 2..48
     assert "## Finished rows" in out and not never["rows_dropped"] and dropped["rows_dropped"]
     assert never["row_steps"] == 4 * 48 and 1.0 <= dropped["x_ideal_work"] < never["x_ideal_work"]
+
+
+def test_sampler_tiny_measures_the_gap_of_every_path_and_fault(capsys):
+    result = cli.main(["sampler", "--tiny", "--prompts", "2", "--new-tokens", "4", "--precisions", "fp32"])
+    assert "| precision | sampler |" in capsys.readouterr().out
+    rows = {row["sampler"]: row for row in result["rows"]}
+    assert list(rows) == ["engine, merged copy", "engine, LoRA unmerged", "generate()",
+                          *(f"engine, {fault}" for fault in sampler.FAULTS)]
+    for name, row in rows.items():
+        assert row["tokens"] == 2 * 4 * 4   # no EOS ids: 2 prompts x 4 rollouts x 4 tokens
+        healthy = "," not in name or name.startswith("engine, merged") or name.startswith("engine, LoRA")
+        assert (row["logprob_diff_mean"] < 1e-5) == healthy and row["falls_back"] is False   # tiny: flat logits
 
 
 def test_memory_tiny_reports_phases_and_analytic(tmp_path, capsys):

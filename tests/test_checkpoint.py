@@ -142,6 +142,23 @@ def test_metrics_log_appends_and_resume_cuts_later_lines(tmp_path):
         assert log.tell() == 0
 
 
+def test_a_log_cut_mid_line_is_cut_back_to_its_last_complete_line_never_extended(tmp_path):
+    """metrics.jsonl shorter than the checkpoint recorded (cut mid-line by a full disk or a copy): the resume drops
+    the broken line instead of padding the file with NUL bytes; the next record starts on a line of its own."""
+    with checkpoint.open_metrics_log(tmp_path) as log:
+        for step in (1, 2):
+            checkpoint.append_metrics(log, {"step": step})
+        saved_bytes = log.tell()  # the checkpoint's size of the log
+    path = tmp_path / checkpoint.METRICS_FILE
+    path.write_bytes(path.read_bytes()[:-4])  # {"step": 2} cut mid-line
+    with checkpoint.open_metrics_log(tmp_path, keep_bytes=saved_bytes) as log:
+        assert log.tell() < saved_bytes
+        checkpoint.append_metrics(log, {"step": 2, "again": True})
+    text = path.read_text()
+    assert "\0" not in text and [json.loads(line) for line in text.splitlines()] == [{"step": 1},
+                                                                                    {"step": 2, "again": True}]
+
+
 class RunsCode:
     """What a crafted trainer_state.pt may hold: unpickling it calls os.system (here: creates a marker file)."""
 

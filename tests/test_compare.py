@@ -120,6 +120,18 @@ def test_missing_and_broken_data_is_reported(tmp_path):
     assert "1 unreadable metrics lines" in table
 
 
+def test_runs_of_different_datasets_or_models_are_not_pooled_and_an_unreadable_log_says_why(tmp_path):
+    """One label's seeds on two datasets would be averaged into one curve: refused, naming the settings."""
+    runs = [make_run(tmp_path, f"s{seed}", "PODS 16/4", seed, ramp(0.5, 100)) for seed in (0, 1)]
+    config = json.loads((runs[1] / "config.json").read_text())
+    (runs[1] / "config.json").write_text(json.dumps(dict(config, preset="c", dataset="math")))
+    with pytest.raises(ValueError, match=r"different presets, datasets or models .*'c \(math, None\)': 1"):
+        compare.compare(runs)
+    (runs[0] / "metrics.jsonl").write_bytes(b'{"type": "eval", "eval/accuracy": 0.5}\n\xff\n')
+    with pytest.raises(ValueError, match=r"no readable run directory: .*s0: 'utf-8' codec can't decode byte 0xff"):
+        compare.compare(runs[:1])
+
+
 def test_non_finite_eval_points_are_counted_under_the_table(tmp_path):
     """A NaN (or infinite) accuracy or time drops that eval point from the curve, and the table says so."""
     runs = [make_run(tmp_path, "g", "GRPO", 0, ramp(0.5, 100)),

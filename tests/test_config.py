@@ -63,6 +63,21 @@ def test_bad_flags_fail_before_loading(argv, message):
         config.parse_args(argv)
 
 
+def test_every_float_flag_must_be_finite_before_anything_loads():
+    """NaN passes `x < 0` and `x > 0` checks alike: every float flag of the parser is refused non-finite (none gives
+    infinity a meaning), so nothing non-finite reaches a run or config.json; --max-time-s 0 is documented."""
+    floats = [action for action in config.build_parser()._actions if action.type is float]
+    assert {"--temperature", "--kl-coef", "--checkpoint-interval-s", "--max-time-s", "--learning-rate"} <= {
+        action.option_strings[0] for action in floats}
+    for action in floats:
+        for value in ("nan", "inf", "-inf"):
+            with pytest.raises(ValueError, match=f"{action.option_strings[0]} must be a finite number"):
+                config.parse_args([f"{action.option_strings[0]}={value}"])
+    with pytest.raises(ValueError, match="weight of 'format' is not a number"):
+        config.parse_args(["--reward-weights", "accuracy=1,format=nan,tag_count=1"])
+    assert "0 = no time limit" in next(action.help for action in floats if action.dest == "max_time_s")
+
+
 def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         config.parse_args(["--model", str(tmp_path / "nowhere")])
@@ -224,7 +239,7 @@ def test_a_restarted_run_resumes_from_its_latest_checkpoint(tmp_path):
     assert not config.parse_args(["--output-dir", str(early)], restarted=True).resume  # starts over, no error
 
 
-def test_a_resumed_run_keeps_its_preset_unless_given_again(tmp_path):
+def test_a_resumed_run_keeps_its_preset_and_refuses_another(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"x")
@@ -234,7 +249,25 @@ def test_a_resumed_run_keeps_its_preset_unless_given_again(tmp_path):
     (run / "config.json").write_text(json.dumps(dict(saved, preset="c", reward_weights=weights)))
     args = config.parse_args(["--output-dir", str(run), "--resume"])
     assert args.preset == "c" and args.learning_rate == 0.125 and args.num_rollouts == 4  # all from config.json
-    assert config.parse_args(["--output-dir", str(run), "--resume", "--preset", "demo"]).preset == "demo"
+    with pytest.raises(ValueError, match=r"would change what it is: --preset 'c' -> 'demo'"):
+        config.parse_args(["--output-dir", str(run), "--resume", "--preset", "demo"])  # the demo's settings would stay
+
+
+@pytest.mark.parametrize("flags", [["-n", "8", "-m", "8"], ["-m", "2"], ["--rule", "random"], ["--baseline"],
+                                   ["--preset", "a"], ["--dataset", "gsm8k"], ["--loss-aggregation", "token"],
+                                   ["--seed", "1"]])
+def test_a_resume_refuses_to_change_what_the_run_is_and_records_an_optimizer_change(tmp_path, flags):
+    """Method, n/m, rule, preset, dataset, loss variant, seed: refused with the flag named (compare.py would credit the
+    earlier steps to the new method); a new learning rate is allowed and recorded; the budget changes silently."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
+    (run / "config.json").write_text(json.dumps(vars(config.parse_args([]))))  # a demo run: PODS 16/4
+    with pytest.raises(ValueError, match="would change what it is: --.*(num-rollouts|update-size|rule|baseline|"
+                                         "preset|dataset|loss-aggregation|seed)"):
+        config.parse_args(["--output-dir", str(run), "--resume", *flags])
+    args = config.parse_args(["--output-dir", str(run), "--resume", "--lr", "1e-4", "--max-steps", "9"])
+    assert args.changes == [{"step": None, "learning_rate": [5e-4, 1e-4]}] and args.max_steps == 9
 
 
 # ------------------------------------------- every selection flag arrives: command line -> train_step -> the update

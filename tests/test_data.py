@@ -175,6 +175,9 @@ def test_malformed_line_and_missing_field_name_file_and_line(tmp_path):
     write(tmp_path, "gsm8k/test.jsonl", "[1, 2]\n")
     with pytest.raises(ValueError, match="test.jsonl:1: expected a JSON object"):
         data.load_split("gsm8k", "test", data_dir=tmp_path)
+    (tmp_path / "gsm8k/test.jsonl").write_bytes(f"{good}\n".encode() + b'{"question": "caf\xe9"}\n')  # Latin-1
+    with pytest.raises(ValueError, match=f"{path}:2: not UTF-8 \\(invalid continuation byte, byte 18\\)"):
+        data.load_split("gsm8k", "test", data_dir=tmp_path)
 
 
 def test_rows_without_answer_are_counted_skips_never_silently_empty(tmp_path, caplog):

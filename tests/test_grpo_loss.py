@@ -1,5 +1,6 @@
 """GRPO-PODS objective (grpo_loss.py): loss and gradient vs a naive per-token loop, clipping, masking, KL, the loss
-aggregations, clip-higher and truncated rows. Completion log-probabilities: test_grpo_loss_logprobs.py."""
+aggregations, clip-higher, truncated rows and importance-sampling weights. Completion log-probabilities:
+test_grpo_loss_logprobs.py."""
 
 import math
 
@@ -12,7 +13,7 @@ EPS = 0.2
 
 
 def naive_loss_and_grad(logp, old, adv, mask, ref=None, beta=0.0, eps=EPS, eps_high=None,
-                        aggregation="sequence", max_tokens=None):
+                        aggregation="sequence", max_tokens=None, weights=None):
     """Per-token Python loop with hand-derived gradient d(-J)/d logp; each token's term is divided by
     its aggregation's normaliser: |o_i| x B (sequence), all kept tokens (token), B x max_tokens (fixed)."""
     batch, width = len(logp), len(logp[0])
@@ -33,6 +34,8 @@ def naive_loss_and_grad(logp, old, adv, mask, ref=None, beta=0.0, eps=EPS, eps_h
             term = -min(unclipped_term, clipped_term)
             # d/dlogp of -min(...): -rho*A when the unclipped branch is active, 0 when clipped.
             dterm = -rho * adv[i] if unclipped_term <= clipped_term else 0.0
+            if weights is not None:  # importance sampling: the policy-gradient term only
+                term, dterm = term * weights[i][t], dterm * weights[i][t]
             if ref is not None and beta > 0:
                 d = ref[i][t] - logp[i][t]
                 term += beta * (math.exp(d) - d - 1)
@@ -65,6 +68,35 @@ def test_loss_and_gradient_match_naive_loop(beta):
         assert loss.dtype == torch.float32 and loss.dim() == 0
         assert abs(loss.item() - want) < 1e-5
         assert torch.allclose(x.grad, want_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("correction, clip", [("tis", 2.0), ("tis", 1.2), ("mask", 2.0), ("mask", 1.2)])
+def test_importance_weights_match_a_per_token_reference(correction, clip):
+    """tis: min(exp(old - sampler), C); mask: 0 where the ratio exceeds C, else 1; detached; they scale each token's
+    policy-gradient term and leave the KL term alone (loss and gradient against the naive loop)."""
+    logp, old, ref, adv, mask = random_batch(4)
+    sampler = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 0.6
+    want = [[min(math.exp(o - s), clip) if correction == "tis" else float(math.exp(o - s) <= clip)
+             for o, s in zip(old_row, sampler_row)] for old_row, sampler_row in zip(old.tolist(), sampler.tolist())]
+    weights = gl.importance_weights(old.requires_grad_(True), sampler, correction, clip)
+    assert not weights.requires_grad and torch.allclose(weights.double(), torch.tensor(want, dtype=torch.float64))
+    bound = weights[mask.bool()] == (clip if correction == "tis" else 0.0)
+    assert 0 < float(bound.double().mean()) < 1   # the cap (or the mask) binds on some tokens, not on all
+    old = old.detach()
+    expected, expected_grad = naive_loss_and_grad(*[t.tolist() for t in (logp, old, adv, mask, ref)], beta=0.1,
+                                                  weights=weights.tolist())
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = gl.grpo_loss(x, old, adv, mask, ref_logprobs=ref, sampler_logprobs=sampler, kl_coef=0.1,
+                                 importance_sampling_correction=correction, is_clip=clip)
+    loss.backward()
+    assert abs(loss.item() - expected) < 1e-5 and torch.allclose(x.grad, expected_grad, atol=1e-6)
+    assert metrics["importance_weight_mean"] == pytest.approx(float(weights[mask.bool()].double().mean()))
+    with pytest.raises(ValueError, match="clip must be >= 1"):
+        gl.importance_weights(old, sampler, correction, 0.5)
+    with pytest.raises(ValueError, match="one of"):
+        gl.importance_weights(old, sampler, "none", 2.0)
+    with pytest.raises(ValueError, match="needs the sampler's log-probs"):
+        gl.grpo_loss(x, old, adv, mask, importance_sampling_correction=correction)
 
 
 def test_metrics_match_naive_counts():

@@ -11,6 +11,13 @@ def test_missing_local_path_is_a_clear_error(tmp_path):
         models.check_model_source(str(tmp_path / "no-such-model"))
 
 
+def test_a_model_folder_without_weights_or_tokenizer_is_one_line(tmp_path, tiny_model_dir):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"holds no weights \(\*.safetensors, \*.bin\) and no tokenizer"):
+        models.check_model_source(str(tmp_path))
+    models.check_model_source(str(tiny_model_dir))  # what save_pretrained writes passes
+
+
 def test_hub_id_passes_through_untouched():
     assert models._pretrained_source("Qwen/Qwen2.5-3B-Instruct") == ("Qwen/Qwen2.5-3B-Instruct", {})
 

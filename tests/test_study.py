@@ -63,9 +63,9 @@ def test_run_study_trains_compares_and_resumes(tmp_path):
 
 
 # Flags whose value cannot change the recorded tables (or cannot be given on the command line: store_true
-# flags that are off), so the study leaves them to their defaults.
+# flags that are off; --backend unset, the engine with its fallback), so the study leaves them to their defaults.
 UNPINNED_OK = {"baseline", "load_in_4bit", "generation_copy", "prefill_think", "data_dir", "keep_checkpoints", "resume",
-               "dist_timeout_s", "log_completions_interval", "print_config", "dynamic_sampling_metric",
+               "dist_timeout_s", "log_completions_interval", "print_config", "backend", "dynamic_sampling_metric",
                "max_generation_rounds"}
 
 

@@ -64,7 +64,8 @@ def direct_update(model, batch, args):
         for p in params:
             p.grad = None
         logprobs = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
-        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, config.loss_settings(args), ref)
+        loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, config.loss_settings(args), ref,
+                                      batch.sampler_logprobs)
         loss.backward()
         norm = float(torch.cat([p.grad.flatten() for p in params]).norm())
         scale = min(1.0, args.max_grad_norm / (norm + 1e-6)) if args.max_grad_norm > 0 else 1.0
@@ -109,8 +110,20 @@ def fresh_batch(model, args):
 
 
 def stale_batch(model, args):
+    """Old log-probs of an older policy, and the sampler's further off (so that importance sampling acts)."""
     batch = varied_batch(6, seed=1)
     batch.old_logprobs = stale_logprobs(model, batch, args.temperature)
+    batch.sampler_logprobs = batch.old_logprobs + 0.5 * torch.randn(batch.completion_ids.shape,
+                                                                    generator=torch.Generator().manual_seed(3))
+    return batch
+
+
+def offpolicy_batch(model, args):
+    """Rollouts from another sampler: its log-probs = the policy's + noise, so that pi / pi_sampler exceeds 2 on
+    some tokens and not on others."""
+    batch = varied_batch(6, seed=1)
+    batch.sampler_logprobs = stale_logprobs(model, batch, args.temperature) + 0.5 * torch.randn(
+        batch.completion_ids.shape, generator=torch.Generator().manual_seed(3))
     return batch
 
 
@@ -145,6 +158,12 @@ UPDATE_FLAG_CASES = [  # (flags, the flags they are compared with (power), batch
     (["--max-grad-norm", "0"], [], fresh_batch),
     (["--mu", "3"], [], fresh_batch),
     (["--updates-per-batch", "2"], [], stale_batch),
+    (["--importance-sampling-correction", "tis"], [], offpolicy_batch),
+    (["--importance-sampling-correction", "tis", "--is-clip", "1.5"], ["--importance-sampling-correction", "tis"],
+     offpolicy_batch),
+    (["--importance-sampling-correction", "mask"], [], offpolicy_batch),
+    (["--importance-sampling-correction", "mask", "--is-clip", "1.5"], ["--importance-sampling-correction", "mask"],
+     offpolicy_batch),
     (["--clip-eps", "0.15", "--clip-eps-high", "0.25", "--kl-coef", "0.2", "--loss-aggregation", "token",
       "--mask-truncated", "--temperature", "0.8", "--max-grad-norm", "0.5", "--mu", "2"], [], stale_batch),
 ]
@@ -164,6 +183,23 @@ def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_o
     restore(model, weights)
     without = direct_update(model, batch_of(model, flag_args(*baseline)), flag_args(*baseline))
     assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
+
+
+@pytest.mark.parametrize("correction", ["tis", "mask"])
+def test_importance_sampling_does_nothing_when_the_sampler_is_exact(correction, flag_model):
+    """Sampler log-probs equal to the policy's: every ratio is 1 <= --is-clip, so tis and mask give the update of
+    the paper's objective exactly."""
+    model, weights = flag_model
+
+    def exact_batch(model, args):
+        batch = varied_batch(6, seed=1)
+        batch.sampler_logprobs = stale_logprobs(model, batch, args.temperature) - 0.3 * torch.randn(
+            batch.completion_ids.shape, generator=torch.Generator().manual_seed(7))   # the current log-probs
+        return batch
+
+    corrected, _ = run_both(model, weights, exact_batch, ["--importance-sampling-correction", correction])
+    plain, _ = run_both(model, weights, exact_batch, [])
+    assert_same_update(corrected, plain)
 
 
 def non_default_flag(option):
@@ -187,12 +223,13 @@ def test_every_loss_option_reaches_the_loss_the_update_and_the_label(option, fla
     the method label, and changes update_policy's loss, gradient and weights exactly as grpo_loss called directly
     does (mu = 2 on stale old log-probs, so ratio-only options act), and it matters for this input."""
     argv, value = non_default_flag(option)
-    args = flag_args("--mu", "2", *argv)
+    context = ["--mu", "2", *option.metadata["acts_with"]]   # e.g. --is-clip acts with a correction on
+    args = flag_args(*context, *argv)
     assert getattr(config.update_settings(args).loss, option.name) == value
-    assert config.method_label(args) != config.method_label(flag_args("--mu", "2"))
+    assert config.method_label(args) != config.method_label(flag_args(*context))
     model, weights = flag_model
-    actual, expected = run_both(model, weights, stale_batch, ["--mu", "2", *argv])
+    actual, expected = run_both(model, weights, stale_batch, [*context, *argv])
     assert_same_update(actual, expected)
     restore(model, weights)
-    without = direct_update(model, stale_batch(model, flag_args("--mu", "2")), flag_args("--mu", "2"))
+    without = direct_update(model, stale_batch(model, flag_args(*context)), flag_args(*context))
     assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"

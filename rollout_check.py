@@ -1,0 +1,124 @@
+"""Are the rollouts on-policy? The sampler's log-probs against the trainer's, every step (paper Algorithm 1, line 1
+against the update's log pi_theta: GRPO's policy gradient assumes the rollouts were sampled from pi_theta).
+
+The decode engine (engine/) samples from its own code path: a merged weight copy, hand-written layers, CUDA graphs.
+If anything in it drifts from the policy being trained (a stale copy, a wrong position, a graph replaying old
+addresses), GRPO quietly trains on off-policy data. So every generated token carries its log-prob under the sampler
+(`sampling.Rollouts.sampler_logprobs`), and the update's own forward pass (the policy before its optimizer step)
+gives the trainer's log-prob of the same token: no extra pass. `SamplerGap` sums their difference; its metrics go to
+metrics.jsonl every step; `check` falls back to Hugging Face generate() when the mean gap exceeds
+`LOGPROB_GAP_LIMIT`, a bound no correct sampler reaches (docs/generation.md: the measurements it comes from).
+`measure` does the same check for evaluation (eval.py), which has no update pass: one forward pass over a chunk.
+
+Metrics, per token t of a kept completion, delta_t = log pi_trainer(t) - log pi_sampler(t):
+  sampler/logprob_diff_mean  mean |delta|          sampler/logprob_diff_max  max |delta|
+  sampler/kl                 mean exp(delta) - delta - 1   (k3 estimate of KL(sampler || policy) per token)
+  sampler/ratio_max          max exp(delta)        (the importance ratio; grpo_loss's --importance-sampling-correction)
+Simplification: one threshold on the mean (the max is dominated by rare tokens in bf16); no per-token alarm.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import sampling
+
+# Mean |log pi_trainer - log pi_sampler| per token above which the sampler is taken to be broken. Measured on the
+# demo's SmolLM2-135M + LoRA policy on CPU (python -m bench sampler; table in docs/generation.md and BENCHMARKS.md):
+# every correct path 1e-6 in fp32 and 0.014-0.018 in bf16 (the bf16 merged copy vs the bf16 unmerged adapter is the
+# proxy for a GPU run); the engine at 1.25 T 0.34. 0.1 is 5x the largest correct figure and 3x below that fault;
+# slower faults (a merged copy stale by 20 steps: 0.02-0.04; 2% noise in the copy: 0.06) stay logged, not acted on.
+LOGPROB_GAP_LIMIT = 0.1
+
+
+@dataclass
+class SamplerGap:
+    """Sums over kept completion tokens (they add over micro-batches, rollout batches and processes)."""
+    tokens: int = 0
+    abs_sum: float = 0.0      # sum |delta|
+    kl_sum: float = 0.0       # sum exp(delta) - delta - 1
+    abs_max: float = 0.0
+    ratio_max: float = 0.0
+
+    @classmethod
+    def of(cls, trainer_logprobs, sampler_logprobs, mask):
+        """The gap over the tokens where `mask` [B, C] is set (log-probs [B, C], any device)."""
+        keep = mask.bool()
+        delta = (trainer_logprobs.detach().float() - sampler_logprobs.to(trainer_logprobs.device).float())[keep]
+        if delta.numel() == 0:
+            return cls()
+        k3 = (delta.exp() - delta - 1).clamp(min=0)   # >= 0 exactly; float rounding can dip below
+        return cls(int(delta.numel()), float(delta.abs().sum()), float(k3.sum()), float(delta.abs().max()),
+                   float(delta.exp().max()))
+
+    def __add__(self, other):
+        return SamplerGap(self.tokens + other.tokens, self.abs_sum + other.abs_sum, self.kl_sum + other.kl_sum,
+                          max(self.abs_max, other.abs_max), max(self.ratio_max, other.ratio_max))
+
+    @property
+    def mean(self):
+        return self.abs_sum / max(self.tokens, 1)
+
+    def metrics(self):
+        """The metrics line's sampler/... fields (all 0 when no token was compared)."""
+        return {"sampler/logprob_diff_mean": self.mean, "sampler/logprob_diff_max": self.abs_max,
+                "sampler/kl": self.kl_sum / max(self.tokens, 1), "sampler/ratio_max": self.ratio_max}
+
+    def describe(self):
+        return (f"mean |log-prob difference| {self.mean:.3g} > {LOGPROB_GAP_LIMIT} (max {self.abs_max:.3g}, "
+                f"KL {self.kl_sum / max(self.tokens, 1):.3g}, over {self.tokens} tokens)")
+
+
+def row_mean_ratios(trainer_logprobs, sampler_logprobs, mask):
+    """[B] each row's mean importance ratio exp(trainer - sampler) over its masked tokens (NaN: none), for the
+    completions log."""
+    keep = mask.bool()
+    ratio = (trainer_logprobs.detach().float() - sampler_logprobs.to(trainer_logprobs.device).float()).exp()
+    return torch.where(keep, ratio, 0.0).sum(-1) / keep.sum(-1).where(keep.any(-1), torch.nan)
+
+
+def total(gaps):
+    """The sum of SamplerGaps (e.g. of every process)."""
+    result = SamplerGap()
+    for gap in gaps:
+        result = result + gap
+    return result
+
+
+def check(model, gap, backend, requested, where):
+    """After a step (or an evaluation chunk) whose rollouts came from `backend`: None if the sampler can be
+    trusted, else the fallback's one-line reason (the model generates with Hugging Face generate() from now on,
+    sampling.fall_back). Raises sampling.SamplerError when `requested` is "engine" (no fallback allowed).
+    The gap of rollouts Hugging Face generated is logged but never acted on: there is nothing to fall back to."""
+    if backend == "hf" or not math.isfinite(gap.mean) or gap.mean <= LOGPROB_GAP_LIMIT:
+        return None
+    reason = f"{sampling.BACKEND_NAMES[backend]} samples from another policy than the one trained ({where}: " \
+             f"{gap.describe()})"
+    if requested == "engine":
+        raise sampling.SamplerError(f"{reason}; --backend engine allows no fallback: leave --backend unset to fall "
+                                    "back to Hugging Face generate(), or --backend hf")
+    sampling.fall_back(model, "hf", reason)
+    return reason
+
+
+def measure(model, rollouts, temperature, micro_batch_size=8):
+    """The SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched): the check of
+    callers without an update pass. Greedy rollouts are compared at temperature 1, as the sampler records them."""
+    import grpo_loss
+    import models
+
+    device, gap = next(model.parameters()).device, SamplerGap()
+    rows = rollouts.prompt_index
+    with torch.no_grad(), models.dropout_off(model):
+        for start in range(0, len(rows), micro_batch_size):
+            part = slice(start, start + micro_batch_size)
+            mask = rollouts.completion_mask[part]
+            width = max(1, int(mask.sum(1).max()))
+            ids = torch.cat([rollouts.prompt_ids[rows[part]], rollouts.completion_ids[part, :width]], 1)
+            attention = torch.cat([rollouts.prompt_mask[rows[part]], mask[:, :width]], 1)
+            trainer = grpo_loss.token_logprobs(model, ids.to(device), attention.to(device), width,
+                                               temperature if temperature > 0 else 1.0)
+            gap = gap + SamplerGap.of(trainer, rollouts.sampler_logprobs[part, :width], mask[:, :width].to(device))
+    return gap
+

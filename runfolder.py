@@ -1,0 +1,226 @@
+"""What a run folder must survive besides a crash (checkpoint.py): a second run on it, a checkpoint cut short, a
+full disk, a folder that cannot be written.
+
+- One writer: train.py holds <out>/train.lock (the host and process id) while it runs; a second run on the folder is
+  refused with one line. A lock whose process is gone (killed, even with SIGKILL) is stale and taken over; one
+  written on another host cannot be checked from here: the message says to delete it if that run is over.
+- The newest readable checkpoint (`newest_checkpoint`): latest.txt names it; when latest.txt is missing or garbage,
+  or the checkpoint it names has an empty or cut file (a disk failing, a copy interrupted), the newest earlier one
+  that is whole is used instead, and the passed-over ones are named. Saves are atomic, so an earlier one is intact.
+- A full disk during a save (`disk_full_said`): the partial copy is removed at once (it would keep the disk full)
+  and the run stops with one line giving the space needed; the previous checkpoint is intact.
+- `check_output_dir`, `read_config`: a file in the way, a folder that cannot be written, a config.json that is not
+  JSON: one line each, before any model loads.
+Simplification: a lock file, not an OS lock (fcntl locks are unreliable on the network file systems of clusters).
+"""
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import socket
+import tempfile
+import zipfile
+from pathlib import Path
+
+import safetensors
+import torch
+
+import checkpoint
+
+LOCK_FILE = "train.lock"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def check_not_in_use(run_dir):
+    """Refuse (ValueError, one line) a folder whose lock a live process on this host, or any on another host, holds;
+    True when a lock is there but stale (its process is gone, or the file is garbage)."""
+    lock = Path(run_dir) / LOCK_FILE
+    try:
+        text = lock.read_text()
+    except FileNotFoundError:
+        return False
+    if not text:  # created, not yet written: a run starting this very moment
+        raise ValueError(f"{run_dir} is being taken by another train.py run ({lock} is empty: delete it if none is)")
+    try:
+        host, pid = text.split()
+        pid = int(pid)
+    except ValueError:
+        return True  # garbage: stale
+    if host == socket.gethostname() and not _alive(pid):
+        return True
+    where = "" if host == socket.gethostname() else f" on {host} (delete {lock} if that run is over)"
+    raise ValueError(f"{run_dir} is in use by another train.py run (process {pid}{where}); wait for it to end or "
+                     "pass another --output-dir")
+
+
+@contextlib.contextmanager
+def folder_lock(run_dir):
+    """Hold run_dir's lock (created exclusively, so two runs starting at once cannot both get it) until the block
+    ends; a live holder on this host, or any holder on another host, refuses the run (ValueError, one line)."""
+    lock, me = Path(run_dir) / LOCK_FILE, f"{socket.gethostname()} {os.getpid()}\n"
+    for _ in range(2):  # a stale lock is removed once, then created again
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if check_not_in_use(run_dir):  # stale: its process is gone
+                lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(me)
+        break
+    else:
+        raise ValueError(f"{run_dir}: could not take {lock} (another run took it at the same time)")
+    try:
+        yield lock
+    finally:
+        if lock.is_file() and lock.read_text() == me:
+            lock.unlink()
+
+
+def checkpoint_problem(path):
+    """Why a checkpoint folder cannot be read (a weights or state file missing, empty or cut short), or None. Cheap:
+    the safetensors header against the file size, the zip directory at the end of trainer_state.pt."""
+    path, state = Path(path), Path(path) / "trainer_state.pt"
+    if state.exists() and not zipfile.is_zipfile(state):  # torch.save writes a zip; a cut one has no directory
+        return f"{state} is empty or cut short"
+    if checkpoint.is_sharded(path):
+        return None
+    weights = [path / part for part in ("adapter/adapter_model.safetensors", "model/model.safetensors")]
+    weights = [file for file in weights if file.is_file()]
+    if not weights:
+        return f"{path} holds no adapter/adapter_model.safetensors or model/model.safetensors"
+    try:
+        with safetensors.safe_open(weights[0], "pt"):  # reads the header, checks it against the file size
+            pass
+    except Exception as error:  # noqa: BLE001 (safetensors raises its own error type)
+        return f"{weights[0]} is unreadable ({error})"
+    return None
+
+
+def newest_checkpoint(run_dir, readable=True):
+    """(the newest readable checkpoint of a run (single- or multi-process), or None; [(what was passed over, why)]).
+    The one latest.txt names comes first, then the other step_* folders, newest first. readable False: any with a
+    trainer_state.pt (the flags' check, which opens no file)."""
+    root, skipped = checkpoint.checkpoint_root(run_dir), []
+    folders = sorted(root.glob("step_*"), reverse=True)
+    try:
+        named = root / (root / checkpoint.LATEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if folders and named not in folders:
+        skipped.append((root / checkpoint.LATEST_FILE, "missing, or names no checkpoint folder"))
+    for path in ([named] if named in folders else []) + [folder for folder in folders if folder != named]:
+        state = path / "trainer_state.pt"
+        problem = (checkpoint_problem(path) if readable else None) if state.is_file() else f"{state} is missing"
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def checkpoint_bytes(model, optimizer):
+    """About what a checkpoint takes on disk: the saved weights (LoRA: the adapter) and the optimizer's tensors."""
+    lora = hasattr(model, "peft_config")
+    weights = [p for p in model.parameters() if p.requires_grad or not lora]
+    moments = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in weights + moments)
+
+
+def _size(num_bytes):
+    return f"{num_bytes / 2 ** 30:.2f} GiB" if num_bytes >= 2 ** 30 else f"{num_bytes / 2 ** 20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def disk_full_said(run_dir, needed_bytes):
+    """Around a checkpoint save: when it fails for lack of space (ENOSPC, or torch.save's "unexpected pos" with less
+    free than the checkpoint needs), remove the partial copy and raise one OSError line saying what to do."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        root = checkpoint.checkpoint_root(run_dir)
+        free = shutil.disk_usage(root).free
+        if getattr(error, "errno", None) != errno.ENOSPC and free >= needed_bytes:
+            raise
+        for partial in root.glob(checkpoint.TMP_PREFIX + "*"):  # we hold the lock: nobody else is writing here
+            shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
+        raise OSError(f"disk full: a checkpoint needs ~{_size(needed_bytes)} in {root} "
+                      f"({_size(shutil.disk_usage(root).free)} free); the partial copy is removed and the "
+                      f"previous checkpoint is intact. Free some space, then continue with --output-dir {run_dir} "
+                      "--resume") from None
+
+
+def check_output_dir(path):
+    """--output-dir can hold a run: not a file, and writable (tried, as permissions may not tell). One ValueError line
+    each."""
+    path = Path(path)
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output-dir {path}: {existing} is a file, not a folder; pass another --output-dir")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise ValueError(f"--output-dir {path}: cannot write in {existing} ({error.strerror}); pass a writable "
+                         "--output-dir") from None
+
+
+def read_config(run_dir):
+    """The run's config.json as a dict; a file that is not a JSON object is named in one ValueError line."""
+    path = Path(run_dir) / checkpoint.CONFIG_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): restore it from a checkpoint's copy "
+                         f"({checkpoint.checkpoint_root(run_dir)}/step_*/config.json)") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds no JSON object: restore it from a checkpoint's copy")
+    return saved
+
+
+def check_run_dir(args, restarted=False):
+    """--output-dir against --resume: not in use by another run; a resume needs a checkpoint, a new run a folder
+    without a run. A run stopped before its first checkpoint can only start over: both refusals say how."""
+    if args.output_dir is not None:
+        check_not_in_use(args.output_dir)  # first: a live run's folder is no evidence of anything
+    if restarted and not args.resume:
+        return  # restarted before the first checkpoint: the run starts over
+    has_checkpoint = args.output_dir is not None and newest_checkpoint(args.output_dir, readable=False)[0] is not None
+    metrics = Path(str(args.output_dir)) / checkpoint.METRICS_FILE
+    start_over = (f"it stopped before its first checkpoint: delete {metrics} to start it over (the same command, "
+                  "without --resume), or pass another --output-dir")
+    if args.resume:
+        if args.output_dir is None:
+            raise ValueError("--resume needs --output-dir")
+        if not has_checkpoint:
+            raise ValueError(f"--resume: no complete checkpoint in {checkpoint.checkpoint_root(args.output_dir)}; "
+                             + start_over)
+    elif args.output_dir is not None:
+        if metrics.exists() and metrics.stat().st_size > 0:
+            raise ValueError(f"{args.output_dir} already holds a run: " + (
+                "pass --resume to continue it or another --output-dir" if has_checkpoint else start_over))
+
+
+def resume_changes(args, saved, identity, recorded):
+    """The run's config.json "changes" plus this resume's: {"step": None (train.py sets the step it continues from),
+    flag: [old, new]} for the `recorded` flags given new values. A new value of an `identity` flag
+    (config.RUN_IDENTITY) is refused, naming the flags (ValueError)."""
+    def differs(key):
+        return key in saved and json.dumps(saved[key], sort_keys=True) != json.dumps(getattr(args, key), sort_keys=True)
+
+    refused = [key for key in identity if differs(key)]
+    if refused:
+        flags = ", ".join(f"--{key.replace('_', '-')} {saved[key]!r} -> {getattr(args, key)!r}" for key in refused)
+        raise ValueError(f"--resume continues the run in {args.output_dir} as it is; these flags would change what it "
+                         f"is: {flags}. Leave them out, or start a new run in another --output-dir")
+    changed = {key: [saved[key], getattr(args, key)] for key in recorded if differs(key)}
+    return list(saved.get("changes", [])) + ([dict(step=None, **changed)] if changed else [])
