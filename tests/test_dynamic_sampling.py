@@ -277,6 +277,9 @@ def test_a_run_logs_the_refills_and_marks_the_filtered_groups(dynamic_run):
         assert all(int(row["answer"]) % 3 == 0 and row["prompt_id"] not in kept for row in filtered)
         assert all(int(row["answer"]) % 3 for row in prompts if not row["filtered"])
         assert len(prompts) - len(filtered) == len(kept) == 2  # refilled to --prompts-per-step
+        # the refills' sampler log-probs joined row for row: the update's log-probs match them on every kept row
+        assert all(row["sampler_ratio"] == pytest.approx(1, abs=1e-3) for row in rows if row.get("kept"))
+        assert line["sampler/logprob_diff_max"] < 1e-3
         assert line["dynamic_sampling/groups_generated"] == len(prompts) and line["update_rows"] == 4
         assert line["dynamic_sampling/frac_filtered"] == pytest.approx(len(filtered) / len(prompts))
         assert line["dynamic_sampling/groups_missing"] == 0 and line["dynamic_sampling/generation_rounds"] >= 1
