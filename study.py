@@ -253,6 +253,8 @@ def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=Fals
     failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, GA_TRAIN_ARGS)
     if dry_run:
         return None
+    if failed:  # said before the report, which may have too few runs to be made
+        print(f"\nfailed runs: {', '.join(failed)}")
     out_dir = Path(out_dir)
     present = [out_dir / name for name in runs if (out_dir / name / "metrics.jsonl").is_file()]
     title = (f"PODS 16/4 vs GRPO-GA (GRPO 16/16: all rollouts trained), demo scale, {len(seeds)} seeds, "
@@ -261,8 +263,6 @@ def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=Fals
     (out_dir / "ga.md").write_text(table + "\n")
     (out_dir / "ga.json").write_text(json.dumps(by_axis, indent=1))
     print(f"\n## {title}\n\n{table}\nplot: {plot}", flush=True)
-    if failed:
-        print(f"\nfailed runs: {', '.join(failed)}")
     return table
 
 
