@@ -52,6 +52,7 @@ class RunData:
     skipped_lines: int = 0        # unreadable lines (e.g. a run killed mid-write)
     config: dict = field(default_factory=dict)
     nonfinite_evals: int = 0      # eval points left out: their time or value is not a finite number (NaN)
+    eval_steps: np.ndarray = field(default_factory=lambda: np.empty(0))  # the step of each evaluation
 
 
 @dataclass
@@ -101,8 +102,8 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     else:
         points = {r["step"]: (r.get("elapsed_s"), r.get(f"eval/{metric}")) for r in records
                   if r.get("type") == "eval" and "step" in r}
-    points = [(t, a) for t, a in points.values() if a is not None]  # lines without the metric: not its curve
-    finite = sorted((t, a) for t, a in points if _finite(t) and _finite(a))
+    points = [(t, a, s) for s, (t, a) in points.items() if a is not None]  # lines without the metric: not its curve
+    finite = sorted((t, a, s) for t, a, s in points if _finite(t) and _finite(a))
     steps = [train[s] for s in sorted(train)]
     elapsed = [r.get("elapsed_s") for r in steps]
     if steps and all(_finite(t) for t in elapsed):
@@ -112,8 +113,9 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     phases = {k: float(np.mean([r[k] for r in steps if _finite(r.get(k))]))
               for k in ("generate_s", "update_s") if any(_finite(r.get(k)) for r in steps)}
     return RunData(str(run_dir), method_label(config), config.get("seed"),
-                   np.array([t for t, _ in finite], dtype=float), np.array([a for _, a in finite], dtype=float),
-                   durations.astype(float), phases, skipped, config, len(points) - len(finite))
+                   np.array([t for t, _, _ in finite], dtype=float), np.array([a for _, a, _ in finite], dtype=float),
+                   durations.astype(float), phases, skipped, config, len(points) - len(finite),
+                   np.array([s for _, _, s in finite], dtype=float))
 
 
 def values_on_grid(times_s, accuracy, grid_s, interp="linear"):

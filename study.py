@@ -1,4 +1,5 @@
-"""The paper's down-sampling-rule study (Fig. 5), an n/m study and a loss-variant study, at demo scale on CPU.
+"""The paper's down-sampling-rule study (Fig. 5), an n/m study, a loss-variant study and PODS vs GRPO-GA (settings
+(e), (f)), at demo scale on CPU.
 
 `run`: trains train.py's demo preset (SmolLM2-135M on synthetic addition) with each rule (max_variance, random,
 max_reward, percentile) at n/m = 16/4 and the GRPO baseline (n = m = 4), and max_variance with m = 4 and
@@ -8,9 +9,15 @@ wall-clock with 1.96 SE bands, speed-up ratio of paper Appendix A.4) into plots 
 (--loss-aggregation token) and with DAPO's clip-higher (--clip-eps-high 0.28), compared the same way against
 the paper's objective (variants.png, variants.md). All three take 2 optimizer steps per rollout batch
 (--updates-per-batch 2): with one, the ratio pi/pi_old is 1 and clip-higher could not change anything.
+`ga`: the paper's comparison that does not depend on the hardware: every arm generates the same 16 rollouts for
+each of 4 prompts per step; GRPO-GA (GRPO 16/16) trains on all 64, accumulating the gradient over micro-batches,
+PODS max_variance 16/4 on 16 of them, and a random 16/4 control on 16 random ones (does max-variance matter, or
+only fewer rows?). A 256-prompt held-out set every 5 steps; peak and final accuracy and the speed-up on the time
+and the step axis with 95% bootstrap intervals over seeds (bootstrap.py): <out>/ga.md, ga.json, the plot.
 
     python study.py run --out runs/study --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
     python study.py variants --out runs/variants --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
+    python study.py ga --out runs/ga --seeds 0 1 2 3 4 [--max-time-s 1800] [-- extra train.py flags]
     python study.py compare RUN_DIR...            (an alias of python compare.py)
 
 Every setting the recorded tables depend on is passed explicitly (`STUDY_TRAIN_ARGS`), evaluation
@@ -31,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import bootstrap
 import grpo_loss
 import rewards
 import runfolder
@@ -99,6 +107,39 @@ def variants_plan(seeds, num_rollouts=16, update_size=4):
     return runs, f"PODS max_variance {num_rollouts}/{update_size}"
 
 
+def with_settings(args, settings):
+    """args with the value after each flag of settings ({flag: value}, every flag among args) replaced."""
+    args = list(args)
+    for flag, value in settings.items():
+        args[args.index(flag) + 1] = value
+    return tuple(args)
+
+
+# The PODS vs GRPO-GA study: {arm: (rule, m)} at n = 16. GRPO-GA is rule none with m = n: the label train.py writes
+# is "GRPO 16/16" (--grad-accum-steps counts rollout batches of new prompts, so the same rollouts trained in
+# parts are micro-batches: 4 of 16 rows per step).
+GA_ARMS = {"grpo_ga": ("none", 16), "pods": ("max_variance", 4), "random": ("random", 4)}
+GA_BASELINE = "GRPO 16/16"
+# What the study changes in STUDY_TRAIN_ARGS: the demo's 4 prompts per step (the clock BENCHMARKS measured for the
+# two methods), 256 held-out prompts (one greedy evaluation's SE <= 0.5 / sqrt(256) = 3.1 points; 4 batches of 64)
+# every 5 steps, the same prompts for every arm and seed, and a checkpoint every 10 minutes (an interrupted run
+# resumes losing at most that).
+GA_SETTINGS = {"--prompts-per-step": "4", "--eval-samples": "256", "--eval-interval": "5",
+               "--checkpoint-interval-s": "600"}
+GA_TRAIN_ARGS = with_settings(STUDY_TRAIN_ARGS, GA_SETTINGS)
+GA_MAX_TIME_S = 1800.0  # training wall-clock per run: ~40 GRPO-GA steps on 2 quiet cores
+GA_NUM_THREADS = 2      # one run at a time on the 2-core machine, both cores to it (BENCHMARKS: 1.5-1.85x faster)
+GA_PLOT = Path(__file__).with_name("docs") / "study_ga.png"
+
+
+def ga_plan(seeds, num_rollouts=16):
+    """{run name: train.py method flags}: every arm of GA_ARMS for each seed, seed-major (a study cut short has
+    whole seeds)."""
+    return {f"{arm}-n{num_rollouts}-m{m}-s{seed}": ["--rule", rule, "--num-rollouts", str(num_rollouts),
+                                                    "--update-size", str(m), "--seed", str(seed)]
+            for seed in seeds for arm, (rule, m) in GA_ARMS.items()}
+
+
 def registry_pins():
     """Pins for what the registries may gain after the tables were recorded: the paper's reward weights 1/1/1 and
     weight 0 for any other reward term (logged, not trained on); every loss option not in STUDY_TRAIN_ARGS at its
@@ -115,15 +156,15 @@ def registry_pins():
     return pins
 
 
-def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=()):
+def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=(), settings=STUDY_TRAIN_ARGS):
     """train.py's flags for one run of the study: the pinned settings, the run's method, then the user's."""
     return ["--preset", "demo", "--output-dir", str(run_dir), "--max-time-s", str(max_time_s), "--no-progress",
-            "--num-threads", str(num_threads), "--device", "cpu", "--max-steps", "0", *STUDY_TRAIN_ARGS,
+            "--num-threads", str(num_threads), "--device", "cpu", "--max-steps", "0", *settings,
             *registry_pins(), *method_flags, *train_args]
 
 
 def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_threads=1,
-               train_script=Path(__file__).with_name("train.py")):
+               train_script=Path(__file__).with_name("train.py"), settings=STUDY_TRAIN_ARGS):
     """Train every run of {name: method flags} (sequentially, one subprocess each) into <out>/<name>; returns the
     names that failed. Resumable: a run with <out>/<name>/study_done.json is skipped; an interrupted one continues
     from its latest checkpoint (train.py --resume) or, without one, starts over."""
@@ -135,7 +176,8 @@ def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_thre
         run_dir = out_dir / name
         if (run_dir / "study_done.json").is_file():
             continue
-        command = [sys.executable, str(train_script), *train_flags(run_dir, flags, max_time_s, num_threads, train_args)]
+        command = [sys.executable, str(train_script),
+                   *train_flags(run_dir, flags, max_time_s, num_threads, train_args, settings)]
         if runfolder.newest_checkpoint(run_dir, readable=False)[0] is not None:  # latest.txt may be lost
             command.append("--resume")
         elif run_dir.exists() and not dry_run:
@@ -203,6 +245,27 @@ def run_variants(out_dir, seeds, max_time_s, train_args=(), dry_run=False, num_t
     return tables
 
 
+def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=False, num_threads=GA_NUM_THREADS,
+           plot=GA_PLOT, resamples=bootstrap.RESAMPLES, train_script=Path(__file__).with_name("train.py")):
+    """PODS vs GRPO-GA (module docstring): train every arm for every seed, one run at a time, then write
+    <out>/ga.md (table) and ga.json (figures with intervals) and draw the plot; returns the table."""
+    runs = ga_plan(seeds)
+    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, GA_TRAIN_ARGS)
+    if dry_run:
+        return None
+    if failed:  # said before the report, which may have too few runs to be made
+        print(f"\nfailed runs: {', '.join(failed)}")
+    out_dir = Path(out_dir)
+    present = [out_dir / name for name in runs if (out_dir / name / "metrics.jsonl").is_file()]
+    title = (f"PODS 16/4 vs GRPO-GA (GRPO 16/16: all rollouts trained), demo scale, {len(seeds)} seeds, "
+             f"1.96 SE bands")
+    by_axis, table = bootstrap.report(present, GA_BASELINE, plot, title, resamples=resamples)
+    (out_dir / "ga.md").write_text(table + "\n")
+    (out_dir / "ga.json").write_text(json.dumps(by_axis, indent=1))
+    print(f"\n## {title}\n\n{table}\nplot: {plot}", flush=True)
+    return table
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
@@ -210,26 +273,37 @@ def main(argv=None):
 
         return compare_module.main(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):  # the commands, as the module docstring shows them
-        return print("\n\n".join(__doc__.split("\n\n")[1:3]) + "\n\npython study.py run --help (or variants --help) "
-                     "lists a command's flags.")
-    if argv[:1] not in (["run"], ["variants"]):
+        return print("\n\n".join(__doc__.split("\n\n")[1:3]) + "\n\npython study.py run --help (or variants, ga "
+                     "--help) lists a command's flags.")
+    if argv[:1] not in (["run"], ["variants"], ["ga"]):
         sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...] | "
-                 "python study.py variants --out DIR [...] (python study.py --help describes them)")
+                 "python study.py variants --out DIR [...] | python study.py ga --out DIR [...] "
+                 "(python study.py --help describes them)")
     command = argv[0]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[1:argv.index("--")] if "--" in argv else argv[1:]
-    description = ("rule study + n/m study" if command == "run" else "loss variants (paper, token, clip-higher)")
+    description = {"run": "rule study + n/m study", "variants": "loss variants (paper, token, clip-higher)",
+                   "ga": "PODS 16/4 vs GRPO-GA 16/16 vs random 16/4"}[command]
+    ga = command == "ga"
     parser = argparse.ArgumentParser(prog=f"study.py {command}", description=f"{description} at demo scale; "
                                      "arguments after -- go to every train.py run")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--max-time-s", type=float, default=120.0, help="training wall-clock per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4] if ga else [0, 1, 2])
+    parser.add_argument("--max-time-s", type=float, default=GA_MAX_TIME_S if ga else 120.0,
+                        help="training wall-clock per run")
     if command == "run":
         parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
-    parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads per run: on a shared "
-                        "machine one thread avoids OpenMP spin-waits (here 2 threads were ~7x slower)")
+    parser.add_argument("--num-threads", type=int, default=GA_NUM_THREADS if ga else 1, help="torch CPU threads "
+                        "per run: on a shared machine one thread avoids OpenMP spin-waits (here 2 threads were ~7x "
+                        "slower); the ga study, timed, wants a quiet machine and both of its cores")
+    if ga:
+        parser.add_argument("--plot", default=str(GA_PLOT), help="the plot's path")
+        parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     args = parser.parse_args(argv)
+    if ga:
+        return run_ga(args.out, args.seeds, args.max_time_s, train_args, args.dry_run, args.num_threads, args.plot,
+                      args.resamples)
     if command == "variants":
         return run_variants(args.out, args.seeds, args.max_time_s, train_args, args.dry_run, args.num_threads)
     return run_study(args.out, args.seeds, args.max_time_s, train_args, tuple(args.nm_values), args.dry_run,

@@ -78,12 +78,15 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     unset = object()
     parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
     runs, _ = study.study_plan([0])
-    for flags in [*runs.values(), *study.variants_plan([0])[0].values()]:
-        args = parser.parse_args(study.train_flags("runs/x", flags, 120))
+    plans = [(flags, study.STUDY_TRAIN_ARGS) for flags in [*runs.values(), *study.variants_plan([0])[0].values()]]
+    plans += [(flags, study.GA_TRAIN_ARGS) for flags in study.ga_plan([0]).values()]
+    for flags, settings in plans:
+        args = parser.parse_args(study.train_flags("runs/x", flags, 120, settings=settings))
         unpinned = {name for name, value in vars(args).items() if value is unset}
         unpinned -= {grpo_loss.flag_name(option)[2:].replace("-", "_")  # a loss option whose default is None (off)
                      for option in config.LOSS_FLAGS if option.default is None}
         assert unpinned <= UNPINNED_OK, f"pin these in study.STUDY_TRAIN_ARGS: {sorted(unpinned - UNPINNED_OK)}"
+    args = parser.parse_args(study.train_flags("runs/x", runs["grpo-n4-m4-s0"], 120))
     assert args.eval_temperature == 0 and args.eval_samples == 20 and args.eval_interval == 3  # greedy, as recorded
     assert args.prompts_per_step == 1 and args.max_completion_tokens == 32 and args.num_threads == 1
     assert args.system_prompt == study.STUDY_SYSTEM_PROMPT and args.learning_rate == 5e-4
@@ -172,5 +175,82 @@ def test_variant_study_end_to_end_with_a_tiny_model(tmp_path, smollm2_tokenizer)
 def test_help_describes_the_commands_with_their_flags(capsys):
     study.main(["--help"])
     out = capsys.readouterr().out
-    for command in ("python study.py run --out", "python study.py variants --out", "python study.py compare"):
+    for command in ("python study.py run --out", "python study.py variants --out", "python study.py ga --out",
+                    "python study.py compare"):
         assert command in out
+
+
+@pytest.mark.filterwarnings("ignore:--clip-eps-high 0.2 cannot act")  # the study's pinned default, inert at mu = 1
+def test_ga_plan_arms_differ_only_in_the_method_and_seed_and_evaluate_the_same_prompts(tmp_path):
+    """PODS 16/4, GRPO-GA (every one of the same 16 rollouts per prompt trained) and random 16/4: the same prompts per
+    step, rollouts per prompt, held-out set (256 prompts, every 5 steps, greedy) and every other setting."""
+    import config
+    import data
+
+    runs = study.ga_plan([0, 1, 2, 3, 4])
+    assert len(runs) == 15 and list(runs)[:3] == ["grpo_ga-n16-m16-s0", "pods-n16-m4-s0", "random-n16-m4-s0"]
+    parsed = {name: config.parse_args(study.train_flags(tmp_path / name, flags, 1800, 2, (), study.GA_TRAIN_ARGS))
+              for name, flags in runs.items()}
+    labels = {name.rsplit("-s", 1)[0]: config.method_label(args) for name, args in parsed.items()}
+    assert labels == {"grpo_ga-n16-m16": study.GA_BASELINE, "pods-n16-m4": "PODS max_variance 16/4",
+                      "random-n16-m4": "PODS random 16/4"}
+    per_run = {"rule", "update_size", "seed", "output_dir"}
+    settings = [{k: v for k, v in vars(args).items() if k not in per_run} for args in parsed.values()]
+    assert all(s == settings[0] for s in settings)
+    first = parsed["grpo_ga-n16-m16-s0"]
+    assert (first.num_rollouts, first.update_size, first.rule, first.grad_accum_steps) == (16, 16, "none", 1)
+    assert first.prompts_per_step == 4 and first.micro_batch_size == 16  # GRPO-GA: 64 rows, 4 micro-batches of 16
+    assert (first.eval_samples, first.eval_interval, first.eval_temperature) == (256, 5, 0)
+    assert 0.5 / first.eval_samples ** 0.5 <= 0.035  # one evaluation's standard error is at most 3.5 points
+    assert parsed["pods-n16-m4-s3"].seed == 3 and parsed["random-n16-m4-s4"].rule == "random"
+    # The held-out rows are drawn with a fixed seed, never the run's: every arm and seed evaluates the same prompts.
+    questions = [row["question"] for row in data.load_split("arithmetic", "test", num_rows=first.eval_samples)]
+    assert len(set(questions)) == 256 and questions == [
+        row["question"] for row in data.load_split("arithmetic", "test", num_rows=parsed["pods-n16-m4-s3"].eval_samples)]
+
+
+def test_run_ga_trains_reports_with_intervals_and_resumes(tmp_path):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    out, plot = tmp_path / "ga", tmp_path / "docs" / "study_ga.png"
+    table = study.run_ga(out, [0, 1], 5, train_args=["--eval-samples", "7"], plot=plot, resamples=50,
+                         train_script=script)
+    calls = (out / "calls.txt").read_text().splitlines()
+    assert len(calls) == 6 and all(c.endswith("'--eval-samples', '7']") for c in calls)  # user flags last
+    assert plot.read_bytes()[:4] == b"\x89PNG" and (out / "ga.md").read_text().strip() == table
+    assert "Baseline: GRPO 16/16" in table and "| PODS random 16/4 | 1 |" in table  # random, seed 1 failed
+    # The fake learns n/m times faster per step (one step per second): 4x on both axes, on every resample.
+    pods_row = next(line for line in table.splitlines() if line.startswith("| PODS max_variance 16/4 | 2 |"))
+    assert pods_row.count("| 4.00x [4.00, 4.00] |") == 2
+    figures = __import__("json").loads((out / "ga.json").read_text())
+    assert figures["steps"]["PODS max_variance 16/4"]["speedup_ci"] == [4.0, 4.0, 0]
+    study.run_ga(out, [0, 1], 5, plot=plot, resamples=50, train_script=script)  # only the failed run again
+    assert [c.split()[0] for c in (out / "calls.txt").read_text().splitlines()[6:]] == ["random-n16-m4-s1"]
+
+
+def test_ga_command_runs_one_run_at_a_time_on_both_cores(tmp_path, capsys):
+    study.main(["ga", "--out", str(tmp_path), "--dry-run"])
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(commands) == 15 and commands[0].startswith("[1/15]") and "grpo_ga-n16-m16-s0" in commands[0]
+    assert all("--max-time-s 1800.0" in c and "--num-threads 2" in c and "--eval-samples 256" in c for c in commands)
+    assert "random-n16-m4-s4" in commands[-1] and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_ga_study_end_to_end_with_a_tiny_model(tmp_path, smollm2_tokenizer):
+    import json
+
+    import models
+
+    model_dir = tmp_path / "tiny"
+    models.tiny_random_model("llama").save_pretrained(model_dir)
+    smollm2_tokenizer.save_pretrained(model_dir)
+    tiny = ["--model", str(model_dir), "--max-steps", "2", "--max-completion-tokens", "4", "--eval-samples", "2",
+            "--eval-interval", "1", "--checkpoint-interval-s", "0", "--prompts-per-step", "1"]
+    table = study.run_ga(tmp_path / "out", [0], 0, train_args=tiny, num_threads=1, plot=tmp_path / "ga.png",
+                         resamples=20)
+    assert (tmp_path / "ga.png").is_file()
+    assert all(f"| {label} | 1 | 2 |" in table for label in (
+        study.GA_BASELINE, "PODS max_variance 16/4", "PODS random 16/4"))
+    figures = json.loads((tmp_path / "out" / "ga.json").read_text())
+    assert set(figures) == {"time", "steps"} and figures["steps"][study.GA_BASELINE]["seeds"] == 1
