@@ -36,7 +36,8 @@ METRICS = ("accuracy", "format_accuracy", "both_accuracy")
 # variant flags its label names), the seed, bookkeeping. Any other difference is listed under the table.
 PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
                 "baseline", "grad_accum_steps", "loss_aggregation", "clip_eps_high", "scale_rewards",
-                "selection_scope", "mask_truncated", "drop_zero_variance", "report_to"}
+                "selection_scope", "mask_truncated", "drop_zero_variance", "dynamic_sampling",
+                "dynamic_sampling_metric", "report_to"}
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import data
+import dynamic_sampling
 import grpo_loss
 import models
 import pods
@@ -71,7 +72,8 @@ BASELINES.update({preset: dict(num_rollouts=32, update_size=32, grad_accum_steps
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
 LOSS_FLAGS = [option for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["help"]]
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
-                 "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size")
+                 "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size",
+                 "max_generation_rounds")
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
                 "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
@@ -131,6 +133,11 @@ def build_parser():
              f"prompts ({' or '.join(pods.batch_scope_rules())} only, pods.select_across_prompts)")
     add("--drop-zero-variance", action=argparse.BooleanOptionalAction, default=False,
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
+    add("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
+        help="DAPO: set groups with all-equal rewards aside, draw more prompts until --prompts-per-step have a spread")
+    add("--dynamic-sampling-metric", choices=dynamic_sampling.METRICS, default="total",
+        help="the reward that must vary within a group: the weighted total (what the advantages use) or accuracy")
+    add("--max-generation-rounds", type=int, default=10, help="--dynamic-sampling: generation rounds per rollout batch")
     add("--reward-weights", default="",
         help=f"name=weight for the reward terms whose weight changes; the others keep theirs "
              f"({DEFAULT_REWARD_WEIGHTS}, the paper's; weight 0 logs a reward without training on it)")
@@ -311,6 +318,7 @@ LABEL_FLAGS = {
     "clip_eps_high": lambda value, args: f"clip-high {value:g}" if value != args.clip_eps else "",
     "mask_truncated": lambda value, args: "truncated masked" if value else "",
     "drop_zero_variance": lambda value, args: "zero-variance dropped" if value else "",
+    "dynamic_sampling": lambda value, args: f"dynamic sampling ({args.dynamic_sampling_metric})" if value else "",
     "advantage_normalization": lambda value, args: f"{value} normalization",
     "clip_eps": lambda value, args: f"clip {value:g}",
     "kl_coef": lambda value, args: f"kl {value:g}",

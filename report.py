@@ -62,18 +62,21 @@ class ScoredRound:
     prompts: list                # [P] rendered prompt texts
     answers: list                # [P] reference answers
     texts: list                  # [P*n] completions
+    filtered: torch.Tensor       # [P] bool: set aside by --dynamic-sampling (no reward spread), not trained on
     sampler_ratios: torch.Tensor | None = None  # [P*n] mean pi / pi_sampler over a kept rollout's tokens (NaN: not
                                                 # kept); set by train_step after the update
 
     @classmethod
-    def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped):
+    def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped,
+           filtered=None):
         """From a sampling.Rollouts, its data.Examples and what was computed from them (kept_advantages: one per
-        kept row, in kept_rows order, as the update received them)."""
+        kept row, in kept_rows order, as the update received them; filtered: [P] bool, None: none)."""
         advantages = torch.full((rewards.numel(),), math.nan)
         advantages[kept_rows] = kept_advantages.float()
+        filtered = torch.zeros(rewards.shape[0], dtype=torch.bool) if filtered is None else filtered
         return cls(rewards, per_func, kept_rows, advantages, zero_variance_dropped, rollouts.lengths,
                    rollouts.truncated, int(rollouts.prompt_mask.sum()) * rewards.shape[1],
-                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts),
+                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts), filtered,
                    torch.full((rewards.numel(),), math.nan))
 
 
@@ -165,7 +168,7 @@ def completions_record(step, scored):
         for i in range(num_prompts):
             prompt_id += 1
             rows.append({"type": "prompt", "prompt_id": prompt_id, "prompt": scored_round.prompts[i],
-                         "answer": scored_round.answers[i]})
+                         "answer": scored_round.answers[i], "filtered": bool(scored_round.filtered[i])})
             for j in range(n):
                 r = i * n + j
                 rows.append({"type": "rollout", "prompt_id": prompt_id, "rollout": j,
@@ -244,7 +247,8 @@ def rollout_table(rows, prompt_id, width=100):
                       key=lambda row: -row["reward"])
     names = list(rollouts[0]["rewards"]) if rollouts else []
     lines = [f"prompt {prompt_id} (answer {prompt['answer']!r}): {_clip(prompt['prompt'], width + 40, end=True)}",
-             f"{len(rollouts)} rollouts, {sum(r['kept'] for r in rollouts)} kept (*), by reward:",
+             f"{len(rollouts)} rollouts, {sum(r['kept'] for r in rollouts)} kept (*)"
+             f"{', set aside by --dynamic-sampling' if prompt.get('filtered') else ''}, by reward:",
              "  reward " + "".join(f"{name[:9]:>10}" for name in names) + "  tokens  kept advantage  completion"]
     for row in rollouts:
         values = "".join(f"{'-' if v is None else format(v, '.2f'):>10}" for v in row["rewards"].values())

@@ -59,8 +59,8 @@ STUDY_TRAIN_ARGS = (
     "--system-prompt", STUDY_SYSTEM_PROMPT, "--max-prompt-tokens", "256", "--advantage-normalization", "selected",
     "--reward-options", "", "--prompts-per-step", "1", "--grad-accum-steps", "1",
     "--updates-per-batch", "1", "--clip-eps", "0.2", "--kl-coef", "0", "--learning-rate", "5e-4",
-    "--scale-rewards", "group", "--selection-scope", "prompt", "--no-drop-zero-variance", "--clip-eps-high", "0.2",
-    "--loss-aggregation", "sequence", "--no-mask-truncated", "--report-to", "none",
+    "--scale-rewards", "group", "--selection-scope", "prompt", "--no-drop-zero-variance", "--no-dynamic-sampling",
+    "--clip-eps-high", "0.2", "--loss-aggregation", "sequence", "--no-mask-truncated", "--report-to", "none",
     "--weight-decay", "0", "--max-grad-norm", "1.0", "--optimizer", "adamw", "--temperature", "1.0",
     "--top-p", "1.0", "--max-completion-tokens", "32", "--rollout-batch-size", "64", "--micro-batch-size", "16",
     "--eval-samples", "20", "--eval-interval", "3", "--eval-temperature", "0", "--checkpoint-interval-s", "100000")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import dynamic_sampling
 import eval as heldout
 import models
 import pods
@@ -52,9 +53,14 @@ class OneProcess:
         return models.load_policy(args.model, dtype=models.compute_dtypes(args.bf16, args.lora_rank)[0],
                                   device=args.device, **config.model_options(args))
 
-    def share(self, examples, rows_per_example, chunk_rows):
-        """(this process's examples of a rollout batch, the index of its first generation chunk)."""
+    def share(self, examples, rows_per_example, chunk_rows, sizes=None):
+        """(this process's examples of a rollout batch, the index of its first generation chunk); sizes: how many
+        each process takes, in process order (None: as many each)."""
         return examples, 0
+
+    def counts(self, value):
+        """Every process's value, in process order: the groups with a spread each holds (--dynamic-sampling)."""
+        return [value]
 
     def eval_share(self, examples, chunk_prompts):
         """(this process's held-out examples, the index of its first chunk, prompts per chunk)."""
@@ -131,47 +137,73 @@ def score(rollouts, examples, args):
                                      [data.graded_completion(text, args.prefill_think) for text in rollouts.texts],
                                      [examples[i].answer for i in rows], weights=args.reward_weights,
                                      options=args.reward_options, completion_ids=completion_ids)
-    return result.total.view(len(examples), -1), result.per_func
+    n = len(rows) // len(examples) if examples else args.num_rollouts  # none: a refill only other processes needed
+    return result.total.view(len(examples), n), result.per_func
 
 
-def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess()):
+def generate_and_score(model, tokenizer, examples, args, seed, costs, processes, sizes=None):
+    """n rollouts per prompt of this process's share of `examples` (sizes: processes.share), scored: a
+    dynamic_sampling.Generated."""
+    examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size, sizes)
+    rollouts = dynamic_sampling.no_rollouts()  # a refill only other processes needed
+    with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
+        if examples:
+            rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
+                                                  config.generation_settings(args), seed, first_chunk)
+    with report.timed(costs, "reward_s"):
+        reward_matrix, per_func = score(rollouts, examples, args)
+    return dynamic_sampling.Generated(examples, rollouts, reward_matrix, per_func, first_chunk)
+
+
+def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess(), draw=None):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
     report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
-    log-probs check the sampler's (rollout_check.check: off-policy engine rollouts switch generation to HF)."""
+    log-probs check the sampler's (rollout_check.check: off-policy engine rollouts switch generation to HF). With
+    --dynamic-sampling, `draw(count)` gives the next `count` examples of the prompt order for the refills."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
-    generation, settings = config.generation_settings(args), config.update_settings(args)
-    scored, batches, backends = [], [], set()
+    if args.dynamic_sampling and draw is None:
+        raise ValueError("train_step with --dynamic-sampling needs draw(count), the next examples of the prompt order")
+    settings = config.update_settings(args)
+    scored, batches, batch_rounds, backends = [], [], [], set()
     with processes.full_weights(model):
         for round_index, examples in enumerate(rounds):
-            examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size)
             seed = sampling.derived_seed(args.seed, step, round_index)  # a resumed step draws what it drew before
-            with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
-                rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples],
-                                                      args.num_rollouts, generation, seed, first_chunk)
-            backends.add(rollouts.backend)
-            with report.timed(costs, "reward_s"):
-                reward_matrix, per_func = score(rollouts, examples, args)
+            generated = [generate_and_score(model, tokenizer, examples, args, seed, costs, processes)]
+            if args.dynamic_sampling:  # DAPO: groups without a spread set aside, more prompts drawn in their place
+                generated = dynamic_sampling.refill(generated[0], lambda missing, again: generate_and_score(
+                    model, tokenizer, draw(sum(missing)), args, sampling.derived_seed(seed, again), costs, processes,
+                    missing), len(generated[0].examples), args.dynamic_sampling_metric, args.max_generation_rounds,
+                    processes.counts)
+            backends.update(part.rollouts.backend for part in generated if part.examples)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
                 kept, advantages, dropped = pods.select(
-                    reward_matrix, args.update_size, args.rule, normalize=args.advantage_normalization,
-                    scale_rewards=args.scale_rewards, scope=args.selection_scope,
-                    drop_zero_variance=args.drop_zero_variance,
-                    generator=torch.Generator().manual_seed(sampling.derived_seed(seed, first_chunk)))
-            batches.append(update.kept_batch(rollouts, kept, advantages))
-            scored.append(report.ScoredRound.of(rollouts, examples, reward_matrix, per_func,
-                                                update.kept_rows(kept, args.num_rollouts), batches[-1].advantages,
-                                                dropped))
+                    dynamic_sampling.entered_rewards(generated), args.update_size, args.rule,
+                    normalize=args.advantage_normalization, scale_rewards=args.scale_rewards,
+                    scope=args.selection_scope, drop_zero_variance=args.drop_zero_variance,
+                    generator=torch.Generator().manual_seed(sampling.derived_seed(seed, generated[0].first_chunk)))
+            part_batches = dynamic_sampling.kept_batches(generated, kept, advantages)
+            batches.append(dynamic_sampling.join([batch for batch, _ in part_batches], tokenizer.pad_token_id or 0))
+            batch_rounds.append([])
+            for part, (batch, kept_rows) in zip(generated, part_batches):
+                batch_rounds[-1].append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards,
+                                                              part.per_func, kept_rows, batch.advantages, dropped,
+                                                              part.filtered))
+                dropped = 0  # counted once per rollout batch
+            scored += batch_rounds[-1]
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
         result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
-    for scored_round, ratios in zip(scored, result.sampler_ratios or []):  # for the completions log
-        scored_round.sampler_ratios[scored_round.kept_rows] = ratios
+    for rounds_of_batch, ratios in zip(batch_rounds, result.sampler_ratios or []):  # for the completions log
+        for scored_round, part in zip(rounds_of_batch, ratios.split([len(s.kept_rows) for s in rounds_of_batch])):
+            scored_round.sampler_ratios[scored_round.kept_rows] = part
     costs["peak_mem_gib"] = update.peak_memory_gib(args.device)
     scored, result, costs = processes.merged((scored, result, costs))
     metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
+    if args.dynamic_sampling:
+        metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
     # Did the rollouts come from the policy? The update's log-probs against the sampler's (rollout_check.py).
     metrics["sampler/engine"] = float("hf" not in backends)
     fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
@@ -267,6 +299,11 @@ def run(args, run_dir, processes):
     step_s, accuracy, stop = 0.0, None, None
     last_checkpoint_s = state.elapsed_s
 
+    def draw(count):
+        """The next `count` training examples of the seeded prompt order (exact resume: state.position is saved)."""
+        indices, state.position = checkpoint.next_prompt_indices(len(train_set), count, args.seed, state.position)
+        return [train_set[i] for i in indices]
+
     def save():
         nonlocal saved, last_checkpoint_s
         state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
@@ -295,12 +332,8 @@ def run(args, run_dir, processes):
             if stop is not None:
                 break
             step_start = time.perf_counter()
-            rounds = []  # G = --grad-accum-steps prompt lists, from the seeded order (exact resume)
-            for _ in range(args.grad_accum_steps):
-                indices, state.position = checkpoint.next_prompt_indices(len(train_set), args.prompts_per_step,
-                                                                         args.seed, state.position)
-                rounds.append([train_set[i] for i in indices])
-            metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes)
+            rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
+            metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes, draw)
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
             if args.log_completions_interval and state.step % args.log_completions_interval == 0:

@@ -5,6 +5,7 @@ train.py (plus what W processes need, `check_args`), the process group is joined
 `Processes`, which differs from one process at these seams only:
 - load_policy: each rank loads the policy on the CPU and FSDP2 shards it (distributed.shard_model);
 - share: each rank takes P / W prompts of every rollout batch, with the generation seeds one process would use;
+  counts: every rank's count of groups with a spread, from which all decide a --dynamic-sampling refill alike;
 - full_weights: generation runs on weights gathered once (no collective while ranks decode different lengths);
 - total: the loss normaliser and the loss are summed over ranks (FSDP sums gradients), so the update is the
   global batch's, and a non-finite loss on any rank skips the step on every rank;
@@ -39,12 +40,20 @@ class Processes(train.OneProcess):
                                    **config.model_options(args))
         return distributed.shard_model(model, self.ctx, mixed_precision=args.bf16)
 
-    def share(self, examples, rows_per_example, chunk_rows):
+    def share(self, examples, rows_per_example, chunk_rows, sizes=None):
         # Equal shares (every rank runs the same passes, hence the same FSDP collectives). With chunk_rows dividing
         # a rank's rows, every rollout gets the chunk seed and row of the single-process run; otherwise the ranks'
-        # chunk indices still never overlap (independent draws).
-        mine = distributed.rank_slice(examples, self.rank, self.world_size)
-        return mine, self.rank * -(-len(mine) * rows_per_example // chunk_rows)
+        # chunk indices still never overlap (independent draws). sizes: a --dynamic-sampling refill, in which each
+        # rank generates the groups it lacks (generation runs no collective), in rank order.
+        if sizes is None:
+            mine = distributed.rank_slice(examples, self.rank, self.world_size)
+            return mine, self.rank * -(-len(mine) * rows_per_example // chunk_rows)
+        start = sum(sizes[:self.rank])
+        return examples[start:start + sizes[self.rank]], sum(-(-size * rows_per_example // chunk_rows)
+                                                             for size in sizes[:self.rank])
+
+    def counts(self, value):
+        return distributed.all_gather(value)
 
     def eval_share(self, examples, chunk_prompts):
         # Whole chunks per rank, chunks small enough that every rank gets one; eval.py seeds chunk c with seed + c,

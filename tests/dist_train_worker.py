@@ -4,7 +4,8 @@ test_distributed.py, which runs the same argv in one process as the reference.
 
     python tests/dist_train_worker.py OUT_DIR MODEL_DIR
 
-Attempt 0: runs "full" (full parameter, 2 steps), "lora" (3 steps) and "killed" (the same as "lora"; rank 1
+Attempt 0: runs "full" (full parameter, 2 steps), "lora" (3 steps), "dynamic" (as "lora" with --dynamic-sampling and
+a reward without a spread for every third answer: the ranks refill unevenly) and "killed" (the same as "lora"; rank 1
 SIGKILLs itself when step 3 starts, after the step-2 checkpoint). The launcher restarts both ranks; attempt 1:
 "killed" again with the same argv, which resumes from its latest checkpoint (restart count > 0), then "preempted"
 (as "lora"; rank 1 alone gets SIGTERM in step 2: both ranks stop after it with a checkpoint), then "fail", where
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from multigpu import distributed, run  # noqa: E402
 import rewards  # noqa: E402
-from run_helpers import fake_compute_rewards  # noqa: E402
+from run_helpers import every_third_constant, fake_compute_rewards  # noqa: E402
 import train  # noqa: E402
 
 CURRENT = {}  # the run this rank is in
@@ -41,11 +42,18 @@ def run_argv(model_dir, out_dir, name):
             "1e-3" if name == "full" else "1e-2", "--eval-samples", "2", "--eval-interval", "2",
             "--eval-temperature", "0", "--checkpoint-interval-s", "0" if name == "killed" else "3600",
             "--no-progress", "--num-threads", "1",
-            "--device", "cpu", "--dist-timeout-s", "60", "--output-dir", str(Path(out_dir) / name), *lora]
+            "--device", "cpu", "--dist-timeout-s", "60", "--output-dir", str(Path(out_dir) / name), *lora,
+            *(["--dynamic-sampling", "--log-completions-interval", "1"] if name == "dynamic" else [])]
+
+
+def worker_rewards(prompts, completions, answers, **kwargs):
+    """The run's reward: every_third_constant for "dynamic", fake_compute_rewards otherwise."""
+    reward = every_third_constant if CURRENT.get("name") == "dynamic" else fake_compute_rewards
+    return reward(prompts, completions, answers, **kwargs)
 
 
 def faulty_step(real_step):
-    def step(model, tokenizer, optimizer, rounds, args, step, processes):
+    def step(model, tokenizer, optimizer, rounds, args, step, processes, *rest):
         attempt = distributed.restart_count()
         if processes.rank == 1 and CURRENT["name"] == "killed" and step == 3 and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run; the launcher ends rank 0 and restarts both
@@ -54,12 +62,13 @@ def faulty_step(real_step):
         if processes.rank == 1 and CURRENT["name"] == "fail":
             (Path(CURRENT["out"]) / "raised_at.txt").write_text(repr(time.time()))
             raise RuntimeError("boom on purpose")
-        return real_step(model, tokenizer, optimizer, rounds, args, step, processes)
+        return real_step(model, tokenizer, optimizer, rounds, args, step, processes, *rest)
     return step
 
 
 def scenario(out, model_dir):
-    names = ("full", "lora", "killed") if distributed.restart_count() == 0 else ("killed", "preempted", "fail")
+    names = ("full", "lora", "dynamic", "killed") if distributed.restart_count() == 0 else ("killed", "preempted",
+                                                                                           "fail")
     for name in names:
         CURRENT.update(name=name, out=out)
         try:
@@ -81,7 +90,7 @@ def launch(out, model_dir):
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     torch.set_num_threads(1)
-    rewards.compute_rewards = fake_compute_rewards
+    rewards.compute_rewards = worker_rewards
     train.train_step = faulty_step(train.train_step)
     import peft  # noqa: F401 (the imports a rank needs, done once before forking)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=str(uuid.uuid4()), rdzv_backend="c10d",

@@ -20,6 +20,14 @@ def fake_compute_rewards(prompts, completions, answers, **kwargs):
     return rewards.RewardResult(total=values, per_func={"char_sum": values})
 
 
+def every_third_constant(prompts, completions, answers, **kwargs):
+    """fake_compute_rewards, but every rollout of a prompt whose answer is a multiple of 3 gets 0.5: a group without a
+    spread, which --dynamic-sampling sets aside (arithmetic answers are integers)."""
+    result = fake_compute_rewards(prompts, completions, answers)
+    total = torch.where(torch.tensor([int(a) % 3 == 0 for a in answers], dtype=torch.bool), 0.5, result.total)
+    return rewards.RewardResult(total=total, per_func={"char_sum": total})
+
+
 def tiny_argv(model_dir, out_dir, *extra):
     """A 2-step PODS 4/2 run of the tiny model on 2 prompts per step, a checkpoint after every step."""
     return ["--model", str(model_dir), "--dataset", "arithmetic", "--num-train-rows", "64", "--num-rollouts", "4",

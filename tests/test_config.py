@@ -106,7 +106,7 @@ def test_every_label_flag_that_differs_from_the_preset_is_in_the_label(name):  #
     paper = config.preset_defaults("demo")
     changed = {"loss_aggregation": "token", "scale_rewards": "none", "selection_scope": "batch", "clip_eps_high": 0.28,
                "mask_truncated": True, "drop_zero_variance": True, "advantage_normalization": "group",
-               "clip_eps": 0.3, "kl_coef": 0.05,
+               "clip_eps": 0.3, "kl_coef": 0.05, "dynamic_sampling": True,
                "reward_weights": dict(paper["reward_weights"], format=0.1)}
     args = argparse.Namespace(**dict(paper, **{name: changed[name]}))
     words = config.LABEL_FLAGS[name](changed[name], args)
@@ -172,6 +172,17 @@ def test_variant_flags_reach_the_update_settings_and_the_label():
                                          "truncated masked, zero-variance dropped")
     same_clip = config.parse_args(["--clip-eps-high", "0.2"])  # = --clip-eps: the paper's objective, same label
     assert config.method_label(same_clip) == config.method_label(paper) == "PODS max_variance 16/4"
+
+
+def test_dynamic_sampling_flags_default_off_and_name_the_method():
+    paper = config.parse_args([])
+    assert (paper.dynamic_sampling, paper.dynamic_sampling_metric, paper.max_generation_rounds) == (False, "total", 10)
+    args = config.parse_args(["--dynamic-sampling", "--dynamic-sampling-metric", "accuracy",
+                              "--max-generation-rounds", "3"])
+    assert (args.dynamic_sampling, args.dynamic_sampling_metric, args.max_generation_rounds) == (True, "accuracy", 3)
+    assert config.method_label(args) == "PODS max_variance 16/4 + dynamic sampling (accuracy)"
+    with pytest.raises(ValueError, match="--max-generation-rounds must be >= 1, got 0"):
+        config.parse_args(["--dynamic-sampling", "--max-generation-rounds", "0"])
 
 
 @pytest.mark.parametrize("sink", ["tensorboard", "wandb"])

@@ -25,7 +25,7 @@ from multigpu import distributed, run, sharded_checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_train_worker  # noqa: E402
 import dist_worker  # noqa: E402
-from run_helpers import ROOT, TIMING, fake_compute_rewards  # noqa: E402
+from run_helpers import ROOT, TIMING, every_third_constant, fake_compute_rewards  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -64,6 +64,8 @@ def train_runs(tmp_path_factory, smollm2_tokenizer):
         patch.setattr(rewards, "compute_rewards", fake_compute_rewards)
         for name in ("full", "lora"):
             train.main(dist_train_worker.run_argv(model_dir, one, name))
+        patch.setattr(rewards, "compute_rewards", every_third_constant)
+        train.main(dist_train_worker.run_argv(model_dir, one, "dynamic"))
     next(runner, None)
     ended_at = time.time()
     output = (two / "launcher.log").read_text()
@@ -111,6 +113,30 @@ def test_train_py_on_two_processes_logs_and_trains_what_one_process_does(train_r
     initial = models.tiny_random_model("llama").state_dict()
     moved = max(float((weights_one[k] - initial[k]).abs().max()) for k in weights_one)
     assert moved > 1e-4  # training changed the weights the comparison covers
+    for key, value in weights_one.items():
+        torch.testing.assert_close(weights_two[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_dynamic_sampling_on_two_processes_refills_and_trains_what_one_process_does(train_runs):
+    """--dynamic-sampling with one prompt per rank: each rank refills the groups it lacks (sometimes one rank alone),
+    every rank agrees on the rounds, and the metrics, the completions log of every step (filtered groups marked) and
+    the weights equal the one-process run's."""
+    two, one = metric_lines(train_runs["two"] / "dynamic"), metric_lines(train_runs["one"] / "dynamic")
+    assert [(line["type"], line["step"]) for line in two] == [(line["type"], line["step"]) for line in one]
+    for line_two, line_one in zip(two, one):
+        assert line_two.keys() == line_one.keys()
+        for key, value in line_one.items():
+            assert line_two[key] == (pytest.approx(value, rel=1e-4, abs=1e-6) if isinstance(value, float) else value)
+    steps = [line for line in one if line["type"] == "train"]
+    assert any(line["dynamic_sampling/generation_rounds"] > 1 for line in steps)  # refills happened
+    assert all(line["dynamic_sampling/groups_missing"] == 0 and line["update_rows"] == 2 * 2 for line in steps)
+    prompts_per_step = []
+    for step in range(1, 4):
+        logged = report.read_completions(train_runs["two"] / "dynamic", step)
+        assert logged == report.read_completions(train_runs["one"] / "dynamic", step)
+        prompts_per_step.append(sum(row["type"] == "prompt" for row in logged[1]))
+    assert any(count % 2 for count in prompts_per_step)  # a refill that one rank alone needed (the other: no prompt)
+    weights_two, weights_one = (final_weights(train_runs[count] / "dynamic", 3) for count in ("two", "one"))
     for key, value in weights_one.items():
         torch.testing.assert_close(weights_two[key], value, rtol=1e-4, atol=1e-6, msg=key)
 

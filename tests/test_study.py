@@ -65,7 +65,8 @@ def test_run_study_trains_compares_and_resumes(tmp_path):
 # Flags whose value cannot change the recorded tables (or cannot be given on the command line: store_true
 # flags that are off; --backend unset, the engine with its fallback), so the study leaves them to their defaults.
 UNPINNED_OK = {"baseline", "load_in_4bit", "generation_copy", "prefill_think", "data_dir", "keep_checkpoints", "resume",
-               "dist_timeout_s", "log_completions_interval", "print_config", "backend"}
+               "dist_timeout_s", "log_completions_interval", "print_config", "backend", "dynamic_sampling_metric",
+               "max_generation_rounds"}
 
 
 def test_every_setting_of_the_recorded_tables_is_pinned():

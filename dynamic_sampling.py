@@ -1,0 +1,162 @@
+"""Prompt filtering beside PODS's down-sampling: DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An Open-Source LLM
+Reinforcement Learning System at Scale", §3.2), which the PODS paper places beside its own method: filtering selects
+prompts, down-sampling selects rollouts within a prompt, and the two combine.
+
+A group (one prompt's n rollouts) whose rewards are all equal has a zero advantage under every subset, so it adds no
+policy gradient; late in training, when most prompts are solved, a step may hold few groups with a spread, or none.
+With `--dynamic-sampling` a training step scores a generation round, sets such groups aside, draws as many more
+prompts as groups are missing from the seeded prompt order and generates again, until the rollout batch holds
+--prompts-per-step groups with a spread or --max-generation-rounds rounds were generated; it then trains on what it
+has. The rule keeps m rollouts of each group that entered: pods.select runs once over all of them, so
+--selection-scope batch and --scale-rewards batch see exactly the groups that entered.
+
+- `Generated`: one generation round (its prompts, rollouts, rewards, and which groups were set aside).
+- `without_spread`: the groups whose metric is equal for all n rollouts (the weighted total by default, or accuracy).
+- `refill`: the generation rounds of one rollout batch; with several processes each refills its own share and every
+  process decides from every process's count (train.OneProcess.counts), so all agree on the rounds.
+- `entered_rewards` / `kept_batches` / `join`: what the selection sees, its result mapped back onto each round's rows,
+  and those rows as one update batch.
+- `step_metrics`: groups generated, fraction set aside, generation rounds, groups missing.
+
+Simplifications: a refill draws only the missing number of prompts (verl generates whole batches and drops the
+surplus with a spread), and a step whose rounds ran out trains on fewer groups (verl stops with an error); with
+several processes, then on as many per process as the one with the fewest holds (`even_out`).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+import pods
+import sampling
+import update
+
+METRICS = ("total", "accuracy")  # --dynamic-sampling-metric
+
+
+@dataclass
+class Generated:
+    """One generation round of a rollout batch: P prompts x n rollouts, scored."""
+    examples: list                  # [P] data.Example
+    rollouts: sampling.Rollouts
+    rewards: torch.Tensor           # [P, n] weighted total
+    per_func: dict                  # reward function -> [P*n] (NaN: not applicable)
+    first_chunk: int                # this process's first generation chunk (its rollouts' seeds)
+    filtered: torch.Tensor = None   # [P] bool: set aside by `refill` (no spread); None: none
+
+    def __post_init__(self):
+        if self.filtered is None:
+            self.filtered = torch.zeros(self.rewards.shape[0], dtype=torch.bool)
+
+
+def without_spread(rewards, per_func, metric="total"):
+    """Bool [P]: the groups whose `metric` is the same for all n rollouts (rewards: [P, n] weighted totals; per_func:
+    name -> [P*n]). "total": exactly the groups with zero advantages under any subset; "accuracy" (DAPO's): also the
+    groups whose rollouts differ in format only. A NaN accuracy (not applicable) counts as 0, as in the total."""
+    if metric not in METRICS:
+        raise ValueError(f"dynamic sampling metric must be one of {METRICS}, got {metric!r}")
+    values = rewards
+    if metric == "accuracy":
+        if "accuracy" not in per_func:
+            raise ValueError("--dynamic-sampling-metric accuracy needs the accuracy reward function")
+        values = torch.nan_to_num(per_func["accuracy"].float(), nan=0.0).view(rewards.shape)
+    return pods.zero_variance_prompts(values)
+
+
+def entered(rounds):
+    """The number of groups with a spread in `rounds`."""
+    return sum(int((~part.filtered).sum()) for part in rounds)
+
+
+def refill(first, generate, wanted, metric="total", max_rounds=1, counts=lambda value: [value]):
+    """The generation rounds of one rollout batch: `first`, then `generate(missing, index)` while some process holds
+    fewer than `wanted` groups with a spread and fewer than `max_rounds` rounds were generated. missing: the groups
+    each process lacks, in process order (one process: [P - groups with a spread]); round `index` (1, 2, ...) draws
+    sum(missing) prompts from the prompt order and this process generates and scores its missing ones. counts(value):
+    every process's value (one process: [value]). Each round's `filtered` marks its groups without a spread; when the
+    rounds run out, `even_out` leaves every process as many groups as the one with the fewest."""
+    rounds = [first]
+    first.filtered = without_spread(first.rewards, first.per_func, metric)
+    while True:
+        have = counts(entered(rounds))  # every process decides alike from every process's count
+        missing = [max(wanted - count, 0) for count in have]
+        if not any(missing) or len(rounds) >= max_rounds:
+            break
+        part = generate(missing, len(rounds))
+        part.filtered = without_spread(part.rewards, part.per_func, metric)
+        rounds.append(part)
+    even_out(rounds, min(have))
+    return rounds
+
+
+def even_out(rounds, limit):
+    """Set aside the groups with a spread after the first `limit` (in draw order): several processes must train on
+    as many rows each (their updates run the same collectives); one process: limit = what it has, nothing changes."""
+    for part in rounds:
+        groups = (~part.filtered).nonzero().squeeze(1)
+        part.filtered[groups[limit:]] = True
+        limit = max(limit - len(groups), 0)
+
+
+def no_rollouts():
+    """The sampling.Rollouts of no prompt: a process's share of a refill that only other processes needed."""
+    empty = torch.zeros(0, 0, dtype=torch.long)
+    return sampling.Rollouts(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.long))
+
+
+def entered_rewards(rounds):
+    """[P', n]: the rewards of the groups that entered, in draw order: what the selection rule sees."""
+    return torch.cat([part.rewards[~part.filtered] for part in rounds])
+
+
+def kept_batches(rounds, kept, advantages):
+    """pods.select's (kept, advantages) over `entered_rewards(rounds)` mapped back onto each round: [(its
+    update.UpdateBatch, its kept rows in sampling.Rollouts order)]. A round none of whose groups entered gives an
+    empty batch; with one round and nothing set aside this is update.kept_batch(rollouts, kept, advantages)."""
+    batches, start = [], 0
+    for part in rounds:
+        groups = (~part.filtered).nonzero().squeeze(1)
+        n = part.rewards.shape[1]
+        part_kept, part_advantages = kept[start:start + len(groups)], advantages[start:start + len(groups)]
+        start += len(groups)
+        rows = update.kept_rows(part_kept, n)  # rows of the entered groups only: group g is groups[g] here
+        rows = groups[rows // n] * n + rows % n
+        if part_kept.dtype == torch.bool:
+            part_advantages = part_advantages[part_kept]
+        batches.append((update.kept_batch(part.rollouts, rows, part_advantages.flatten()), rows))
+    return batches
+
+
+def join(batches, pad_id):
+    """One update.UpdateBatch of a rollout batch's rounds (prompts padded on the left, completions on the right, as
+    generated): every process then runs as many micro-batches as the others."""
+    if len(batches) == 1:
+        return batches[0]
+    prompt_width = max(batch.prompt_ids.shape[1] for batch in batches)
+    completion_width = max(batch.completion_ids.shape[1] for batch in batches)
+
+    def padded(tensors, width, value, left):
+        return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
+                                                  value=value) for t in tensors])
+
+    # The sampler's log-probs (checked every step): a round without rows may lack them (another process's refill).
+    sampler = [b.sampler_logprobs if b.sampler_logprobs is not None or len(b.advantages) else
+               torch.zeros(0, completion_width) for b in batches]
+    return update.UpdateBatch(padded([b.prompt_ids for b in batches], prompt_width, pad_id, True),
+                              padded([b.prompt_mask for b in batches], prompt_width, 0, True),
+                              padded([b.completion_ids for b in batches], completion_width, pad_id, False),
+                              padded([b.completion_mask for b in batches], completion_width, 0, False),
+                              torch.cat([b.advantages for b in batches]), torch.cat([b.truncated for b in batches]),
+                              sampler_logprobs=None if any(s is None for s in sampler) else
+                              padded(sampler, completion_width, 0.0, False))
+
+
+def step_metrics(scored, wanted):
+    """A step's counters from its report.ScoredRounds (every generation round of every rollout batch); wanted:
+    --prompts-per-step x --grad-accum-steps groups."""
+    generated = sum(len(part.filtered) for part in scored)
+    filtered = sum(int(part.filtered.sum()) for part in scored)
+    return {"dynamic_sampling/groups_generated": generated, "dynamic_sampling/frac_filtered": filtered / generated,
+            "dynamic_sampling/generation_rounds": len(scored),
+            "dynamic_sampling/groups_missing": wanted - (generated - filtered)}
