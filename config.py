@@ -1,9 +1,7 @@
-"""What a training run is: presets (the paper's settings (a)-(f) and the CPU demo), their GRPO baselines, the
-command-line flags grouped by concern, and every check that can be made before a model or a dataset is loaded.
+"""What a training run is: the command-line flags grouped by concern over a preset (presets.py: the paper's
+settings (a)-(f) and the CPU demo, and their GRPO baselines), and every check that can be made before a model or a
+dataset is loaded.
 
-Paper Appendix, hyper-parameter table, plus the authors' released single-GPU config (YixuanEvenXu/pods,
-config/train.yaml: 1 prompt per step, temperature 0.9, AdamW betas 0.9/0.99, checkpoints every 1800 s).
-Settings (e), (f) are the table's multi-GPU full-parameter runs (torchrun -m multigpu).
 Precedence: flags > the resumed run's config.json > --baseline > the preset (`parse_args`).
 
 Simplification: the learning rate is constant (as in the authors' single-GPU config; their multi-GPU recipe
@@ -32,43 +30,8 @@ import rewards
 import runfolder
 import sampling
 import update
+from presets import BASELINES, PRESETS
 
-PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(models.DEFAULT_LORA_TARGETS),
-                    weight_decay=0.1, max_grad_norm=1.0, max_prompt_tokens=512, max_completion_tokens=512,
-                    bf16=True, gradient_checkpointing=True, optimizer="adamw", rule="max_variance",
-                    prompts_per_step=1, temperature=0.9, kl_coef=0.0, one_shot=False,
-                    checkpoint_interval_s=1800.0, max_time_s=6 * 3600.0, eval_interval=50, eval_samples=200,
-                    eval_temperature=0.9, rollout_batch_size=64, micro_batch_size=4)
-# Demo: a short system prompt (prompt tokens dominate CPU time) that spells out the format (base model:
-# 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step).
-DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"
-PRESETS = {
-    "demo": dict(model=models.SMOLLM2_ALIAS, dataset="arithmetic", one_shot=True, num_rollouts=16,
-                 update_size=4, rule="max_variance", prompts_per_step=4, learning_rate=5e-4, lora_rank=16,
-                 lora_alpha=32, system_prompt=DEMO_SYSTEM_PROMPT, temperature=1.0, max_prompt_tokens=256,
-                 max_completion_tokens=32, rollout_batch_size=64, micro_batch_size=16, eval_samples=100,
-                 eval_interval=5, eval_temperature=0.9, max_time_s=600.0, checkpoint_interval_s=120.0),
-    "a": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", num_rollouts=64, update_size=16,
-              learning_rate=5e-6),
-    "b": dict(PAPER_COMMON, model="meta-llama/Llama-3.2-3B-Instruct", dataset="gsm8k", num_rollouts=64,
-              update_size=16, learning_rate=2e-6, kl_coef=0.04),
-    "c": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="math", num_rollouts=32, update_size=8,
-              learning_rate=5e-6),
-    "d": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="chemistry", num_rollouts=64,
-              update_size=16, learning_rate=5e-6),
-    # (e), (f): full parameter on 8 GPUs, 4 GA steps of rollout batch 128 -> update batch 32 (effective n = 512,
-    # m = 128), 512 prompt + 1536 completion tokens (the authors generated at most 1024). One prompt per GPU and
-    # rollout batch, so a prompt's selection needs no communication (the authors: 4 prompts per GA step).
-    "e": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", lora_rank=0, learning_rate=2e-5,
-              num_rollouts=128, update_size=32, grad_accum_steps=4, prompts_per_step=8, max_completion_tokens=1536),
-}
-PRESETS["f"] = dict(PRESETS["e"], model="Qwen/Qwen2.5-7B-Instruct", learning_rate=1.5e-5)
-# --baseline: the matching GRPO run, n = m (rule none), as in the paper's comparisons: (a) 16/16, (b) 8/8, (c) 16/16,
-# (d) 16/16; (e), (f): GRPO-GA, 16 GA steps of 32/32, the same effective n = 512 as PODS. (The authors'
-# scripts/plot.py also has GRPO 16/16 runs for (b) and 8/8 for (c): pass -n/-m.)
-BASELINES = {preset: dict(num_rollouts=n, update_size=n) for preset, n in
-             {"demo": 4, "a": 16, "b": 8, "c": 16, "d": 16}.items()}
-BASELINES.update({preset: dict(num_rollouts=32, update_size=32, grad_accum_steps=16) for preset in "ef"})
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
 LOSS_FLAGS = [option for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["help"]]
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
