@@ -240,8 +240,8 @@ def run_settings(args, checkpoints):
 def show_rollouts(argv):
     """`python eval.py rollouts RUN`: print the completions log of a training step (one prompt's n rollouts sorted
     by reward, the kept ones marked with their advantages) or of an evaluation; returns the printed lines."""
+    import completions
     import config
-    import report
 
     parser = config.OneLineParser(prog="eval.py rollouts", description="Show a run's logged rollouts: one prompt's "
                                   "n rollouts sorted by reward, the kept ones marked with their advantages.")
@@ -251,9 +251,10 @@ def show_rollouts(argv):
     parser.add_argument("--eval", action="store_true", help="the evaluation's logged completions instead")
     parser.add_argument("--width", type=int, default=100, help="characters of each completion shown")
     args = parser.parse_args(argv)
-    step, rows = report.read_completions(args.run, args.step, "eval_step" if args.eval else "step")
+    step, rows = completions.read_completions(args.run, args.step, "eval_step" if args.eval else "step")
     lines = [f"{args.run}: {'evaluation at ' if args.eval else ''}step {step}"]
-    lines += report.eval_table(rows, args.width) if args.eval else report.rollout_table(rows, args.prompt, args.width)
+    lines += completions.eval_table(rows, args.width) if args.eval else \
+        completions.rollout_table(rows, args.prompt, args.width)
     print("\n".join(lines))
     return lines
 

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
+import completions
 import config
 import data
 import dynamic_sampling
@@ -250,7 +251,7 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes):
     if processes.is_main:
         tqdm.write(report.eval_line(state.step, result))  # above the progress bar
     if args.log_completions_interval:
-        write(report.eval_completions_record(state.step, samples[:report.EVAL_COMPLETIONS_LOGGED]))
+        write(completions.eval_completions_record(state.step, samples[:completions.EVAL_COMPLETIONS_LOGGED]))
     state.evaluated_step = state.step
     write({"type": "eval", "step": state.step, "elapsed_s": state.elapsed_s, "eval/accuracy": result.accuracy,
            "eval/format_accuracy": result.format_accuracy, "eval/both_accuracy": result.both_accuracy,
@@ -337,7 +338,7 @@ def run(args, run_dir, processes):
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
             if args.log_completions_interval and state.step % args.log_completions_interval == 0:
-                write(report.completions_record(state.step, scored))  # what PODS kept, and with what advantage
+                write(completions.completions_record(state.step, scored))  # what PODS kept, and with what advantage
             if state.nonfinite_streak >= NONFINITE_STOP:
                 raise update.TrainingError(
                     f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "

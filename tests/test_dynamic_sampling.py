@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
+import completions
 import config
 import data
 import dynamic_sampling
 import eval as eval_module
 import models
 import pods
-import report
 import rewards
 import sampling
 import train
@@ -270,7 +270,7 @@ def test_a_run_logs_the_refills_and_marks_the_filtered_groups(dynamic_run):
     steps = read_lines(dynamic_run, "train")
     filtered_in_all = []
     for line in steps:
-        _, rows = report.read_completions(dynamic_run, line["step"])
+        _, rows = completions.read_completions(dynamic_run, line["step"])
         prompts = [row for row in rows if row["type"] == "prompt"]
         kept = {row["prompt_id"] for row in rows if row["type"] == "rollout" and row["kept"]}
         filtered = [row for row in prompts if row["filtered"]]
@@ -322,5 +322,5 @@ def test_a_crash_mid_step_after_a_refill_then_resume_equals_the_uninterrupted_ru
                 for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     assert comparable(run_dir) == comparable(dynamic_run)
-    logs = [{p.name: p.read_text() for p in (run / report.COMPLETIONS_DIR).iterdir()} for run in (run_dir, dynamic_run)]
+    logs = [{p.name: p.read_text() for p in (run / completions.COMPLETIONS_DIR).iterdir()} for run in (run_dir, dynamic_run)]
     assert logs[0] == logs[1] and len(logs[0]) == 4

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import completions
 import eval as eval_module
 import rewards
 from sampling import GenerationSettings
@@ -246,14 +247,13 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, argv, message):
 def test_preset_evaluates_a_base_model_exactly_as_the_run_evaluates_its_policy(tiny_model_dir, tmp_path, monkeypatch):
     """A base model under --preset demo gets the very completions the demo run's step-0 evaluation got (its LoRA
     adapter starts at zero): the same prompts (one-shot, the demo's system prompt), sample, temperature, lengths."""
-    import report
     import train
     from run_helpers import fake_compute_rewards, read_lines, tiny_argv
 
     monkeypatch.setattr(rewards, "compute_rewards", fake_compute_rewards)
     run_dir = train.main(tiny_argv(tiny_model_dir, tmp_path / "run", "--max-steps", "1", "--eval-samples", "3"))
     step0 = read_lines(run_dir, "eval")[0]
-    logged = report.read_completions(run_dir, 0, "eval_step")[1]
+    logged = completions.read_completions(run_dir, 0, "eval_step")[1]
     real, samples = eval_module.evaluate_repeats, []
     monkeypatch.setattr(eval_module, "evaluate_repeats",
                         lambda *args, **kwargs: real(*args, **dict(kwargs, samples_out=samples)))

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import completions
 import config
 import models
-import report
 import rewards
 import train
 from multigpu import distributed, run, sharded_checkpoint
@@ -101,8 +101,8 @@ def test_train_py_on_two_processes_logs_and_trains_what_one_process_does(train_r
         for key, value in line_one.items():  # the same rollouts, rewards and selection; the loss up to rounding
             assert line_two[key] == (pytest.approx(value, rel=1e-4, abs=1e-6) if isinstance(value, float) else value)
     assert any(line["type"] == "eval" and line["eval/num_samples"] == 2 for line in two)
-    step_two, rows_two = report.read_completions(train_runs["two"] / name)  # rank 0 logs every rank's rollouts
-    step_one, rows_one = report.read_completions(train_runs["one"] / name)
+    step_two, rows_two = completions.read_completions(train_runs["two"] / name)  # rank 0 logs every rank's rollouts
+    step_one, rows_one = completions.read_completions(train_runs["one"] / name)
     ratios_two, ratios_one = ([row.pop("sampler_ratio", None) for row in rows] for rows in (rows_two, rows_one))
     assert (step_two, rows_two) == (step_one, rows_one) and len(rows_two) == 2 + 2 * 4
     assert [None if r is None else round(r, 4) for r in ratios_two] == \
@@ -132,8 +132,8 @@ def test_dynamic_sampling_on_two_processes_refills_and_trains_what_one_process_d
     assert all(line["dynamic_sampling/groups_missing"] == 0 and line["update_rows"] == 2 * 2 for line in steps)
     prompts_per_step = []
     for step in range(1, 4):
-        logged = report.read_completions(train_runs["two"] / "dynamic", step)
-        assert logged == report.read_completions(train_runs["one"] / "dynamic", step)
+        logged = completions.read_completions(train_runs["two"] / "dynamic", step)
+        assert logged == completions.read_completions(train_runs["one"] / "dynamic", step)
         prompts_per_step.append(sum(row["type"] == "prompt" for row in logged[1]))
     assert any(count % 2 for count in prompts_per_step)  # a refill that one rank alone needed (the other: no prompt)
     weights_two, weights_one = (final_weights(train_runs[count] / "dynamic", 3) for count in ("two", "one"))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import checkpoint
+import completions
 import data
 import report
 import sampling
@@ -96,7 +97,7 @@ def scored_round():
 
 
 def test_completions_rows_hold_every_rollout_and_what_was_kept():
-    record = report.completions_record(5, [scored_round(), scored_round()])
+    record = completions.completions_record(5, [scored_round(), scored_round()])
     rows = record["rows"]
     assert record["name"] == "step_000005" and [r["prompt_id"] for r in rows if r["type"] == "prompt"] == [0, 1, 2, 3]
     rollouts = [r for r in rows if r["type"] == "rollout"]
@@ -111,8 +112,8 @@ def test_completions_rows_hold_every_rollout_and_what_was_kept():
 
 
 def test_the_viewer_sorts_by_reward_and_marks_the_kept_rollouts():
-    rows = report.completions_record(5, [scored_round()])["rows"]
-    lines = report.rollout_table(rows, 1)
+    rows = completions.completions_record(5, [scored_round()])["rows"]
+    lines = completions.rollout_table(rows, 1)
     assert lines[0].startswith("prompt 1 (answer '8')") and "4 rollouts, 2 kept" in lines[1]
     body = lines[3:]
     assert [line.split()[0] for line in body] == ["3.00", "1.00", "1.00", "0.00"]  # best first
@@ -120,28 +121,28 @@ def test_the_viewer_sorts_by_reward_and_marks_the_kept_rollouts():
     assert "*" not in body[1] + body[2] and "8+" in body[3]  # truncated rows' lengths carry a +
     assert "completion 4\\nline 2" in body[0]  # one line per rollout
     with pytest.raises(ValueError, match="no prompt 2; this step has prompts 0-1"):
-        report.rollout_table(rows, 2)
+        completions.rollout_table(rows, 2)
 
 
 def test_completion_files_of_steps_after_the_checkpoint_go_at_resume(tmp_path):
     with report.open_metrics(tmp_path) as (_, write):
         for step in (2, 4, 6):
-            write(report.completions_record(step, [scored_round()]))
-        write(report.eval_completions_record(4, [{"prompt": "Q", "answer": "1", "completion": "1", "correct": True,
+            write(completions.completions_record(step, [scored_round()]))
+        write(completions.eval_completions_record(4, [{"prompt": "Q", "answer": "1", "completion": "1", "correct": True,
                                                   "formatted": False}]))
         write(LINES[1])
-    assert report.read_completions(tmp_path)[0] == 6 and len(report.read_completions(tmp_path, 2)[1]) == 10
-    assert report.read_completions(tmp_path, name="eval_step")[1][0]["correct"] is True
+    assert completions.read_completions(tmp_path)[0] == 6 and len(completions.read_completions(tmp_path, 2)[1]) == 10
+    assert completions.read_completions(tmp_path, name="eval_step")[1][0]["correct"] is True
     metrics = (tmp_path / checkpoint.METRICS_FILE).read_text()
     assert metrics.splitlines() == [json.dumps(LINES[1])]  # completions never go to metrics.jsonl
-    (tmp_path / report.COMPLETIONS_DIR / "notes_step_9.txt").write_text("a user's file stays")
-    (tmp_path / report.COMPLETIONS_DIR / f"{checkpoint.TMP_PREFIX}1_step_000006.jsonl").write_text('{"half')  # killed
+    (tmp_path / completions.COMPLETIONS_DIR / "notes_step_9.txt").write_text("a user's file stays")
+    (tmp_path / completions.COMPLETIONS_DIR / f"{checkpoint.TMP_PREFIX}1_step_000006.jsonl").write_text('{"half')  # killed
     with report.open_metrics(tmp_path, keep_bytes=len(metrics), first_step=5):  # resumed from step 4's checkpoint
         pass
-    assert sorted(p.name for p in (tmp_path / report.COMPLETIONS_DIR).iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / completions.COMPLETIONS_DIR).iterdir()) == [
         "eval_step_000004.jsonl", "notes_step_9.txt", "step_000002.jsonl", "step_000004.jsonl"]
     with pytest.raises(ValueError, match="no step completions at step 6; logged steps: 2, 4"):
-        report.read_completions(tmp_path, 6)
+        completions.read_completions(tmp_path, 6)
 
 
 def test_tensorboard_text_and_wandb_table_of_the_completions(tmp_path, monkeypatch):
@@ -149,7 +150,7 @@ def test_tensorboard_text_and_wandb_table_of_the_completions(tmp_path, monkeypat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with report.open_metrics(tmp_path, "tensorboard") as (_, write):
-        write(report.completions_record(3, [scored_round()]))
+        write(completions.completions_record(3, [scored_round()]))
     events = EventAccumulator(str(tmp_path / report.TENSORBOARD_DIR), size_guidance={"tensors": 0})
     events.Reload()
     [text] = events.Tensors("step/text_summary")
@@ -163,7 +164,7 @@ def test_tensorboard_text_and_wandb_table_of_the_completions(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "wandb", fake)
     (tmp_path / "w").mkdir()
     with report.open_metrics(tmp_path / "w", "wandb") as (_, write):
-        write(report.completions_record(3, [scored_round()]))
+        write(completions.completions_record(3, [scored_round()]))
     columns, table_rows = tables[0]
     assert "kept" in columns and "advantage" in columns and len(table_rows) == 8 and tables[1] == (3, {"step": "table"})
 

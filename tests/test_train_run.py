@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
+import completions
 import config
 import eval as eval_module
 import grpo_loss
 import models
-import report
 import rewards
 import sampling
 import train
@@ -66,10 +66,10 @@ def test_the_completions_log_holds_every_rollout_and_what_the_loss_trained_on(me
     run_dir = train.main(tiny_argv(tiny_model_dir, tmp_path / "run", "--log-completions-interval", "2", *extra))
     last = max(i for i, item in enumerate(seen) if isinstance(item, update.UpdateBatch))
     rollouts, batch = seen[last - 1], seen[last]  # step 2's (evaluations generate rollouts too)
-    step, rows = report.read_completions(run_dir)
+    step, rows = completions.read_completions(run_dir)
     assert step == 2
     with pytest.raises(ValueError, match="logged steps: 2"):
-        report.read_completions(run_dir, 1)  # interval 2: step 1 is not logged
+        completions.read_completions(run_dir, 1)  # interval 2: step 1 is not logged
     prompts = [row for row in rows if row["type"] == "prompt"]
     logged = [row for row in rows if row["type"] == "rollout"]
     n, m = 4, 4 if method == "grpo" else 2
@@ -84,9 +84,9 @@ def test_the_completions_log_holds_every_rollout_and_what_the_loss_trained_on(me
     assert [row["reward"] for row in logged] == pytest.approx(expected.tolist())
     lines = eval_module.main(["rollouts", str(run_dir), "--prompt", "1"])
     assert sum("   *  " in line for line in lines) == m and len(lines) == 4 + n
-    evaluations = sorted(p.name for p in (run_dir / report.COMPLETIONS_DIR).glob("eval_*"))
+    evaluations = sorted(p.name for p in (run_dir / completions.COMPLETIONS_DIR).glob("eval_*"))
     assert evaluations == ["eval_step_000000.jsonl", "eval_step_000002.jsonl"]
-    assert len(report.read_completions(run_dir, 2, "eval_step")[1]) == 2  # --eval-samples 2
+    assert len(completions.read_completions(run_dir, 2, "eval_step")[1]) == 2  # --eval-samples 2
 
 
 def test_run_with_every_variant_flag_logs_the_new_counters(tiny_model_dir, tmp_path):
@@ -241,7 +241,7 @@ def assert_resumed_run_equals(run_dir, full_dir):
     resumed, full = comparable(run_dir), comparable(full_dir)
     assert [line["step"] for line in resumed if line["type"] == "train"] == [1, 2, 3, 4]
     assert resumed == full
-    logs = {run: {p.name: p.read_text() for p in (run / report.COMPLETIONS_DIR).iterdir()} for run in (run_dir,
+    logs = {run: {p.name: p.read_text() for p in (run / completions.COMPLETIONS_DIR).iterdir()} for run in (run_dir,
                                                                                                       full_dir)}
     assert logs[run_dir] == logs[full_dir] and len(logs[full_dir]) == 4 + 3  # steps 1-4, evaluations 0, 2, 4
     final = "checkpoints/step_000004/adapter/adapter_model.safetensors"

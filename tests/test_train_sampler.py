@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
+import completions
 import data
 import engine
 import engine.weights
 import eval as heldout
 import models
-import report
 import rollout_check
 import sampling
 import train
@@ -70,7 +70,7 @@ def test_a_healthy_run_logs_the_gap_every_step(peaked_model_dir, tmp_path):
         assert line["sampler/engine"] == 1 and "sampler/fallback" not in line
         assert line["sampler/logprob_diff_mean"] < 1e-5 and line["sampler/logprob_diff_max"] < 1e-4
         assert 0 <= line["sampler/kl"] < 1e-8 and line["sampler/ratio_max"] == pytest.approx(1, abs=1e-4)
-    _, rows = report.read_completions(run_dir, 2)
+    _, rows = completions.read_completions(run_dir, 2)
     rollouts = [row for row in rows if row["type"] == "rollout"]
     assert all((row["sampler_ratio"] is None) != row["kept"] for row in rollouts)
     assert [row["sampler_ratio"] for row in rollouts if row["kept"]] == pytest.approx([1.0] * 4, abs=1e-4)
