@@ -174,10 +174,12 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
             seed = sampling.derived_seed(args.seed, step, round_index)  # a resumed step draws what it drew before
             generated = [generate_and_score(model, tokenizer, examples, args, seed, costs, processes)]
             if args.dynamic_sampling:  # DAPO: groups without a spread set aside, more prompts drawn in their place
-                generated = dynamic_sampling.refill(generated[0], lambda missing, again: generate_and_score(
-                    model, tokenizer, draw(sum(missing)), args, sampling.derived_seed(seed, again), costs, processes,
-                    missing), len(generated[0].examples), args.dynamic_sampling_metric, args.max_generation_rounds,
-                    processes.counts)
+                def more(missing, refill_round, seed=seed):  # `missing`: each process's groups still lacking
+                    return generate_and_score(model, tokenizer, draw(sum(missing)), args,
+                                              sampling.derived_seed(seed, refill_round), costs, processes, missing)
+                generated = dynamic_sampling.refill(generated[0], more, len(generated[0].examples),
+                                                    args.dynamic_sampling_metric, args.max_generation_rounds,
+                                                    processes.counts)
             backends.update(part.rollouts.backend for part in generated if part.examples)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
                 kept, advantages, dropped = pods.select(
