@@ -174,12 +174,7 @@ def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy"):
 def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
     """Accuracy against training time (left) and against steps (right): seed mean, 1.96-SE band (paper Fig. 4),
     and the threshold (0.99 x the baseline's peak)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    fig, panels = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, panels = compare.two_panels()
     longest_s = max((r.eval_times_s[-1] for runs in runs_by_label.values() for r in runs if len(r.eval_times_s)),
                     default=0)
     for panel, axis in zip(panels, AXES):
@@ -196,12 +191,7 @@ def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
         xlabel = f"training wall-clock ({'min' if scale == 60 else 's'})" if axis == "time" else AXES[axis]
         panel.set(xlabel=xlabel, ylabel=f"held-out {metric}")
         panel.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    compare.save_figure(fig, path, title)
 
 
 def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES):

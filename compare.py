@@ -235,14 +235,9 @@ def markdown_table(rows, baseline_label, fraction=0.99, metric="accuracy"):
 
 def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
     """Left: accuracy vs training wall-clock (mean line, 1.96 SE band). Right: per-step time by step."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
     minutes = max((c.times_s[-1] for c in curves if len(c.times_s)), default=0) > 600
     scale = 60.0 if minutes else 1.0  # long runs in minutes
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = two_panels()
     for c in curves:
         line, = left.plot(c.times_s / scale, c.mean, label=f"{c.label} (n={len(c.runs)})")
         has_band = ~np.isnan(c.band)
@@ -258,6 +253,23 @@ def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
     left.set(xlabel=f"training wall-clock ({'min' if minutes else 's'})", ylabel=f"held-out {metric}")
     left.legend(fontsize=8)
     right.set(xlabel="step", ylabel="step time (s), mean over seeds")
+    save_figure(fig, path, title)
+
+
+def two_panels():
+    """A headless figure of two side-by-side panels (compare.py's and bootstrap.py's plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, 2, figsize=(12, 4.5))
+
+
+def save_figure(fig, path, title=None):
+    """The end of every plot: its title, the layout, the file (its folder made), the figure closed."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()
