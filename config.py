@@ -45,9 +45,9 @@ RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha"
                 "dataset", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
                 "rule", "num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                 "advantage_normalization", "scale_rewards", "selection_scope", "drop_zero_variance", "reward_weights",
-                "reward_options", "optimizer", "temperature", "top_p", "max_completion_tokens", "eval_samples",
-                "eval_temperature") + tuple(grpo_loss.flag_name(option).removeprefix("--").replace("-", "_")
-                                            for option in LOSS_FLAGS)  # every loss option, as the registry grows
+                "reward_options", "dynamic_sampling", "dynamic_sampling_metric", "max_generation_rounds", "optimizer",
+                "temperature", "top_p", "max_completion_tokens", "eval_samples", "eval_temperature") + \
+    tuple(grpo_loss.flag_name(option).removeprefix("--").replace("-", "_") for option in LOSS_FLAGS)  # all of them
 RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm")
 
 

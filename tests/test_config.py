@@ -255,16 +255,18 @@ def test_a_resumed_run_keeps_its_preset_and_refuses_another(tmp_path):
 
 @pytest.mark.parametrize("flags", [["-n", "8", "-m", "8"], ["-m", "2"], ["--rule", "random"], ["--baseline"],
                                    ["--preset", "a"], ["--dataset", "gsm8k"], ["--loss-aggregation", "token"],
-                                   ["--seed", "1"]])
+                                   ["--seed", "1"], ["--dynamic-sampling"], ["--importance-sampling-correction", "tis"],
+                                   ["--reward-weights", "format=0.5"]])
 def test_a_resume_refuses_to_change_what_the_run_is_and_records_an_optimizer_change(tmp_path, flags):
-    """Method, n/m, rule, preset, dataset, loss variant, seed: refused with the flag named (compare.py would credit the
+    """Method, n/m, rule, preset, dataset, loss variant, prompt filtering, reward weights, seed: refused with the flag named (compare.py would credit the
     earlier steps to the new method); a new learning rate is allowed and recorded; the budget changes silently."""
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
     (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
     (run / "config.json").write_text(json.dumps(vars(config.parse_args([]))))  # a demo run: PODS 16/4
     with pytest.raises(ValueError, match="would change what it is: --.*(num-rollouts|update-size|rule|baseline|"
-                                         "preset|dataset|loss-aggregation|seed)"):
+                                         "preset|dataset|loss-aggregation|seed|dynamic-sampling|"
+                                         "importance-sampling-correction|reward-weights)"):
         config.parse_args(["--output-dir", str(run), "--resume", *flags])
     args = config.parse_args(["--output-dir", str(run), "--resume", "--lr", "1e-4", "--max-steps", "9"])
     assert args.changes == [{"step": None, "learning_rate": [5e-4, 1e-4]}] and args.max_steps == 9
