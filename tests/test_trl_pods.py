@@ -239,3 +239,20 @@ def test_a_completion_without_any_reward_is_refused():
                                   torch.ones(2))
     torch.testing.assert_close(trl_pods.weighted_rewards(torch.tensor([[1.0, float("nan")]]), torch.tensor([2.0, 1.0])),
                                torch.tensor([2.0]))
+
+
+def test_the_vendored_files_alone_import(tmp_path):
+    """What the module's docstring tells a TRL user to copy is all it needs: trl_pods.py, pods.py, advantages.py."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for name in ("integrations/trl_pods.py", "pods.py", "advantages.py"):
+        shutil.copy(root / name, tmp_path)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", "import trl_pods, pods; print(pods.__file__)"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert Path(result.stdout.strip()).parent == tmp_path  # the copy, not the repository's
