@@ -34,6 +34,13 @@ from presets import BASELINES, PRESETS
 
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
 LOSS_FLAGS = [option for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["help"]]
+
+
+def _dest(option):
+    """The argparse destination of a LossSettings field's flag, e.g. "loss_aggregation" for `aggregation`."""
+    return grpo_loss.flag_name(option).removeprefix("--").replace("-", "_")
+
+
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                  "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size",
                  "max_generation_rounds")
@@ -47,7 +54,7 @@ RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha"
                 "advantage_normalization", "scale_rewards", "selection_scope", "drop_zero_variance", "reward_weights",
                 "reward_options", "dynamic_sampling", "dynamic_sampling_metric", "max_generation_rounds", "optimizer",
                 "temperature", "top_p", "max_completion_tokens", "eval_samples", "eval_temperature") + \
-    tuple(grpo_loss.flag_name(option).removeprefix("--").replace("-", "_") for option in LOSS_FLAGS)  # all of them
+    tuple(_dest(option) for option in LOSS_FLAGS)  # every loss option
 RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm")
 
 
@@ -341,10 +348,6 @@ def generation_settings(args, **overrides):
                     backend=args.backend,
                     cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0)
     return sampling.GenerationSettings(**dict(settings, **overrides))
-
-
-def _dest(option):
-    return grpo_loss.flag_name(option).removeprefix("--").replace("-", "_")
 
 
 def loss_settings(args):

@@ -153,8 +153,9 @@ def _tensorboard_sink(run_dir, first_step):
     def write(record):
         if record["type"] == "completions":  # text, as the viewer prints it: every prompt of the step
             rows = record["rows"]
+            prompts = range(sum(row["type"] == "prompt" for row in rows))
             lines = completions.eval_table(rows) if rows and rows[0]["type"] == "eval" else \
-                [line for i in range(sum(r["type"] == "prompt" for r in rows)) for line in completions.rollout_table(rows, i)]
+                [line for i in prompts for line in completions.rollout_table(rows, i)]
             writer.add_text(record["name"].rpartition("_")[0], "    " + "\n    ".join(lines), record["step"])
         for key, value in scalars(record).items():
             writer.add_scalar(key, value, global_step=record["step"])
@@ -192,7 +193,8 @@ def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_c
     if not enabled:
         yield io.StringIO(), (lambda record: None)
         return
-    completions.drop_completions_after(run_dir, first_step - 1)  # a new run (0) in a folder whose run started over: every file
+    # a resume drops the files past its checkpoint; a new run (first_step 0) in a folder whose run started over: all
+    completions.drop_completions_after(run_dir, first_step - 1)
     with checkpoint.open_metrics_log(run_dir, keep_bytes) as log:
         send, close = (lambda record: None), (lambda: None)
         if report_to == "tensorboard":

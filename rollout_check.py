@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+import grpo_loss
+import models
 import sampling
 
 # Mean |log pi_trainer - log pi_sampler| per token above which the sampler is taken to be broken. Measured on the
@@ -105,9 +107,6 @@ def check(model, gap, backend, requested, where):
 def measure(model, rollouts, temperature, micro_batch_size=8):
     """The SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched): the check of
     callers without an update pass. Greedy rollouts are compared at temperature 1, as the sampler records them."""
-    import grpo_loss
-    import models
-
     device, gap = next(model.parameters()).device, SamplerGap()
     rows = rollouts.prompt_index
     with torch.no_grad(), models.dropout_off(model):

@@ -258,8 +258,9 @@ def test_a_resumed_run_keeps_its_preset_and_refuses_another(tmp_path):
                                    ["--seed", "1"], ["--dynamic-sampling"], ["--importance-sampling-correction", "tis"],
                                    ["--reward-weights", "format=0.5"]])
 def test_a_resume_refuses_to_change_what_the_run_is_and_records_an_optimizer_change(tmp_path, flags):
-    """Method, n/m, rule, preset, dataset, loss variant, prompt filtering, reward weights, seed: refused with the flag named (compare.py would credit the
-    earlier steps to the new method); a new learning rate is allowed and recorded; the budget changes silently."""
+    """Method, n/m, rule, preset, dataset, loss variant, prompt filtering, reward weights, seed: refused with the flag
+    named (compare.py would credit the earlier steps to the new method); a new learning rate is allowed and recorded;
+    the budget changes silently."""
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
     (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")

@@ -322,5 +322,6 @@ def test_a_crash_mid_step_after_a_refill_then_resume_equals_the_uninterrupted_ru
                 for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     assert comparable(run_dir) == comparable(dynamic_run)
-    logs = [{p.name: p.read_text() for p in (run / completions.COMPLETIONS_DIR).iterdir()} for run in (run_dir, dynamic_run)]
+    logs = [{p.name: p.read_text() for p in (run / completions.COMPLETIONS_DIR).iterdir()}
+            for run in (run_dir, dynamic_run)]
     assert logs[0] == logs[1] and len(logs[0]) == 4

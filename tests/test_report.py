@@ -136,7 +136,8 @@ def test_completion_files_of_steps_after_the_checkpoint_go_at_resume(tmp_path):
     metrics = (tmp_path / checkpoint.METRICS_FILE).read_text()
     assert metrics.splitlines() == [json.dumps(LINES[1])]  # completions never go to metrics.jsonl
     (tmp_path / completions.COMPLETIONS_DIR / "notes_step_9.txt").write_text("a user's file stays")
-    (tmp_path / completions.COMPLETIONS_DIR / f"{checkpoint.TMP_PREFIX}1_step_000006.jsonl").write_text('{"half')  # killed
+    killed = tmp_path / completions.COMPLETIONS_DIR / f"{checkpoint.TMP_PREFIX}1_step_000006.jsonl"
+    killed.write_text('{"half')  # a kill left it half-written
     with report.open_metrics(tmp_path, keep_bytes=len(metrics), first_step=5):  # resumed from step 4's checkpoint
         pass
     assert sorted(p.name for p in (tmp_path / completions.COMPLETIONS_DIR).iterdir()) == [
