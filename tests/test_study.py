@@ -158,13 +158,8 @@ def test_run_variants_compares_against_the_paper_objective(tmp_path):
 
 
 @pytest.mark.slow
-def test_variant_study_end_to_end_with_a_tiny_model(tmp_path, smollm2_tokenizer):
-    import models
-
-    model_dir = tmp_path / "tiny"
-    models.tiny_random_model("llama").save_pretrained(model_dir)
-    smollm2_tokenizer.save_pretrained(model_dir)
-    tiny = ["--model", str(model_dir), "--max-steps", "1", "--max-completion-tokens", "4", "--eval-samples", "2",
+def test_variant_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
+    tiny = ["--model", str(tiny_model_dir), "--max-steps", "1", "--max-completion-tokens", "4", "--eval-samples", "2",
             "--eval-interval", "1", "--checkpoint-interval-s", "0"]
     tables = study.run_variants(tmp_path / "out", [0], 0, train_args=tiny)
     assert (tmp_path / "out" / "variants.png").is_file()
@@ -237,15 +232,10 @@ def test_ga_command_runs_one_run_at_a_time_on_both_cores(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_ga_study_end_to_end_with_a_tiny_model(tmp_path, smollm2_tokenizer):
+def test_ga_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
     import json
 
-    import models
-
-    model_dir = tmp_path / "tiny"
-    models.tiny_random_model("llama").save_pretrained(model_dir)
-    smollm2_tokenizer.save_pretrained(model_dir)
-    tiny = ["--model", str(model_dir), "--max-steps", "2", "--max-completion-tokens", "4", "--eval-samples", "2",
+    tiny = ["--model", str(tiny_model_dir), "--max-steps", "2", "--max-completion-tokens", "4", "--eval-samples", "2",
             "--eval-interval", "1", "--checkpoint-interval-s", "0", "--prompts-per-step", "1"]
     table = study.run_ga(tmp_path / "out", [0], 0, train_args=tiny, num_threads=1, plot=tmp_path / "ga.png",
                          resamples=20)
