@@ -56,11 +56,12 @@ def _check_args(prompts, answers, samples_per_prompt, repeats, temperature):
 
 
 def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
-                     progress=False, samples_out=None):
+                     progress=False, samples_out=None, check_sampler=True):
     """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them). settings:
     sampling.GenerationSettings (train.py passes its run's, so held-out evaluation reuses its decode graphs).
     samples_out: a list that receives every graded completion of the first repeat ({prompt, answer, completion,
-    correct, formatted}, in prompt order).
+    correct, formatted}, in prompt order). check_sampler: score the first chunk's tokens with the model itself (the
+    sampler check, one extra forward pass); train.py turns it off once its own training steps check every step.
 
     Prompts are generated in chunks of rollout_batch_size // K prompts (K samples each, so about rollout_batch_size
     rows per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
@@ -95,7 +96,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
                                                   seed=chunk_seed)
             # The guard of train.py without an update pass: the first chunk's tokens scored by the model itself;
             # a gap no correct sampler reaches falls back to HF generate() (sampling.fall_back) and redoes it.
-            if repeat == chunk_index == 0 and rollouts.backend != "hf" and rollout_check.check(
+            if check_sampler and repeat == chunk_index == 0 and rollouts.backend != "hf" and rollout_check.check(
                     model, rollout_check.measure(model, rollouts, temperature), rollouts.backend, settings.backend,
                     "evaluation"):
                 rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
@@ -125,10 +126,11 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
 
 
 def evaluate(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
-             progress=False, samples_out=None):
+             progress=False, samples_out=None, check_sampler=True):
     """Accuracy over all prompts x samples x repeats (repeats have equal size, so this is their mean)."""
     return _pool(evaluate_repeats(model, tokenizer, prompts, answers, settings, samples_per_prompt=samples_per_prompt,
-                                  repeats=repeats, seed=seed, progress=progress, samples_out=samples_out))
+                                  repeats=repeats, seed=seed, progress=progress, samples_out=samples_out,
+                                  check_sampler=check_sampler))
 
 
 def _pool(per_repeat):

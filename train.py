@@ -241,14 +241,16 @@ def load(args, processes):
     return tokenizer, train_set, eval_set, model, optimizer
 
 
-def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes):
-    """Held-out accuracy of the current policy, logged (fixed sample and seed: runs are compared paired)."""
+def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, check_sampler=True):
+    """Held-out accuracy of the current policy, logged (fixed sample and seed: runs are compared paired).
+    check_sampler: eval.py's check of the first chunk (a forward pass, ~13 s for 64 demo prompts on 2 cores); run()
+    makes it only before this process's first training step, as every step's update checks the sampler after."""
     examples, first_chunk, chunk = processes.eval_share(eval_set, args.rollout_batch_size)
     settings = config.generation_settings(args, temperature=args.eval_temperature, rollout_batch_size=chunk)
     samples = []  # graded completions, for the completions log
     with processes.full_weights(model), cuda_oom_hint(args, "evaluation"):
         result = heldout.evaluate(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
-                                  settings, seed=first_chunk, samples_out=samples)
+                                  settings, seed=first_chunk, samples_out=samples, check_sampler=check_sampler)
     result = processes.merged(result)
     if processes.is_main:
         tqdm.write(report.eval_line(state.step, result))  # above the progress bar
@@ -299,6 +301,7 @@ def run(args, run_dir, processes):
     if processes.is_main:  # strict JSON: config.parse_args lets no NaN or inf through
         checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
+    start_step = state.step  # evaluations check the sampler until this process's own steps do (evaluate_heldout)
     step_s, accuracy, stop = 0.0, None, None
     last_checkpoint_s = state.elapsed_s
 
@@ -346,7 +349,8 @@ def run(args, run_dir, processes):
                     f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
                     "norm; none of them changed the weights. Stopping: lower --learning-rate or --max-grad-norm.")
             if eval_set and args.eval_interval and state.step % args.eval_interval == 0:
-                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
+                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes,
+                                            check_sampler=state.step == start_step)
             if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:
                 save()
             bar.update(1)
@@ -355,7 +359,8 @@ def run(args, run_dir, processes):
         bar.close()
         stop = stop or signalled_stop()  # a signal during the last step: stopped as during any other
         if eval_set and state.evaluated_step != state.step and stop is None:
-            evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
+            evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes,
+                             check_sampler=state.step == start_step)
             stop = signalled_stop()  # ... or during the final evaluation
         if (args.checkpoint_interval_s >= 0 or stop) and saved != (state.step, state.evaluated_step):
             save()  # the final state, unless saved already
