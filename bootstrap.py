@@ -9,15 +9,17 @@ percentile of the resampled values (actual resampled values, no interpolation be
 seeded, so the intervals are the same on every call. The same figures are computed on a second axis, the step
 (learning per step, independent of the machine's speed). study.py's PODS vs GRPO-GA study reports through here:
 
-    python bootstrap.py RUN_DIR... --baseline-label "GRPO 16/16" [--plot study_ga.png] [--table ga.md]
+    python bootstrap.py RUN_DIR... --baseline-label "GRPO 16/16" [--budget-s 900] [--plot P.png] [--table ga.md]
 
 Definitions (documented, tested): a method's curve is compare.py's seed mean with linear interpolation, kept
 while every drawn seed has a value (compare.method_curve with min_seeds=0); peak = its maximum; final = the mean
 over seeds of each seed's last evaluation; a method that never reaches the threshold has speed-up 0 (time
 infinite) and one at 0 s has speed-up inf, so both still order the resamples; a resample where the speed-up is
 undefined (the baseline's peak is 0, or the baseline reaches its threshold at 0) is left out of the interval
-and counted. Simplification: the percentile bootstrap with 5 seeds slightly understates the spread (by about
-sqrt(4/5) for a mean), and cannot see beyond the seeds that were run.
+and counted. --budget-s reads every run as one with that --max-time-s would have logged it (`within_budget`),
+so runs given a longer budget than the rest are compared on the same footing. Simplification: the percentile
+bootstrap with 5 seeds slightly understates the spread (by about sqrt(4/5) for a mean), and cannot see beyond the
+seeds that were run.
 """
 
 import argparse
@@ -42,6 +44,24 @@ def on_axis(run, axis):
     if axis not in AXES:
         raise ValueError(f"axis must be one of {tuple(AXES)}, got {axis!r}")
     return run if axis == "time" else dataclasses.replace(run, eval_times_s=run.eval_steps.astype(float))
+
+
+def within_budget(run, budget_s):
+    """The run as one of `--max-time-s budget_s` would have logged it: train.py does not start a step that would
+    probably end past the budget (after step k when elapsed_k + duration_k > budget_s), so its steps up to there
+    and the evaluations made at those steps. (Such a run also evaluates after its last step; this one's last kept
+    evaluation is the one before.) Without step lines, the evaluations up to budget_s. None or 0: no budget."""
+    if not budget_s:
+        return run
+    durations = np.asarray(run.step_durations_s, dtype=float)
+    if len(durations):
+        over = np.nonzero(np.cumsum(durations) + durations > budget_s)[0]
+        last_step = int(over[0]) + 1 if len(over) else len(durations)
+        keep, durations = run.eval_steps <= last_step, durations[:last_step]
+    else:
+        keep = run.eval_times_s <= budget_s
+    return dataclasses.replace(run, eval_times_s=run.eval_times_s[keep], eval_accuracy=run.eval_accuracy[keep],
+                               eval_steps=run.eval_steps[keep], step_durations_s=durations)
 
 
 @dataclasses.dataclass
@@ -194,10 +214,13 @@ def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
     compare.save_figure(fig, path, title)
 
 
-def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES):
-    """Read the runs (compare.py's rules), group them by method, bootstrap both axes; returns ({axis: {label:
-    figures}}, markdown table) and draws the plot when plot_path is given."""
-    runs = [compare.read_run(path, metric=metric) for path in compare.expand_run_dirs(run_dirs)]
+def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES,
+           budget_s=None):
+    """Read the runs (compare.py's rules; each cut to budget_s of training, `within_budget`), group them by
+    method, bootstrap both axes; returns ({axis: {label: figures}}, markdown table) and draws the plot when
+    plot_path is given."""
+    runs = [within_budget(compare.read_run(path, metric=metric), budget_s)
+            for path in compare.expand_run_dirs(run_dirs)]
     if not runs:
         raise ValueError("no runs to compare")
     runs_by_label = {}
@@ -223,8 +246,11 @@ def main(argv=None):
     parser.add_argument("--metric", choices=compare.METRICS, default="accuracy")
     parser.add_argument("--resamples", type=int, default=RESAMPLES)
     parser.add_argument("--title")
+    parser.add_argument("--budget-s", type=float, help="read every run as one with this --max-time-s (a run given "
+                        "a longer budget: its steps and evaluations past it left out)")
     args = parser.parse_args(argv)
-    by_axis, table = report(args.run_dirs, args.baseline_label, args.plot, args.title, args.metric, args.resamples)
+    by_axis, table = report(args.run_dirs, args.baseline_label, args.plot, args.title, args.metric, args.resamples,
+                            args.budget_s)
     print(table)
     if args.table:
         Path(args.table).write_text(table + "\n")

@@ -48,7 +48,8 @@ def test_identical_seeds_give_an_interval_of_one_value_and_final_accuracy_its_pe
     result = bootstrap.bootstrap(runs, "GRPO", resamples=300)
     assert result["PODS"]["speedup"] == pytest.approx(2.0)  # 79.2 s / 39.6 s
     assert result["PODS"]["speedup_ci"] == pytest.approx((2.0, 2.0, 0))
-    assert result["other"]["final"] == pytest.approx(0.3) and result["other"]["final_ci"] == pytest.approx((0.2, 0.4, 0))
+    assert result["other"]["final"] == pytest.approx(0.3)
+    assert result["other"]["final_ci"] == pytest.approx((0.2, 0.4, 0))
     assert result["other"]["speedup"] == 0.0 and result["other"]["speedup_ci"][:2] == (0.0, 0.0)  # never reached
     again = bootstrap.bootstrap(runs, "GRPO", resamples=300)
     assert json.dumps(again, sort_keys=True) == json.dumps(result, sort_keys=True)  # seeded: the same every call
@@ -120,3 +121,29 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch):
         text = str(exit_info.value.code)
         assert text.startswith("bootstrap.py: error: ") and message in text and "\n" not in text
     assert np.isnan(bootstrap.interval([math.nan] * 3)[0]) and bootstrap.interval([math.nan] * 3)[2] == 3
+
+
+def test_a_run_is_read_as_one_with_the_budget_would_have_logged(tmp_path):
+    """Steps of 10 s, evaluations every 2 steps. Budget 45 s: train.py stops after step 4 (elapsed 40 + 10 > 45),
+    so the evaluations at steps 0, 2, 4 stay; budget 50 s allows step 5 (40 + 10 = 50), not step 6. The report with
+    --budget-s ranks a run longer than the others by its first part only: its later peak is not seen."""
+    evals = [(10.0 * step, 0.1 * step) for step in range(0, 11, 2)]
+    path = make_run(tmp_path, "long", "GRPO", 0, evals, step_times=[10.0] * 10)
+    lines = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:  # make_run numbers evaluations 0, 1, 2...: give them their steps
+        if line["type"] == "eval":
+            line["step"] = int(line["elapsed_s"] // 10)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = compare.read_run(path)
+    cut = bootstrap.within_budget(run, 45)
+    assert list(cut.eval_steps) == [0, 2, 4] and list(cut.eval_accuracy) == pytest.approx([0.0, 0.2, 0.4])
+    assert len(cut.step_durations_s) == 4 and len(bootstrap.within_budget(run, 50).step_durations_s) == 5
+    assert bootstrap.within_budget(run, None) is run and bootstrap.within_budget(run, 1e9).eval_steps.tolist() == \
+        run.eval_steps.tolist()
+    no_steps = compare.read_run(make_run(tmp_path, "evals-only", "GRPO", 1, evals))
+    assert list(bootstrap.within_budget(no_steps, 45).eval_times_s) == [0.0, 20.0, 40.0]
+    make_run(tmp_path, "short", "GRPO", 1, evals[:3], step_times=[10.0] * 4)
+    by_axis, _ = bootstrap.report([tmp_path / "long", tmp_path / "short"], "GRPO", resamples=20, budget_s=45)
+    assert by_axis["time"]["GRPO"]["peak"] == pytest.approx(0.4)
+    by_axis, _ = bootstrap.report([tmp_path / "long", tmp_path / "short"], "GRPO", resamples=20)
+    assert by_axis["time"]["GRPO"]["final"] == pytest.approx((1.0 + 0.4) / 2)

@@ -102,7 +102,8 @@ def test_join_pads_prompts_left_and_completions_right():
 def rollouts_of(num_prompts, n):
     """Rollouts whose completion row r holds the token r: a kept row is recognisable in the batch."""
     rows = num_prompts * n
-    return sampling.Rollouts(torch.arange(num_prompts)[:, None].repeat(1, 2), torch.ones(num_prompts, 2, dtype=torch.long),
+    prompt_ids = torch.arange(num_prompts)[:, None].repeat(1, 2)
+    return sampling.Rollouts(prompt_ids, torch.ones(num_prompts, 2, dtype=torch.long),
                              torch.arange(rows)[:, None], torch.ones(rows, 1, dtype=torch.long), [""] * rows,
                              torch.ones(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool),
                              torch.arange(num_prompts).repeat_interleave(n))

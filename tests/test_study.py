@@ -199,9 +199,10 @@ def test_ga_plan_arms_differ_only_in_the_method_and_seed_and_evaluate_the_same_p
     assert 0.5 / first.eval_samples ** 0.5 <= 0.035  # one evaluation's standard error is at most 3.5 points
     assert parsed["pods-n16-m4-s3"].seed == 3 and parsed["random-n16-m4-s4"].rule == "random"
     # The held-out rows are drawn with a fixed seed, never the run's: every arm and seed evaluates the same prompts.
-    questions = [row["question"] for row in data.load_split("arithmetic", "test", num_rows=first.eval_samples)]
-    assert len(set(questions)) == 256 and questions == [
-        row["question"] for row in data.load_split("arithmetic", "test", num_rows=parsed["pods-n16-m4-s3"].eval_samples)]
+    def questions(run):
+        return [row["question"] for row in data.load_split("arithmetic", "test", num_rows=run.eval_samples)]
+
+    assert len(set(questions(first))) == 256 and questions(first) == questions(parsed["pods-n16-m4-s3"])
 
 
 def test_run_ga_trains_reports_with_intervals_and_resumes(tmp_path):
@@ -227,7 +228,7 @@ def test_ga_command_runs_one_run_at_a_time_on_both_cores(tmp_path, capsys):
     study.main(["ga", "--out", str(tmp_path), "--dry-run"])
     commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert len(commands) == 15 and commands[0].startswith("[1/15]") and "grpo_ga-n16-m16-s0" in commands[0]
-    assert all("--max-time-s 1800.0" in c and "--num-threads 2" in c and "--eval-samples 256" in c for c in commands)
+    assert all("--max-time-s 900.0" in c and "--num-threads 2" in c and "--eval-samples 256" in c for c in commands)
     assert "random-n16-m4-s4" in commands[-1] and not (tmp_path / "logs").exists()
 
 
