@@ -47,7 +47,8 @@ POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
                 "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
-# Others may change: RECORDED_AT_RESUME into config.json "changes" and the metrics; budget, logging, memory silently.
+# Others may change: RECORDED_AT_RESUME (optimizer settings, the budget) into config.json "changes" and the metrics;
+# intervals, logging, memory and speed silently.
 RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha", "lora_target_modules",
                 "dataset", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
                 "rule", "num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
@@ -55,7 +56,7 @@ RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha"
                 "reward_options", "dynamic_sampling", "dynamic_sampling_metric", "max_generation_rounds", "optimizer",
                 "temperature", "top_p", "max_completion_tokens", "eval_samples", "eval_temperature") + \
     tuple(_dest(option) for option in LOSS_FLAGS)  # every loss option
-RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm")
+RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm", "max_steps", "max_time_s")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -128,7 +128,7 @@ GA_SETTINGS = {"--prompts-per-step": "4", "--eval-samples": "256", "--eval-inter
                "--checkpoint-interval-s": "600"}
 GA_TRAIN_ARGS = with_settings(STUDY_TRAIN_ARGS, GA_SETTINGS)
 # Training wall-clock per run: ~23 GRPO-GA steps, ~55 PODS steps on 2 quiet cores. A first GRPO-GA run of 1800 s
-# (BENCHMARKS) was on its plateau from ~200 s on, so half that budget still shows it twice over; the report
+# (BENCHMARKS) was on its plateau from ~200 s on, so half that budget is still ~4x its time to it; the report
 # reads every run as a run of this budget (bootstrap.within_budget), that first one included.
 GA_MAX_TIME_S = 900.0
 GA_NUM_THREADS = 2      # one run at a time on the 2-core machine, both cores to it (BENCHMARKS: 1.5-1.85x faster)

@@ -243,7 +243,7 @@ def load(args, processes):
 
 def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, check_sampler=True):
     """Held-out accuracy of the current policy, logged (fixed sample and seed: runs are compared paired).
-    check_sampler: eval.py's check of the first chunk (a forward pass, ~13 s for 64 demo prompts on 2 cores); run()
+    check_sampler: eval.py's check of the first chunk (a forward pass, ~14 s for 64 demo prompts on 2 cores); run()
     makes it only before this process's first training step, as every step's update checks the sampler after."""
     examples, first_chunk, chunk = processes.eval_share(eval_set, args.rollout_batch_size)
     settings = config.generation_settings(args, temperature=args.eval_temperature, rollout_batch_size=chunk)

@@ -259,8 +259,8 @@ def test_a_resumed_run_keeps_its_preset_and_refuses_another(tmp_path):
                                    ["--reward-weights", "format=0.5"]])
 def test_a_resume_refuses_to_change_what_the_run_is_and_records_an_optimizer_change(tmp_path, flags):
     """Method, n/m, rule, preset, dataset, loss variant, prompt filtering, reward weights, seed: refused with the flag
-    named (compare.py would credit the earlier steps to the new method); a new learning rate is allowed and recorded;
-    the budget changes silently."""
+    named (compare.py would credit the earlier steps to the new method); a new learning rate and a new budget are
+    allowed and recorded; an interval changes silently."""
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
     (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
@@ -269,8 +269,10 @@ def test_a_resume_refuses_to_change_what_the_run_is_and_records_an_optimizer_cha
                                          "preset|dataset|loss-aggregation|seed|dynamic-sampling|"
                                          "importance-sampling-correction|reward-weights)"):
         config.parse_args(["--output-dir", str(run), "--resume", *flags])
-    args = config.parse_args(["--output-dir", str(run), "--resume", "--lr", "1e-4", "--max-steps", "9"])
-    assert args.changes == [{"step": None, "learning_rate": [5e-4, 1e-4]}] and args.max_steps == 9
+    args = config.parse_args(["--output-dir", str(run), "--resume", "--lr", "1e-4", "--max-steps", "9",
+                              "--eval-interval", "3"])
+    assert args.changes == [{"step": None, "learning_rate": [5e-4, 1e-4], "max_steps": [0, 9]}]
+    assert (args.max_steps, args.eval_interval) == (9, 3)
 
 
 # ------------------------------------------- every selection flag arrives: command line -> train_step -> the update

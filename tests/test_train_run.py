@@ -124,7 +124,8 @@ def test_resume_applies_the_new_learning_rate_and_weight_decay(tiny_model_dir, t
     saved = json.loads((run_dir / "config.json").read_text())
     assert (saved["learning_rate"], saved["weight_decay"], saved["max_steps"]) == (0.5, 0.01, 3)
     assert read_lines(run_dir, "train")[-1]["learning_rate"] == 0.5
-    change = {"step": 2, "learning_rate": [1e-2, 0.5], "weight_decay": [0.0, 0.01]}  # recorded where it happened
+    # recorded where it happened, the budget's extension too
+    change = {"step": 2, "learning_rate": [1e-2, 0.5], "weight_decay": [0.0, 0.01], "max_steps": [2, 3]}
     assert saved["changes"] == [change] and read_lines(run_dir, "resume") == [dict(type="resume", **change)]
 
 
