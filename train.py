@@ -288,8 +288,9 @@ def train(args, processes=OneProcess()):
 
 def run(args, run_dir, processes):
     """The run in its folder: load, resume or start, then step, log, evaluate and checkpoint until the budget ends."""
+    label = config.method_label(args)
     if processes.is_main:
-        print(report.start_line(config.method_label(args), args, run_dir), flush=True)
+        print(report.start_line(label, args, run_dir), flush=True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
@@ -297,7 +298,7 @@ def run(args, run_dir, processes):
     changed_now = args.changes[-1] if args.changes and args.changes[-1]["step"] is None else None
     if changed_now:  # what this resume changed (config.RECORDED_AT_RESUME), at the step it continues from
         changed_now["step"] = state.step
-    run_config = dict(vars(args), label=config.method_label(args), output_dir=str(run_dir))
+    run_config = dict(vars(args), label=label, output_dir=str(run_dir))
     if processes.is_main:  # strict JSON: config.parse_args lets no NaN or inf through
         checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
@@ -330,7 +331,7 @@ def run(args, run_dir, processes):
                 print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
         bar = tqdm(total=args.max_steps or None, initial=state.step, disable=not (args.progress and processes.is_main),
-                   desc=config.method_label(args))
+                   desc=label)
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
                 not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):
@@ -350,7 +351,7 @@ def run(args, run_dir, processes):
                     "norm; none of them changed the weights. Stopping: lower --learning-rate or --max-grad-norm.")
             if eval_set and args.eval_interval and state.step % args.eval_interval == 0:
                 accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes,
-                                            check_sampler=state.step == start_step)
+                                            check_sampler=False)  # this step's update checked the sampler
             if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:
                 save()
             bar.update(1)
