@@ -49,19 +49,21 @@ def on_axis(run, axis):
 def within_budget(run, budget_s):
     """The run as one of `--max-time-s budget_s` would have logged it: train.py does not start a step that would
     probably end past the budget (after step k when elapsed_k + duration_k > budget_s), so its steps up to there
-    and the evaluations made at those steps. (Such a run also evaluates after its last step; this one's last kept
+    (their per-phase clock too) and the evaluations made at those steps. (Such a run also evaluates after its last step; this one's last kept
     evaluation is the one before.) Without step lines, the evaluations up to budget_s. None or 0: no budget."""
     if not budget_s:
         return run
-    durations = np.asarray(run.step_durations_s, dtype=float)
+    durations, phases = np.asarray(run.step_durations_s, dtype=float), run.step_phases_s
     if len(durations):
         over = np.nonzero(np.cumsum(durations) + durations > budget_s)[0]
         last_step = int(over[0]) + 1 if len(over) else len(durations)
         keep, durations = run.eval_steps <= last_step, durations[:last_step]
+        phases = {k: v[:last_step] for k, v in phases.items()}
     else:
         keep = run.eval_times_s <= budget_s
     return dataclasses.replace(run, eval_times_s=run.eval_times_s[keep], eval_accuracy=run.eval_accuracy[keep],
-                               eval_steps=run.eval_steps[keep], step_durations_s=durations)
+                               eval_steps=run.eval_steps[keep], step_durations_s=durations, step_phases_s=phases,
+                               phase_means_s=compare.phase_means(phases))
 
 
 @dataclasses.dataclass
@@ -178,7 +180,7 @@ def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy"):
              "|---|---:|---|---|---|---|---:|---|---:|---|"]
     for label, runs in runs_by_label.items():
         time, steps = by_axis["time"][label], by_axis["steps"][label]
-        clock = [np.mean([r.phase_means_s.get(k, math.nan) for r in runs]) for k in ("generate_s", "update_s")]
+        clock = [np.mean([r.phase_means_s.get(k, math.nan) for r in runs]) for k in compare.PHASES]
         durations = [d for r in runs for d in r.step_durations_s]
         clock.append(np.mean(durations) if durations else math.nan)
         lines.append(
@@ -202,9 +204,8 @@ def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
         for label, runs in runs_by_label.items():
             curve = compare.method_curve(label, [on_axis(r, axis) for r in runs], min_seeds=0)
             line, = panel.plot(curve.times_s / scale, curve.mean, label=f"{label} (n={len(runs)})")
-            band = np.nan_to_num(curve.band)  # one seed: no band
-            panel.fill_between(curve.times_s / scale, curve.mean - band, curve.mean + band, color=line.get_color(),
-                               alpha=0.2)
+            panel.fill_between(curve.times_s / scale, *compare.band_limits(curve.mean, curve.band),
+                               color=line.get_color(), alpha=0.2)
         threshold = next(iter(by_axis[axis].values()))["threshold"]
         if compare._finite(threshold):
             panel.axhline(threshold, color="gray", linestyle="--", linewidth=0.8, label="0.99 x baseline peak")

@@ -32,6 +32,7 @@ import report
 
 Z_95 = 1.96
 METRICS = ("accuracy", "format_accuracy", "both_accuracy")
+PHASES = ("generate_s", "update_s")  # the per-step clock a comparison reports beside the curves
 # Config keys that legitimately differ between the runs of one comparison: the method (rule, n/m, GRPO-GA and the
 # variant flags its label names), the seed, bookkeeping. Any other difference is listed under the table.
 PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
@@ -53,6 +54,7 @@ class RunData:
     config: dict = field(default_factory=dict)
     nonfinite_evals: int = 0      # eval points left out: their time or value is not a finite number (NaN)
     eval_steps: np.ndarray = field(default_factory=lambda: np.empty(0))  # the step of each evaluation
+    step_phases_s: dict = field(default_factory=dict)  # generate_s / update_s of each step, NaN where not logged
 
 
 @dataclass
@@ -110,12 +112,24 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
         durations = np.diff(np.array([0.0] + elapsed))
     else:  # no training clock: fall back to the sum of the phase timers
         durations = np.array([sum(r.get(k) or 0.0 for k in report.PHASE_KEYS) for r in steps])
-    phases = {k: float(np.mean([r[k] for r in steps if _finite(r.get(k))]))
-              for k in ("generate_s", "update_s") if any(_finite(r.get(k)) for r in steps)}
+    step_phases = {k: np.array([r[k] if _finite(r.get(k)) else np.nan for r in steps], dtype=float)
+                   for k in PHASES if any(_finite(r.get(k)) for r in steps)}
     return RunData(str(run_dir), method_label(config), config.get("seed"),
                    np.array([t for t, _, _ in finite], dtype=float), np.array([a for _, a, _ in finite], dtype=float),
-                   durations.astype(float), phases, skipped, config, len(points) - len(finite),
-                   np.array([s for _, _, s in finite], dtype=float))
+                   durations.astype(float), phase_means(step_phases), skipped, config, len(points) - len(finite),
+                   np.array([s for _, _, s in finite], dtype=float), step_phases)
+
+
+def phase_means(step_phases_s):
+    """Mean seconds per step of each phase over the steps that logged it."""
+    return {k: float(np.nanmean(v)) for k, v in step_phases_s.items() if np.isfinite(v).any()}
+
+
+def band_limits(mean, band):
+    """The plotted band mean -/+ band, held to [0, 1] (every metric is a fraction: a 1.96-SE band over few seeds can
+    overshoot it); where there is no band (one seed, NaN), the mean itself."""
+    band = np.nan_to_num(band)
+    return np.clip(mean - band, 0.0, 1.0), np.clip(mean + band, 0.0, 1.0)
 
 
 def values_on_grid(times_s, accuracy, grid_s, interp="linear"):
@@ -204,7 +218,7 @@ def speedup_rows(curves, baseline_label, interp="linear", fraction=0.99):
                      "time_to_threshold_s": time_s, "speedup": speedup,
                      "step_s": float(np.mean(steps)) if len(steps) else None,
                      **{k: float(np.mean([r.phase_means_s[k] for r in c.runs if k in r.phase_means_s]))
-                        for k in ("generate_s", "update_s") if any(k in r.phase_means_s for r in c.runs)},
+                        for k in PHASES if any(k in r.phase_means_s for r in c.runs)},
                      "threshold": threshold, "notes": c.notes})
     return rows
 
@@ -240,9 +254,7 @@ def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
     fig, (left, right) = two_panels()
     for c in curves:
         line, = left.plot(c.times_s / scale, c.mean, label=f"{c.label} (n={len(c.runs)})")
-        has_band = ~np.isnan(c.band)
-        left.fill_between(c.times_s / scale, np.where(has_band, c.mean - c.band, c.mean),
-                          np.where(has_band, c.mean + c.band, c.mean), color=line.get_color(), alpha=0.2)
+        left.fill_between(c.times_s / scale, *band_limits(c.mean, c.band), color=line.get_color(), alpha=0.2)
         durations = [r.step_durations_s for r in c.runs if len(r.step_durations_s)]
         if durations:
             width = max(len(d) for d in durations)

@@ -138,6 +138,10 @@ def test_a_run_is_read_as_one_with_the_budget_would_have_logged(tmp_path):
     cut = bootstrap.within_budget(run, 45)
     assert list(cut.eval_steps) == [0, 2, 4] and list(cut.eval_accuracy) == pytest.approx([0.0, 0.2, 0.4])
     assert len(cut.step_durations_s) == 4 and len(bootstrap.within_budget(run, 50).step_durations_s) == 5
+    # The per-phase clock is the kept steps' too: steps of 10 s then 40 s (make_run: generate = 0.75 x the step).
+    slow_end = compare.read_run(make_run(tmp_path, "slow-end", "GRPO", 2, evals, step_times=[10.0] * 4 + [40.0] * 2))
+    assert slow_end.phase_means_s["generate_s"] == pytest.approx((4 * 7.5 + 2 * 30.0) / 6)
+    assert bootstrap.within_budget(slow_end, 45).phase_means_s == pytest.approx({"generate_s": 7.5, "update_s": 2.5})
     assert bootstrap.within_budget(run, None) is run and bootstrap.within_budget(run, 1e9).eval_steps.tolist() == \
         run.eval_steps.tolist()
     no_steps = compare.read_run(make_run(tmp_path, "evals-only", "GRPO", 1, evals))

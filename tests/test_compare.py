@@ -263,3 +263,8 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
         assert text.startswith("compare.py: error: ") and message in text and "\n" not in text
     assert run_cli(monkeypatch, [*runs, "--metric", "loss"]) == 2  # argparse: usage line, no traceback
     assert "invalid choice: 'loss'" in capsys.readouterr().err
+
+
+def test_the_plotted_band_stays_inside_0_and_1_and_is_the_mean_without_seeds():
+    low, high = compare.band_limits(np.array([0.1, 0.5, 0.95]), np.array([0.3, 0.2, np.nan]))
+    assert low == pytest.approx([0.0, 0.3, 0.95]) and high == pytest.approx([0.4, 0.7, 0.95])
