@@ -49,8 +49,9 @@ def on_axis(run, axis):
 def within_budget(run, budget_s):
     """The run as one of `--max-time-s budget_s` would have logged it: train.py does not start a step that would
     probably end past the budget (after step k when elapsed_k + duration_k > budget_s), so its steps up to there
-    (their per-phase clock too) and the evaluations made at those steps. (Such a run also evaluates after its last step; this one's last kept
-    evaluation is the one before.) Without step lines, the evaluations up to budget_s. None or 0: no budget."""
+    (their per-phase clock too) and the evaluations made at those steps. (Such a run also evaluates after its last
+    step; this one's last kept evaluation is the one before.) Without step lines, the evaluations up to budget_s.
+    None or 0: no budget."""
     if not budget_s:
         return run
     durations, phases = np.asarray(run.step_durations_s, dtype=float), run.step_phases_s
