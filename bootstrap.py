@@ -63,8 +63,7 @@ def within_budget(run, budget_s):
     else:
         keep = run.eval_times_s <= budget_s
     return dataclasses.replace(run, eval_times_s=run.eval_times_s[keep], eval_accuracy=run.eval_accuracy[keep],
-                               eval_steps=run.eval_steps[keep], step_durations_s=durations, step_phases_s=phases,
-                               phase_means_s=compare.phase_means(phases))
+                               eval_steps=run.eval_steps[keep], step_durations_s=durations, step_phases_s=phases)
 
 
 @dataclasses.dataclass

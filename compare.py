@@ -49,12 +49,16 @@ class RunData:
     eval_times_s: np.ndarray      # training wall-clock of each evaluation (eval/checkpoint time excluded)
     eval_accuracy: np.ndarray
     step_durations_s: np.ndarray  # wall-clock of each optimizer step, in step order
-    phase_means_s: dict           # mean generate_s / update_s / ... per step
+    step_phases_s: dict           # generate_s / update_s of each step, NaN where not logged
     skipped_lines: int = 0        # unreadable lines (e.g. a run killed mid-write)
     config: dict = field(default_factory=dict)
     nonfinite_evals: int = 0      # eval points left out: their time or value is not a finite number (NaN)
     eval_steps: np.ndarray = field(default_factory=lambda: np.empty(0))  # the step of each evaluation
-    step_phases_s: dict = field(default_factory=dict)  # generate_s / update_s of each step, NaN where not logged
+
+    @property
+    def phase_means_s(self):
+        """Mean seconds per step of each phase over the steps that logged it (derived: a cut run keeps it right)."""
+        return {k: float(np.nanmean(v)) for k, v in self.step_phases_s.items() if np.isfinite(v).any()}
 
 
 @dataclass
@@ -116,13 +120,8 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
                    for k in PHASES if any(_finite(r.get(k)) for r in steps)}
     return RunData(str(run_dir), method_label(config), config.get("seed"),
                    np.array([t for t, _, _ in finite], dtype=float), np.array([a for _, a, _ in finite], dtype=float),
-                   durations.astype(float), phase_means(step_phases), skipped, config, len(points) - len(finite),
-                   np.array([s for _, _, s in finite], dtype=float), step_phases)
-
-
-def phase_means(step_phases_s):
-    """Mean seconds per step of each phase over the steps that logged it."""
-    return {k: float(np.nanmean(v)) for k, v in step_phases_s.items() if np.isfinite(v).any()}
+                   durations.astype(float), step_phases, skipped, config, len(points) - len(finite),
+                   np.array([s for _, _, s in finite], dtype=float))
 
 
 def band_limits(mean, band):
