@@ -1,25 +1,37 @@
-"""Confidence intervals across seeds for the paper's comparison figures, by the bootstrap over seeds.
+"""Confidence intervals across seeds for the paper's comparison figures, by a paired bootstrap over seeds.
 
 Paper Appendix A.4 defines the speed-up: (time for the baseline to first reach 0.99x its own peak accuracy) /
 (time for the method to reach that same accuracy), on seed-mean curves; Fig. 4 draws those curves with 1.96-SE
-bands. compare.py computes the point figures; this module adds how sure they are: each method's seeds are
-resampled with replacement (independently per method: an arm with a failed seed still counts), the mean curves,
-the threshold and the figures are recomputed on every resample, and the 95% interval is the 2.5th and 97.5th
-percentile of the resampled values (actual resampled values, no interpolation between them). The generator is
-seeded, so the intervals are the same on every call. The same figures are computed on a second axis, the step
-(learning per step, independent of the machine's speed). study.py's PODS vs GRPO-GA study reports through here:
+bands. compare.py computes the point figures; this module adds how sure they are, on the clock and per optimizer
+step (learning per step, whatever the machine's speed). study.py's PODS vs GRPO-GA study reports through here:
 
     python bootstrap.py RUN_DIR... --baseline-label "GRPO 16/16" [--budget-s 900] [--plot P.png] [--table ga.md]
+    python bootstrap.py --from-data results/ga --baseline-label "GRPO 16/16"   (committed data, studydata.py)
 
-Definitions (documented, tested): a method's curve is compare.py's seed mean with linear interpolation, kept
-while every drawn seed has a value (compare.method_curve with min_seeds=0); peak = its maximum; final = the mean
-over seeds of each seed's last evaluation; a method that never reaches the threshold has speed-up 0 (time
-infinite) and one at 0 s has speed-up inf, so both still order the resamples; a resample where the speed-up is
-undefined (the baseline's peak is 0, or the baseline reaches its threshold at 0) is left out of the interval
-and counted. --budget-s reads every run as one with that --max-time-s would have logged it (`within_budget`),
-so runs given a longer budget than the rest are compared on the same footing. Simplification: the percentile
-bootstrap with 5 seeds slightly understates the spread (by about sqrt(4/5) for a mean), and cannot see beyond the
-seeds that were run.
+Method (documented, tested):
+- Paired by seed: a seed gives every arm the same prompts in the same order, so a resample draws seeds (with
+  replacement) and every arm uses the same drawn seeds; speed-ups and differences are computed inside the resample
+  from those paired arms. A seed an arm lacks (a failed run, a run without evaluation) is left out of that arm only.
+- The threshold is fixed before resampling: 0.99 x the peak of the baseline's seed-mean curve over all seeds.
+- Censoring: a mean curve (compare.py's seed mean, linear between evaluations, kept while every drawn seed has a
+  value) that never reaches the threshold has not reached it by the end of its curve E, so its speed-up is a bound,
+  T_b / T_m < T_b / E ("not reached (< 0.8x)"), never 0; a baseline that does not reach it gives the bound
+  T_m > ... the other way (speed-up > E_b / T_m). Each end of the 95% interval is the 2.5th (97.5th) percentile of
+  the resampled values, and where censored resamples sit at that percentile it is written as the bound it is
+  ("< 0.4"); the table gives the share of resamples whose curve reached the threshold. A resample where the ratio is
+  undefined (the baseline at the threshold at 0) is left out and counted.
+- Beside that knife-edged figure, the mean held-out accuracy over the window [S, H] (the area under the curve
+  divided by its width; each seed's curve linear between evaluations, i.e. the trapezoid rule, held at its last
+  evaluation past it): S is the latest first evaluation of any run (0 for train.py's step-0 evaluation), H the
+  budget (--budget-s) on the clock, otherwise the earliest last evaluation of any run (the range every run covers),
+  per step always the latter. Reported per arm and as the paired difference arm - baseline with its interval.
+- peak = maximum of the mean curve; final = mean of each seed's last evaluation. Percentiles are resampled values
+  (no interpolation); the generator is seeded, so the intervals are the same on every call. Speed-ups are printed
+  to 2 significant digits and accuracies to 2 decimals: with 5 seeds an interval's end moves by more than that
+  when the data are perturbed by a few percent (BENCHMARKS).
+--budget-s reads every run as one with that --max-time-s would have logged it (compare.within_budget); runs of
+different budgets are otherwise refused (compare.check_budgets). Simplification: the percentile bootstrap with 5
+seeds understates the spread somewhat (by about sqrt(4/5) for a mean), and cannot see beyond the seeds that were run.
 """
 
 import argparse
@@ -37,6 +49,7 @@ AXES = {"time": "training wall-clock (s)", "steps": "optimizer step"}
 RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 FRACTION = 0.99  # of the baseline's peak (Appendix A.4)
+within_budget = compare.within_budget  # a run read as one of a shorter --max-time-s
 
 
 def on_axis(run, axis):
@@ -46,74 +59,103 @@ def on_axis(run, axis):
     return run if axis == "time" else dataclasses.replace(run, eval_times_s=run.eval_steps.astype(float))
 
 
-def within_budget(run, budget_s):
-    """The run as one of `--max-time-s budget_s` would have logged it: train.py does not start a step that would
-    probably end past the budget (after step k when elapsed_k + duration_k > budget_s), so its steps up to there
-    (their per-phase clock too) and the evaluations made at those steps. (Such a run also evaluates after its last
-    step; this one's last kept evaluation is the one before.) Without step lines, the evaluations up to budget_s.
-    None or 0: no budget."""
-    if not budget_s:
-        return run
-    durations, phases = np.asarray(run.step_durations_s, dtype=float), run.step_phases_s
-    if len(durations):
-        over = np.nonzero(np.cumsum(durations) + durations > budget_s)[0]
-        last_step = int(over[0]) + 1 if len(over) else len(durations)
-        keep, durations = run.eval_steps <= last_step, durations[:last_step]
-        phases = {k: v[:last_step] for k, v in phases.items()}
-    else:
-        keep = run.eval_times_s <= budget_s
-    return dataclasses.replace(run, eval_times_s=run.eval_times_s[keep], eval_accuracy=run.eval_accuracy[keep],
-                               eval_steps=run.eval_steps[keep], step_durations_s=durations, step_phases_s=phases)
+def mean_accuracy(points, values, start, end):
+    """Mean of one curve over [start, end]: linear between evaluations (trapezoid rule), held at the first and
+    last evaluation outside them; the area under the curve divided by end - start (NaN for an empty window)."""
+    if not end > start:
+        return math.nan
+    inner = points[(points > start) & (points < end)]
+    grid = np.concatenate([[start], inner, [end]])
+    heights = np.interp(grid, points, values)
+    return float(np.sum((heights[1:] + heights[:-1]) / 2 * np.diff(grid)) / (end - start))
+
+
+def auc_window(runs, budget=None):
+    """[S, H] of the mean-accuracy figure: S the latest first evaluation, H the budget or else the earliest last
+    evaluation among the runs (all placed on one axis)."""
+    start = max(float(r.eval_times_s[0]) for r in runs)
+    end = float(budget) if budget else min(float(r.eval_times_s[-1]) for r in runs)
+    return start, end
 
 
 @dataclasses.dataclass
 class SeedGrid:
-    """One method's seeds on the union of their evaluation points: the rows a resample draws from."""
+    """One arm's seeds on the union of their evaluation points: the rows a resample draws from."""
+    rows: dict            # {index in the study's seed list: row}
     points: np.ndarray    # the union of every seed's evaluation times (or steps)
-    values: np.ndarray    # seeds x points, NaN outside a seed's own [first, last] evaluation
-    final: np.ndarray     # each seed's last evaluation
+    values: np.ndarray    # rows x points, NaN outside a seed's own [first, last] evaluation
+    final: np.ndarray     # each row's last evaluation
+    mean_accuracy: np.ndarray  # each row's mean accuracy over the window
+
+    def drawn(self, seed_indices):
+        """This arm's rows of the drawn seeds (with repeats), the seeds it lacks left out."""
+        return np.array([self.rows[i] for i in seed_indices if i in self.rows], dtype=int)
 
 
-def seed_grid(runs, axis="time"):
-    runs = [on_axis(r, axis) for r in runs if len(r.eval_times_s)]
+def seed_grid(runs, seeds, window):
+    """runs: this arm's runs with evaluations (already on one axis); seeds: the study's seed list."""
     if not runs:
-        return SeedGrid(np.empty(0), np.empty((0, 0)), np.empty(0))
+        return SeedGrid({}, np.empty(0), np.empty((0, 0)), np.empty(0), np.empty(0))
     points = np.unique(np.concatenate([r.eval_times_s for r in runs]))
     values = np.stack([compare.values_on_grid(r.eval_times_s, r.eval_accuracy, points) for r in runs])
-    return SeedGrid(points, values, np.array([r.eval_accuracy[-1] for r in runs]))
+    return SeedGrid({seeds.index(r.seed): row for row, r in enumerate(runs)}, points, values,
+                    np.array([r.eval_accuracy[-1] for r in runs]),
+                    np.array([mean_accuracy(r.eval_times_s, r.eval_accuracy, *window) for r in runs]))
 
 
 def mean_curve(grid, rows):
-    """(points, mean) of the drawn seeds (row indices), where every one of them has a value. The union grid of
-    all seeds holds each drawn seed's own points, and a point more on a straight segment changes neither the
-    curve's crossings nor its peak, so this is compare.method_curve's mean of the drawn seeds."""
+    """(points, mean) of the drawn rows, where every one of them has a value. The union grid of all seeds holds
+    each drawn seed's own points, and a point more on a straight segment changes neither the curve's crossings nor
+    its peak, so this is compare.method_curve's mean of the drawn seeds."""
     values = grid.values[rows]
     keep = ~np.isnan(values).any(axis=0)
     return grid.points[keep], values[:, keep].mean(axis=0)
 
 
-def speedup(base_time, time):
-    """T_baseline / T_method; 0 when the method never reaches the threshold, NaN when the ratio is undefined."""
-    if base_time is None or base_time == 0:
-        return math.nan
-    if time is None:
-        return 0.0
-    return math.inf if time == 0 else base_time / time
+def speedup_bounds(base_time, base_end, time, end):
+    """(low, high) of T_b / T_m from the two curves' first times at the threshold (None: not reached by the curve's
+    end); equal ends when both reached, NaN when undefined (T_b = 0: the ratio says nothing about speed)."""
+    if base_time == 0:
+        return math.nan, math.nan
+    if time == 0:
+        return math.inf, math.inf
+    if base_time is not None and time is not None:
+        return base_time / time, base_time / time
+    if time is not None:  # the baseline's curve never got there: T_b > its end
+        return base_end / time, math.inf
+    high = base_time / end if base_time is not None and end > 0 else math.inf  # T_m > the method's curve's end
+    return 0.0, high
 
 
-def figures(grids, rows, baseline_label, fraction=FRACTION):
-    """{label: {peak, final, threshold_at, speedup}} for the drawn seeds of each method ({label: row indices})."""
-    curves = {label: mean_curve(grids[label], rows[label]) for label in grids}
-    base_points, base_mean = curves[baseline_label]
-    base_peak = float(np.max(base_mean)) if len(base_mean) else math.nan
-    threshold = fraction * base_peak
-    base_time = compare.first_time_reaching(base_points, base_mean, threshold) if base_peak > 0 else None
+def figures(grids, drawn, baseline_label, threshold):
+    """{label: figures} for one draw of seed indices; every arm paired on the same seeds."""
     result = {}
-    for label, (points, mean) in curves.items():
-        reached = compare.first_time_reaching(points, mean, threshold) if base_peak > 0 and len(mean) else None
-        result[label] = {"peak": float(np.max(mean)) if len(mean) else math.nan,
-                         "final": float(np.mean(grids[label].final[rows[label]])) if len(rows[label]) else math.nan,
-                         "threshold": threshold, "threshold_at": reached, "speedup": speedup(base_time, reached)}
+    for label, grid in grids.items():
+        rows = grid.drawn(drawn)
+        if not len(rows):
+            result[label] = None
+            continue
+        points, mean = mean_curve(grid, rows)
+        if not len(mean):  # the drawn seeds' evaluations do not overlap: no mean curve
+            result[label] = None
+            continue
+        reached = compare.first_time_reaching(points, mean, threshold) if math.isfinite(threshold) else None
+        result[label] = {"peak": float(np.max(mean)), "final": float(np.mean(grid.final[rows])),
+                         "mean_accuracy": float(np.mean(grid.mean_accuracy[rows])), "threshold_at": reached,
+                         "curve_end": float(points[-1])}
+    base = result[baseline_label]
+    for label, values in result.items():
+        if values is None:
+            continue
+        if base is None or not math.isfinite(threshold):
+            values.update(speedup=(math.nan, math.nan), mean_accuracy_difference=math.nan)
+            continue
+        if label == baseline_label:  # paired with itself: 1 whenever the ratio is defined
+            bounds = (math.nan, math.nan) if base["threshold_at"] == 0 else (1.0, 1.0)
+        else:
+            bounds = speedup_bounds(base["threshold_at"], base["curve_end"], values["threshold_at"],
+                                    values["curve_end"])
+        values.update(speedup=bounds, mean_accuracy_difference=values["mean_accuracy"] - base["mean_accuracy"])
     return result
 
 
@@ -127,69 +169,195 @@ def interval(values):
     return float(low), float(high), len(values) - len(defined)
 
 
+def bounded_interval(bounds):
+    """The 95% interval of resampled values known as (low, high) bounds (censored ones), each end itself a range:
+    {"low": (a, b), "high": (c, d), "undefined": n, "censored": k}. The 2.5th percentile of the true values lies
+    between the 2.5th percentiles of the lows and of the highs (and the 97.5th alike)."""
+    bounds = np.asarray(bounds, dtype=float).reshape(-1, 2)
+    defined = bounds[~np.isnan(bounds[:, 0])]
+    if not len(defined):
+        return {"low": (math.nan, math.nan), "high": (math.nan, math.nan), "undefined": len(bounds), "censored": 0}
+    ends = [tuple(float(np.quantile(defined[:, side], q, method="inverted_cdf")) for side in (0, 1))
+            for q in (0.025, 0.975)]
+    return {"low": ends[0], "high": ends[1], "undefined": len(bounds) - len(defined),
+            "censored": int(np.sum(defined[:, 0] != defined[:, 1]))}
+
+
 def bootstrap(runs_by_label, baseline_label, axis="time", resamples=RESAMPLES, seed=BOOTSTRAP_SEED,
-              fraction=FRACTION):
-    """Per method: the point figures on all its seeds, and a 95% interval for peak, final and speed-up."""
+              fraction=FRACTION, budget=None):
+    """Per arm: the point figures on all seeds, and 95% paired-bootstrap intervals for peak, final, mean accuracy
+    over the window, its difference from the baseline, and the speed-up. budget: H of the window (see the module
+    docstring); give it on the clock axis only."""
     if baseline_label not in runs_by_label:
         raise ValueError(f"baseline {baseline_label!r} is not among the methods {sorted(runs_by_label)}")
-    grids = {label: seed_grid(runs, axis) for label, runs in runs_by_label.items()}
-    point = figures(grids, {label: np.arange(len(g.final)) for label, g in grids.items()}, baseline_label, fraction)
+    evaluated = {label: [on_axis(r, axis) for r in runs if len(r.eval_times_s)] for label, runs in
+                 runs_by_label.items()}
+    if not evaluated[baseline_label]:
+        raise ValueError(f"the baseline {baseline_label!r} has no run with an evaluation: nothing to compare against")
+    for label, runs in evaluated.items():
+        seeds = [r.seed for r in runs]
+        if len(set(map(str, seeds))) < len(seeds):
+            raise ValueError(f"{label}: two runs of one seed ({', '.join(r.run_dir for r in runs)}); pairing by seed "
+                             "needs one run per seed and arm")
+    seeds = list(dict.fromkeys(r.seed for runs in evaluated.values() for r in runs))
+    window = auc_window([r for runs in evaluated.values() for r in runs], budget)
+    grids = {label: seed_grid(runs, seeds, window) for label, runs in evaluated.items()}
+    base_points, base_mean = mean_curve(grids[baseline_label], grids[baseline_label].drawn(range(len(seeds))))
+    peak = float(np.max(base_mean)) if len(base_mean) else math.nan
+    threshold = fraction * peak if peak > 0 else math.nan  # fixed from here on
+    point = figures(grids, range(len(seeds)), baseline_label, threshold)
     rng = np.random.default_rng(seed)
-    drawn = {label: {key: [] for key in ("peak", "final", "speedup")} for label in grids}
+    keys = ("peak", "final", "mean_accuracy", "mean_accuracy_difference")
+    drawn = {label: {key: [] for key in (*keys, "speedup", "reached")} for label in grids}
     for _ in range(resamples):
-        rows = {label: rng.integers(len(g.final), size=len(g.final)) if len(g.final) else np.empty(0, int)
-                for label, g in grids.items()}
-        for label, values in figures(grids, rows, baseline_label, fraction).items():
+        for label, values in figures(grids, rng.integers(len(seeds), size=len(seeds)), baseline_label,
+                                     threshold).items():
             for key in drawn[label]:
-                drawn[label][key].append(values[key])
-    return {label: dict(point[label], seeds=len(grids[label].final), axis=axis, resamples=resamples,
-                        **{f"{key}_ci": interval(values) for key, values in drawn[label].items()})
-            for label in grids}
+                if values is None:
+                    drawn[label][key].append((math.nan, math.nan) if key == "speedup" else math.nan)
+                elif key == "reached":
+                    drawn[label][key].append(float(values["threshold_at"] is not None))
+                else:
+                    drawn[label][key].append(values[key])
+    result = {}
+    for label, runs in runs_by_label.items():
+        counts = {"runs": len(runs), "seeds": len(evaluated[label]), "axis": axis, "resamples": resamples,
+                  "threshold": threshold, "window": window}
+        if point[label] is None:  # no run of this arm has an evaluation
+            result[label] = dict(counts, missing=True)
+            continue
+        reached = np.array(drawn[label]["reached"])
+        result[label] = dict(point[label], **counts, missing=False, reached_share=float(np.nanmean(reached)),
+                             speedup_ci=bounded_interval(drawn[label]["speedup"]),
+                             **{f"{key}_ci": interval(drawn[label][key]) for key in keys})
+    return result
 
 
-def _ci(low_high_left, digits):
+def _sig(value, digits=2):
+    """A speed-up or its bound to `digits` significant digits (1.9, 0.84, 12, 150)."""
+    if math.isinf(value):
+        return "inf"
+    if value == 0:
+        return "0"
+    text = f"{value:#.{digits}g}".rstrip(".")
+    return f"{value:.0f}" if "e" in text else text
+
+
+def _acc(value, digits=2):
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _signed(value):
+    return "-" if math.isnan(value) else f"{value:+.2f}".replace("-0.00", "+0.00")
+
+
+def _ci(low_high_left, number=_acc):
     low, high, left_out = low_high_left
     if math.isnan(low):
         return "undefined"
-    return f"[{_number(low, digits)}, {_number(high, digits)}]" + (f" ({left_out} undefined)" if left_out else "")
+    return f"[{number(low)}, {number(high)}]" + (f" ({left_out} undefined)" if left_out else "")
 
 
-def _number(value, digits):
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return "inf" if value == math.inf else f"{value:.{digits}f}"
+def _end(low, high):
+    """One end of a speed-up interval from the range it is known to lie in."""
+    if low == high:
+        return _sig(low)
+    if low == 0 and math.isinf(high):  # censored both ways there: neither curve reached the threshold
+        return "?"
+    if low == 0:
+        return f"< {_sig(high)}"
+    if math.isinf(high):
+        return f"> {_sig(low)}"
+    return f"{_sig(low)}-{_sig(high)}"
 
 
-def _speedup_text(value):
-    if math.isnan(value):
-        return "undefined"
-    return "not reached" if value == 0 else f"{_number(value, 2)}x"
+def speedup_text(figure):
+    """The point speed-up and its interval: 'not reached (< 0.83x) [< 0.40, 2.1]'."""
+    low, high = figure["speedup"]
+    if math.isnan(low):
+        point = "undefined"
+    elif low == high:
+        point = f"{_sig(low)}x"
+    elif low == 0 and math.isinf(high):
+        point = "neither reached"
+    elif low == 0:
+        point = f"not reached (< {_sig(high)}x)"
+    else:
+        point = f"> {_sig(low)}x (baseline not reached)"
+    ci = figure["speedup_ci"]
+    if math.isnan(ci["low"][0]):
+        return f"{point} undefined"
+    left_out = f" ({ci['undefined']} undefined)" if ci["undefined"] else ""
+    return f"{point} [{_end(*ci['low'])}, {_end(*ci['high'])}]{left_out}"
 
 
-def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy"):
-    """The study's table: per method, the clock (per-step generate / update), peak and final accuracy, and the
-    speed-up on the time and the step axis, each with its 95% bootstrap interval."""
-    first = next(iter(by_axis["time"].values()))
-    lines = [f"Held-out {metric}, mean over seeds [95% bootstrap interval over seeds, {first['resamples']} "
-             f"resamples, seed {BOOTSTRAP_SEED}]. Baseline: {baseline_label}; threshold = {FRACTION} x its peak "
-             f"({_number(by_axis['time'][baseline_label]['threshold'], 3)} on the time axis, "
-             f"{_number(by_axis['steps'][baseline_label]['threshold'], 3)} on the step axis). Speed-up = baseline's "
-             "time (steps) to the threshold / the method's; 'not reached' counts as 0x in the interval.", "",
-             "| method | seeds | steps per run | generate / update / step (s) | peak | final | time to threshold (s) "
-             "| speed-up (time) | steps to threshold | speed-up (steps) |",
-             "|---|---:|---|---|---|---|---:|---|---:|---|"]
+def axis_table(figures_by_label, runs_by_label, baseline_label, axis, clock=None):
+    """One axis's markdown table: per arm its runs, clock, peak, final, the threshold crossing and speed-up, and the
+    mean accuracy over the window with its paired difference from the baseline."""
+    unit = "s" if axis == "time" else "steps"
+    first = figures_by_label[baseline_label]
+    start, end = first["window"]
+    lines = [f"| method | seeds | steps per run | generate / update / step (s) | peak | final | {unit} to threshold "
+             f"| reached in | speed-up ({'time' if axis == 'time' else 'steps'}) | mean accuracy, {_fmt_x(start)}-"
+             f"{_fmt_x(end)} {unit} | difference from {baseline_label} |",
+             "|---|---|---|---|---|---|---:|---:|---|---|---|"]
     for label, runs in runs_by_label.items():
-        time, steps = by_axis["time"][label], by_axis["steps"][label]
-        clock = [np.mean([r.phase_means_s.get(k, math.nan) for r in runs]) for k in compare.PHASES]
-        durations = [d for r in runs for d in r.step_durations_s]
-        clock.append(np.mean(durations) if durations else math.nan)
-        lines.append(
-            f"| {label} | {time['seeds']} | {','.join(str(len(r.step_durations_s)) for r in runs)} "
-            f"| {' / '.join(_number(float(c), 1) for c in clock)} "
-            f"| {_number(time['peak'], 3)} {_ci(time['peak_ci'], 3)} | {_number(time['final'], 3)} "
-            f"{_ci(time['final_ci'], 3)} | {_number(time['threshold_at'], 0)} | {_speedup_text(time['speedup'])} "
-            f"{_ci(time['speedup_ci'], 2)} | {_number(steps['threshold_at'], 1)} | {_speedup_text(steps['speedup'])} "
-            f"{_ci(steps['speedup_ci'], 2)} |")
+        f = figures_by_label[label]
+        without = f["runs"] - f["seeds"]
+        seeds = f"{f['seeds']}" + (f" ({without} of {f['runs']} runs without evaluation)" if without else "")
+        steps = ",".join(str(len(r.step_durations_s)) for r in runs)
+        cells = [label, seeds, steps, _clock(runs, (clock or {}).get(label))]
+        if f["missing"]:
+            lines.append("| " + " | ".join(cells + ["missing: no evaluation"] + ["-"] * 6) + " |")
+            continue
+        at = "not reached" if f["threshold_at"] is None else _fmt_x(f["threshold_at"], axis)
+        difference = "-" if label == baseline_label else \
+            f"{_signed(f['mean_accuracy_difference'])} {_ci(f['mean_accuracy_difference_ci'], _signed)}"
+        cells += [f"{_acc(f['peak'])} {_ci(f['peak_ci'])}", f"{_acc(f['final'])} {_ci(f['final_ci'])}", at,
+                  f"{100 * f['reached_share']:.0f}%", speedup_text(f),
+                  f"{_acc(f['mean_accuracy'])} {_ci(f['mean_accuracy_ci'])}", difference]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _fmt_x(value, axis="time"):
+    return f"{value:.0f}" if axis == "time" or float(value).is_integer() else f"{value:.1f}"
+
+
+def _clock(runs, recorded=None):
+    """generate / update / step seconds per step, mean over the arm's runs' steps; `recorded` ({generate_s,
+    update_s, step_s}) stands in where the runs' step times were not kept."""
+    durations = [d for r in runs for d in r.step_durations_s if math.isfinite(d)]
+    if not durations:
+        if not recorded:
+            return "not recorded"
+        return " / ".join(_acc(recorded.get(k, math.nan), 1) for k in (*compare.PHASES, "step_s")) + " (arm mean)"
+    phases = [[r.phase_means_s[k] for r in runs if k in r.phase_means_s] for k in compare.PHASES]
+    return " / ".join(_acc(float(np.mean(p)) if p else math.nan, 1) for p in phases) + \
+        f" / {_acc(float(np.mean(durations)), 1)}"
+
+
+def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", clock=None):
+    """The study's tables, per step and on the clock (an axis without recorded times says so in one line)."""
+    known = next(iter(v for v in by_axis.values() if v))
+    first = known[baseline_label]
+    lines = [f"Held-out {metric}: paired bootstrap over seeds ({first['resamples']} resamples, seed "
+             f"{BOOTSTRAP_SEED}; every arm drawn on the same seeds), 95% intervals in brackets. Baseline: "
+             f"{baseline_label}; threshold = {FRACTION} x its peak over all seeds, fixed before resampling. Speed-up = the baseline's "
+             "time (steps) to the threshold / the arm's; an arm whose curve ends below it has not reached it by that "
+             "end, a bound (< x), never 0x; an interval end written '< x' ('> x') has censored resamples there, '?' "
+             "resamples where neither curve reached it; 'reached in': share of resamples whose mean curve reaches the threshold. Mean accuracy: area under each seed's "
+             "curve (trapezoid rule, held at its last evaluation) over the window, divided by its width; difference: "
+             "paired, arm - baseline."]
+    for axis, title in (("steps", "Per optimizer step"), ("time", "On the clock (training wall-clock)")):
+        figures_by_label = by_axis.get(axis)
+        lines += ["", f"{title}:", ""]
+        if not figures_by_label:
+            lines.append("not recorded: the evaluations' training seconds were not kept for every run.")
+            continue
+        threshold = figures_by_label[baseline_label]["threshold"]
+        lines += [f"threshold {_acc(threshold, 3)}.", ""]
+        lines += axis_table(figures_by_label, runs_by_label, baseline_label, axis, clock)
     return "\n".join(lines)
 
 
@@ -200,6 +368,9 @@ def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
     longest_s = max((r.eval_times_s[-1] for runs in runs_by_label.values() for r in runs if len(r.eval_times_s)),
                     default=0)
     for panel, axis in zip(panels, AXES):
+        if not by_axis.get(axis):
+            panel.set_title(f"{AXES[axis]}: not recorded")
+            continue
         scale = 60.0 if axis == "time" and longest_s > 600 else 1.0  # long runs in minutes
         for label, runs in runs_by_label.items():
             curve = compare.method_curve(label, [on_axis(r, axis) for r in runs], min_seeds=0)
@@ -215,43 +386,70 @@ def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
     compare.save_figure(fig, path, title)
 
 
-def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES,
-           budget_s=None):
-    """Read the runs (compare.py's rules; each cut to budget_s of training, `within_budget`), group them by
-    method, bootstrap both axes; returns ({axis: {label: figures}}, markdown table) and draws the plot when
-    plot_path is given."""
-    runs = [within_budget(compare.read_run(path, metric=metric), budget_s)
-            for path in compare.expand_run_dirs(run_dirs)]
+def report_runs(runs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES,
+                budget_s=None, clock=None):
+    """Group runs (compare.RunData, each already cut to its budget) by method and bootstrap both axes; the clock
+    axis is left out (None) when some evaluation's training seconds are not recorded. Returns (by_axis, table)."""
     if not runs:
         raise ValueError("no runs to compare")
+    if not any(len(r.eval_accuracy) for r in runs):
+        raise ValueError(f"none of the {len(runs)} runs has an evaluation (no eval lines in metrics.jsonl: stopped "
+                         "before the first --eval-interval?); nothing to report")
     runs_by_label = {}
     for run in runs:
         runs_by_label.setdefault(run.label, []).append(run)
-    by_axis = {axis: bootstrap(runs_by_label, baseline_label, axis, resamples) for axis in AXES}
-    table = markdown_table(by_axis, runs_by_label, baseline_label, metric)
-    differences = compare.config_differences(runs)
-    table += "".join(f"\n- settings differ between runs: {d}" for d in differences)
+    timed = all(np.isfinite(r.eval_times_s).all() for r in runs)
+    by_axis = {"time": bootstrap(runs_by_label, baseline_label, "time", resamples, budget=budget_s) if timed else None,
+               "steps": bootstrap(runs_by_label, baseline_label, "steps", resamples)}
+    table = markdown_table(by_axis, runs_by_label, baseline_label, metric, clock)
+    table += "".join(f"\n- settings differ between runs: {d}" for d in compare.config_differences(runs))
     if plot_path:
         plot(runs_by_label, by_axis, plot_path, title, metric)
     return by_axis, table
 
 
+def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES,
+           budget_s=None):
+    """Read the run folders (compare.py's rules; runs of different budgets refused unless budget_s, to which each
+    is cut: `within_budget`) and report them (`report_runs`); draws the plot when plot_path is given."""
+    runs = [compare.read_run(path, metric=metric) for path in compare.expand_run_dirs(run_dirs)]
+    compare.check_budgets(runs, budget_s)
+    return report_runs([within_budget(r, budget_s) for r in runs], baseline_label, plot_path, title, metric,
+                       resamples, budget_s)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="bootstrap.py", description="peak, final accuracy and speed-up with "
-                                     "95% bootstrap intervals over seeds, on the time and the step axis")
-    parser.add_argument("run_dirs", nargs="+")
+    import studydata
+
+    parser = argparse.ArgumentParser(prog="bootstrap.py", description="peak, final and mean accuracy and the "
+                                     "speed-up with paired 95% bootstrap intervals over seeds, per step and on "
+                                     "the clock")
+    parser.add_argument("run_dirs", nargs="+", help="run folders (or folders of them); with --from-data, data "
+                        "files (studydata.py) or folders of them")
+    parser.add_argument("--from-data", action="store_true", help="read committed data files, not run folders")
     parser.add_argument("--baseline-label", required=True, help='e.g. "GRPO 16/16"')
     parser.add_argument("--plot", help="PNG path")
     parser.add_argument("--table", help="also write the markdown table here")
     parser.add_argument("--json", help="also write the figures as JSON")
+    parser.add_argument("--export-data", metavar="DIR", help="also write each run's data file (studydata.py) here")
     parser.add_argument("--metric", choices=compare.METRICS, default="accuracy")
     parser.add_argument("--resamples", type=int, default=RESAMPLES)
     parser.add_argument("--title")
     parser.add_argument("--budget-s", type=float, help="read every run as one with this --max-time-s (a run given "
                         "a longer budget: its steps and evaluations past it left out)")
     args = parser.parse_args(argv)
-    by_axis, table = report(args.run_dirs, args.baseline_label, args.plot, args.title, args.metric, args.resamples,
-                            args.budget_s)
+    if args.from_data and args.export_data:
+        parser.error("--export-data writes data files from run folders: it cannot be given with --from-data")
+    if args.from_data:
+        runs, clock = studydata.read_study(args.run_dirs, args.metric)
+        compare.check_budgets(runs, args.budget_s)
+        by_axis, table = report_runs([within_budget(r, args.budget_s) for r in runs], args.baseline_label,
+                                     args.plot, args.title, args.metric, args.resamples, args.budget_s, clock)
+    else:
+        by_axis, table = report(args.run_dirs, args.baseline_label, args.plot, args.title, args.metric,
+                                args.resamples, args.budget_s)
+    if args.export_data:
+        studydata.export_runs(args.run_dirs, args.export_data, args.metric)
     print(table)
     if args.table:
         Path(args.table).write_text(table + "\n")

@@ -4,7 +4,7 @@ Paper §4 figures: held-out accuracy against training wall-clock time, mean over
 Appendix A.4: speed-up = (time for the baseline to first reach 0.99x its own peak accuracy) / (time for the
 method to reach that same accuracy). study.py runs the down-sampling-rule and n/m studies and calls this.
 
-    python compare.py RUN_DIR... --plot out.png [--table out.md] [--baseline-label "GRPO 4/4"]
+    python compare.py RUN_DIR... --plot out.png [--table out.md] [--baseline-label "GRPO 4/4"] [--budget-s S]
 
 With a single method (e.g. the one demo run) the curve and the table come without a speed-up.
 
@@ -15,6 +15,9 @@ the union of its seeds' eval times; outside a seed's own [first, last] eval time
 where too few seeds remain). Band = mean +- 1.96 * sample-std / sqrt(k) over the k seeds present; one seed
 gives no band. Threshold crossing times are interpolated the same way as the curve. What is left out (runs
 without evals, unreadable lines, eval points whose time or value is not a finite number) is listed under the table.
+Runs of different budgets (config max_time_s / max_steps) are not pooled: refused, unless --budget-s S reads every
+run as one of S seconds of training (`within_budget`; a run trained for less than S, or runs of different step
+limits, still refused).
 """
 
 import argparse
@@ -22,7 +25,7 @@ import json
 import math
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +125,59 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
                    np.array([t for t, _, _ in finite], dtype=float), np.array([a for _, a, _ in finite], dtype=float),
                    durations.astype(float), step_phases, skipped, config, len(points) - len(finite),
                    np.array([s for _, _, s in finite], dtype=float))
+
+
+def within_budget(run, budget_s):
+    """The run as one of `--max-time-s budget_s` would have logged it: train.py does not start a step that would
+    probably end past the budget (after step k when elapsed_k + duration_k > budget_s), so its steps up to there
+    (their per-phase clock too) and the evaluations made at those steps. (Such a run also evaluates after its last
+    step; this one's last kept evaluation is the one before.) Without step lines, the evaluations up to budget_s.
+    None or 0: no budget. A run whose step times or evaluation times are not recorded cannot be cut: refused."""
+    if not budget_s:
+        return run
+    durations, phases = np.asarray(run.step_durations_s, dtype=float), run.step_phases_s
+    if len(durations) and np.isfinite(durations).all():
+        over = np.nonzero(np.cumsum(durations) + durations > budget_s)[0]
+        last_step = int(over[0]) + 1 if len(over) else len(durations)
+        keep, durations = run.eval_steps <= last_step, durations[:last_step]
+        phases = {k: v[:last_step] for k, v in phases.items()}
+    elif not len(durations) and np.isfinite(run.eval_times_s).all():
+        keep = run.eval_times_s <= budget_s
+    else:
+        raise ValueError(f"{run.run_dir}: its step or evaluation times are not recorded, so it cannot be cut to a "
+                         f"budget of {budget_s:g} s (leave out --budget-s)")
+    return replace(run, eval_times_s=run.eval_times_s[keep], eval_accuracy=run.eval_accuracy[keep],
+                   eval_steps=run.eval_steps[keep], step_durations_s=durations, step_phases_s=phases)
+
+
+def _budget(run):
+    """(max_time_s, max_steps) of the run's config; 0 = no limit (as train.py reads it)."""
+    return tuple(float(run.config.get(key) or 0) for key in ("max_time_s", "max_steps"))
+
+
+def check_budgets(runs, budget_s=None):
+    """Refuse to pool runs trained to different budgets (a 180 s and a 600 s run are not two seeds of one curve, and
+    arms of different budgets are not on the same footing). With budget_s every run is read as one of budget_s
+    seconds: each must have trained at least that long, and all to the same step limit."""
+    def listing(key_of):
+        groups = {}
+        for run in runs:
+            groups.setdefault(key_of(run), []).append(Path(run.run_dir).name)
+        return groups, "; ".join(f"{key}: {', '.join(names)}" for key, names in groups.items())
+
+    if budget_s:
+        short = [f"{Path(r.run_dir).name} ({_budget(r)[0]:g} s)" for r in runs if 0 < _budget(r)[0] < budget_s]
+        if short:
+            raise ValueError(f"--budget-s {budget_s:g}: runs trained for less cannot be read as runs of that budget: "
+                             f"{', '.join(short)}")
+        groups, text = listing(lambda r: f"max_steps {_budget(r)[1]:g}")
+        if len(groups) > 1:
+            raise ValueError(f"runs of different step limits (--budget-s cuts the clock, not the steps): {text}")
+        return
+    groups, text = listing(lambda r: f"max_time_s {_budget(r)[0]:g}, max_steps {_budget(r)[1]:g}")
+    if len(groups) > 1:
+        raise ValueError(f"runs of different budgets are not pooled as seeds: {text}. Pass --budget-s S to read "
+                         "every run as one of S seconds of training, or compare them apart")
 
 
 def band_limits(mean, band):
@@ -312,10 +368,11 @@ def expand_run_dirs(paths):
 
 
 def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval_file=None, plot=None,
-            title=None, metric="accuracy"):
+            title=None, metric="accuracy", budget_s=None):
     """Read runs, group seeds by label, build curves, and return (rows, markdown table).
 
-    A folder that is not a run but holds runs (e.g. a study's --out) stands for all of them."""
+    A folder that is not a run but holds runs (e.g. a study's --out) stands for all of them. Runs of different
+    budgets are refused (`check_budgets`) unless budget_s reads each as a run of that budget (`within_budget`)."""
     runs, problems = [], []
     for run_dir in expand_run_dirs(run_dirs):
         try:
@@ -327,6 +384,8 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
     settings = Counter(f"{r.config.get('preset')} ({r.config.get('dataset')}, {r.config.get('model')})" for r in runs)
     if len(settings) > 1:  # seeds of one label on two datasets are not one method's curve
         raise ValueError(f"runs of different presets, datasets or models (compare them apart): {dict(settings)}")
+    check_budgets(runs, budget_s)
+    runs = [within_budget(r, budget_s) for r in runs]
     problems += [f"- {r.run_dir}: {r.skipped_lines} unreadable metrics lines skipped" for r in runs if r.skipped_lines]
     problems += [f"- {r.run_dir}: {r.nonfinite_evals} eval points left out, their time or {metric} not a finite number"
                  for r in runs if r.nonfinite_evals]
@@ -360,6 +419,8 @@ def main(argv=None):
     parser.add_argument("--metric", choices=METRICS, default="accuracy",
                         help="held-out metric to compare (both_accuracy = correct and well-formatted)")
     parser.add_argument("--title")
+    parser.add_argument("--budget-s", type=float, help="read every run as one of this --max-time-s (runs of "
+                        "different budgets are otherwise refused)")
     args = vars(parser.parse_args(argv))
     table_path, json_path = args.pop("table"), args.pop("json")
     rows, table = compare(**args)  # every other flag is one of compare()'s arguments

@@ -1,5 +1,6 @@
-"""bootstrap.py: the 95% intervals over seeds of the speed-up (Appendix A.4), peak and final accuracy, on the time
-and the step axis, checked against hand-computed cases; never-reached and undefined speed-ups; the plot and CLI."""
+"""bootstrap.py: the paired 95% intervals over seeds of the speed-up (Appendix A.4), peak, final and mean accuracy
+on the time and the step axis, checked against hand-computed cases: pairing by seed, the fixed threshold, censored
+("not reached") speed-ups, the mean-accuracy difference, runs without evaluations; the plot and CLI."""
 
 import json
 import math
@@ -18,64 +19,137 @@ def runs_by_label(root, spec):
                     for seed, points in enumerate(seeds)] for label, seeds in spec.items()}
 
 
-def test_interval_matches_a_hand_computed_bootstrap(tmp_path):
-    """Baseline: one seed reaching 0.5 at t = 100 (evaluations every 5 s), so its threshold 0.495 is crossed at
-    t = 99 on every resample. Method: seed A reaches 0.5 at 50 s (crosses at 49.5), seed B at 25 s (24.75).
-    A resample of the method's two seeds is AA (p 1/4, 99/49.5 = 2x), BB (1/4, 99/24.75 = 4x) or AB (1/2: the mean
-    is 0.475 at 45 s and 0.5 at 50 s, crossing at 49 s, 99/49 = 2.0204x); the 2.5th and 97.5th percentiles of
-    2000 resamples are therefore AA's and BB's values, and the point estimate (both seeds) is AB's."""
-    runs = runs_by_label(tmp_path, {"GRPO": [ramp(0.5, 100, every_s=5)],
+def test_resamples_are_paired_by_seed(tmp_path):
+    """Seed 1's prompts are easier for every arm: the baseline reaches 0.5 at 100 s (seed 0) and 50 s (seed 1), the
+    method at 50 s and 25 s, twice as fast on each seed. Paired, every resample ({0, 0}: 99/49.5, {1, 1}: 49.5/24.75,
+    {0, 1}: 98/49) gives 2x, so the interval is [2, 2]; resampled arm by arm it would mix seed 0's baseline with seed
+    1's method (99/24.75 = 4x) and spread from 1x to 4x. The threshold is 0.99 x the peak over both seeds, 0.495."""
+    runs = runs_by_label(tmp_path, {"GRPO": [ramp(0.5, 100, every_s=5), ramp(0.5, 50, every_s=5)],
                                     "PODS": [ramp(0.5, 50, every_s=5), ramp(0.5, 25, every_s=5)]})
     result = bootstrap.bootstrap(runs, "GRPO")
-    assert result["GRPO"]["threshold_at"] == pytest.approx(99.0) and result["GRPO"]["speedup"] == pytest.approx(1.0)
-    assert result["GRPO"]["speedup_ci"] == pytest.approx((1.0, 1.0, 0))
     pods = result["PODS"]
-    assert pods["threshold_at"] == pytest.approx(49.0) and pods["speedup"] == pytest.approx(99 / 49)
-    assert pods["speedup_ci"] == pytest.approx((2.0, 4.0, 0))
-    assert pods["peak"] == pytest.approx(0.5) and pods["peak_ci"] == pytest.approx((0.5, 0.5, 0))
+    assert result["GRPO"]["threshold"] == pytest.approx(0.495) and result["GRPO"]["threshold_at"] == pytest.approx(98)
+    assert pods["threshold_at"] == pytest.approx(49.0) and pods["speedup"] == pytest.approx((2.0, 2.0))
+    assert pods["speedup_ci"]["low"] == pytest.approx((2.0, 2.0)) and pods["speedup_ci"]["high"] == \
+        pytest.approx((2.0, 2.0)) and pods["speedup_ci"]["censored"] == 0 and pods["reached_share"] == 1.0
+    assert result["GRPO"]["speedup"] == (1.0, 1.0)
     # compare.py's point figures on the same runs agree with the bootstrap's all-seeds estimate.
     rows = compare.speedup_rows([compare.method_curve(label, r, min_seeds=0) for label, r in runs.items()], "GRPO")
-    assert rows[1]["time_to_threshold_s"] == pytest.approx(pods["threshold_at"])
-    assert rows[1]["speedup"] == f"{99 / 49:.2f}x"
+    assert rows[1]["time_to_threshold_s"] == pytest.approx(pods["threshold_at"]) and rows[1]["speedup"] == "2.00x"
+    # A seed the method lacks (a failed run) is left out of the method only: the baseline keeps both.
+    runs["PODS"] = runs["PODS"][:1]
+    one = bootstrap.bootstrap(runs, "GRPO", resamples=200)
+    assert one["PODS"]["seeds"] == 1 and one["GRPO"]["threshold"] == pytest.approx(0.495)
+    assert one["PODS"]["final_ci"][2] > 0  # resamples drawing seed 1 alone: the method has no run, counted
 
 
-def test_identical_seeds_give_an_interval_of_one_value_and_final_accuracy_its_percentiles(tmp_path):
-    """Every resample of identical seeds gives the same curves: the interval is the point. Final accuracy: the mean
-    of the drawn seeds' last evaluations, so with seeds ending at 0.2 and 0.4 its extremes are those values."""
-    same = [ramp(0.5, 40, every_s=5)] * 3
-    ends = [[(0, 0.0), (10, 0.2)], [(0, 0.0), (10, 0.4)]]
-    runs = runs_by_label(tmp_path, {"GRPO": [ramp(0.5, 80, every_s=5)] * 2, "PODS": same, "other": ends})
-    result = bootstrap.bootstrap(runs, "GRPO", resamples=300)
-    assert result["PODS"]["speedup"] == pytest.approx(2.0)  # 79.2 s / 39.6 s
-    assert result["PODS"]["speedup_ci"] == pytest.approx((2.0, 2.0, 0))
-    assert result["other"]["final"] == pytest.approx(0.3)
-    assert result["other"]["final_ci"] == pytest.approx((0.2, 0.4, 0))
-    assert result["other"]["speedup"] == 0.0 and result["other"]["speedup_ci"][:2] == (0.0, 0.0)  # never reached
-    again = bootstrap.bootstrap(runs, "GRPO", resamples=300)
-    assert json.dumps(again, sort_keys=True) == json.dumps(result, sort_keys=True)  # seeded: the same every call
+def test_the_threshold_is_fixed_before_resampling(tmp_path):
+    """Baseline seeds peak at 0.6 and 0.4 (at 100 s): the threshold is 0.99 x 0.5 = 0.495 in every resample, so a
+    resample of seed 1 twice (p 1/4) has a baseline that never reaches it, where re-maximising would have lowered
+    the bar to 0.396. The method (each seed twice as fast) then cannot be compared either: neither reached, the
+    speed-up is somewhere in [0, inf], and the interval's ends are bounds: below 2 and above 2."""
+    runs = runs_by_label(tmp_path, {"GRPO": [ramp(0.6, 100), ramp(0.4, 100)],
+                                    "PODS": [ramp(0.6, 50), ramp(0.4, 50)]})
+    result = bootstrap.bootstrap(runs, "GRPO")
+    assert result["GRPO"]["threshold"] == result["PODS"]["threshold"] == pytest.approx(0.495)
+    assert result["GRPO"]["reached_share"] == pytest.approx(0.75, abs=0.04)
+    pods = result["PODS"]
+    assert pods["speedup"] == pytest.approx((2.0, 2.0))
+    assert pods["speedup_ci"]["low"] == (0.0, pytest.approx(2.0)) and pods["speedup_ci"]["high"] == \
+        (pytest.approx(2.0), math.inf)
+    assert pods["speedup_ci"]["censored"] == pytest.approx(500, abs=80)
+    assert bootstrap.speedup_text(pods) == "2.0x [< 2.0, > 2.0]"
 
 
-def test_never_reached_and_undefined_speedups(tmp_path):
+def test_not_reached_is_a_bound_never_zero(tmp_path):
     runs = runs_by_label(tmp_path, {"GRPO": [ramp(0.5, 100)] * 2, "slow": [ramp(0.3, 100)] * 2,
                                     "half": [ramp(0.5, 50), ramp(0.3, 50)]})
     result = bootstrap.bootstrap(runs, "GRPO", resamples=400)
-    assert result["slow"]["speedup"] == 0.0 and result["slow"]["speedup_ci"] == (0.0, 0.0, 0)
-    # "half": one seed reaches the threshold, one never does. The mean of both never reaches 0.495; a resample of
-    # the first seed twice (p 1/4) reaches it at 49.5 s: the interval runs from 0 (not reached) to 2x.
-    assert result["half"]["speedup"] == 0.0 and result["half"]["speedup_ci"][:2] == pytest.approx((0.0, 2.0))
+    # "slow" ends at 100 s below the threshold: T_m > 100 s, so the speed-up is below 99/100.
+    slow = result["slow"]
+    assert slow["speedup"] == (0.0, pytest.approx(0.99)) and slow["reached_share"] == 0.0
+    assert bootstrap.speedup_text(slow) == "not reached (< 0.99x) [< 0.99, < 0.99]"
+    # "half": one seed reaches the threshold, one never does. Both together never reach 0.495 (< 0.99x); the first
+    # seed drawn twice (p 1/4) reaches it at 49.5 s: 2x. The interval's low end is censored, its high end 2x.
+    half = result["half"]
+    assert half["reached_share"] == pytest.approx(0.25, abs=0.07)
+    assert bootstrap.speedup_text(half) == "not reached (< 0.99x) [< 0.99, 2.0]"
     by_axis = {axis: bootstrap.bootstrap(runs, "GRPO", axis, resamples=50) for axis in bootstrap.AXES}
     table = bootstrap.markdown_table(by_axis, runs, "GRPO")
-    assert "| slow | 2 |" in table and "not reached [0.00, 0.00]" in table
+    assert "| slow | 2 |" in table and "not reached (< 0.99x) [< 0.99, < 0.99]" in table
+    assert "0.00]" not in table.split("Per optimizer step")[1].replace("[0.00, 0.00]", "")  # no 0x anywhere
+    assert "[0.00, 0.00]" not in "".join(line.split("|")[9] for line in table.splitlines() if line.startswith("| s"))
     # A baseline that never leaves 0 has no threshold; one at its threshold from t = 0 has T_b = 0: undefined.
     for flat in ([(0, 0.0), (10, 0.0)], [(0, 0.3), (10, 0.2)]):
         runs = runs_by_label(tmp_path / str(flat[0][1]), {"GRPO": [flat] * 2, "PODS": [ramp(0.5, 50)] * 2})
         result = bootstrap.bootstrap(runs, "GRPO", resamples=20)
-        assert math.isnan(result["PODS"]["speedup"]) and math.isnan(result["PODS"]["speedup_ci"][0])
-        assert result["PODS"]["speedup_ci"][2] == 20  # every resample undefined, and counted
+        assert math.isnan(result["PODS"]["speedup"][0]) and result["PODS"]["speedup_ci"]["undefined"] == 20
         by_axis = {axis: bootstrap.bootstrap(runs, "GRPO", axis, resamples=20) for axis in bootstrap.AXES}
         assert "| undefined undefined |" in bootstrap.markdown_table(by_axis, runs, "GRPO")
     with pytest.raises(ValueError, match="not among"):
         bootstrap.bootstrap(runs, "GRPO-GA")
+
+
+def test_mean_accuracy_over_the_budget_and_its_paired_difference(tmp_path):
+    """Baseline seeds flat at 0.1 and 0.3; the method rises 0 -> 0.4 and 0.2 -> 0.6 over 100 s. Mean accuracy over
+    [0, 100] (trapezoid): 0.2 / 0.4 for the method, 0.1 / 0.3 for the baseline; paired, the difference is +0.1 on
+    both seeds, so its interval is [0.1, 0.1] (unpaired draws would spread it from -0.1 to +0.3). With a budget of
+    150 s each seed is held at its last evaluation to 150 s: seed 0 of the method (0.2 x 100 + 0.4 x 50) / 150."""
+    runs = runs_by_label(tmp_path, {"GRPO": [[(0, 0.1), (100, 0.1)], [(0, 0.3), (100, 0.3)]],
+                                    "PODS": [[(0, 0.0), (100, 0.4)], [(0, 0.2), (100, 0.6)]]})
+    result = bootstrap.bootstrap(runs, "GRPO", resamples=300)
+    assert result["PODS"]["window"] == (0.0, 100.0) and result["PODS"]["mean_accuracy"] == pytest.approx(0.3)
+    assert result["PODS"]["mean_accuracy_difference"] == pytest.approx(0.1)
+    assert result["PODS"]["mean_accuracy_difference_ci"] == pytest.approx((0.1, 0.1, 0))
+    assert result["GRPO"]["mean_accuracy_ci"] == pytest.approx((0.1, 0.3, 0))
+    held = bootstrap.bootstrap(runs, "GRPO", resamples=10, budget=150)
+    assert held["PODS"]["window"] == (0.0, 150.0)
+    assert held["PODS"]["mean_accuracy"] == pytest.approx(((0.2 * 100 + 0.4 * 50) + (0.4 * 100 + 0.6 * 50)) / 300)
+    # Without a budget the window ends at the earliest last evaluation: a run ending at 50 s cuts it there.
+    assert bootstrap.mean_accuracy(np.array([0.0, 100.0]), np.array([0.0, 0.4]), 0.0, 50.0) == pytest.approx(0.1)
+    assert math.isnan(bootstrap.mean_accuracy(np.array([0.0]), np.array([0.3]), 0.0, 0.0))
+    by_axis = {axis: bootstrap.bootstrap(runs, "GRPO", axis, resamples=50) for axis in bootstrap.AXES}
+    table = bootstrap.markdown_table(by_axis, runs, "GRPO")
+    assert "| mean accuracy, 0-100 s | difference from GRPO |" in table
+    assert "| 0.30 [0.20, 0.40] | +0.10 [+0.10, +0.10] |" in table
+
+
+def test_figures_are_quoted_at_two_significant_digits():
+    assert [bootstrap._sig(v) for v in (2.0317, 0.8412, 12.3, 150.2, 0.0, math.inf)] == \
+        ["2.0", "0.84", "12", "150", "0", "inf"]
+    assert bootstrap._end(0.0, 0.83) == "< 0.83" and bootstrap._end(1.2, math.inf) == "> 1.2"
+    assert bootstrap._end(1.9, 1.9) == "1.9" and bootstrap._end(1.5, 2.2) == "1.5-2.2"
+
+
+def test_runs_without_evaluations_are_said_so(tmp_path, monkeypatch):
+    """No run evaluated: one clear line, no numpy warning. An arm killed before its first evaluation: 'missing',
+    with the count of its runs without one, not 'not reached'."""
+    import runpy
+    import warnings
+
+    for seed in range(2):
+        make_run(tmp_path / "none", f"g{seed}", "GRPO", seed, [], step_times=[1.0, 1.0])
+    monkeypatch.setattr("sys.argv", ["bootstrap.py", str(tmp_path / "none"), "--baseline-label", "GRPO"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(bootstrap.__file__, run_name="__main__")
+    assert str(exit_info.value.code) == ("bootstrap.py: error: none of the 2 runs has an evaluation (no eval lines "
+                                         "in metrics.jsonl: stopped before the first --eval-interval?); nothing "
+                                         "to report")
+    for seed in range(2):
+        make_run(tmp_path / "some", f"g{seed}", "GRPO", seed, ramp(0.5, 100), step_times=[1.0, 1.0])
+        make_run(tmp_path / "some", f"k{seed}", "killed", seed, [], step_times=[1.0])
+        make_run(tmp_path / "some", f"p{seed}", "PODS", seed, ramp(0.5, 50) if seed else [], step_times=[1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        by_axis, table = bootstrap.report([tmp_path / "some"], "GRPO", resamples=50)
+    killed = next(line for line in table.splitlines() if line.startswith("| killed |"))
+    assert "| killed | 0 (2 of 2 runs without evaluation) |" in killed and "missing: no evaluation" in killed
+    assert "not reached" not in killed and by_axis["time"]["killed"]["missing"]
+    assert "| PODS | 1 (1 of 2 runs without evaluation) |" in table
+    with pytest.raises(ValueError, match="the baseline 'killed' has no run with an evaluation"):
+        bootstrap.report([tmp_path / "some"], "killed", resamples=5)
 
 
 def test_step_axis_measures_learning_per_step(tmp_path):
@@ -85,7 +159,7 @@ def test_step_axis_measures_learning_per_step(tmp_path):
     runs = runs_by_label(tmp_path, {"GRPO": [grpo] * 2, "PODS": [pods] * 2})
     on_time = bootstrap.bootstrap(runs, "GRPO", "time", resamples=50)
     on_steps = bootstrap.bootstrap(runs, "GRPO", "steps", resamples=50)
-    assert on_time["PODS"]["speedup"] == pytest.approx(2.0) and on_steps["PODS"]["speedup"] == pytest.approx(1.0)
+    assert on_time["PODS"]["speedup"] == pytest.approx((2.0, 2.0)) and on_steps["PODS"]["speedup"] == (1.0, 1.0)
     assert on_steps["PODS"]["threshold_at"] == pytest.approx(9.9)  # steps: 0.495 at step 9.9
     with pytest.raises(ValueError, match="axis"):
         bootstrap.on_axis(runs["GRPO"][0], "tokens")
@@ -105,8 +179,9 @@ def test_report_writes_table_plot_and_json_from_run_folders(tmp_path, capsys):
     assert table.strip() in capsys.readouterr().out
     pods_row = next(line for line in table.splitlines() if line.startswith("| PODS max_variance 16/4 |"))
     assert "| 3 | 10,10,10 | 1.5 / 0.5 / 2.0 |" in pods_row  # make_run: generate 0.75, update 0.25 of a step
+    assert "Per optimizer step:" in table and "On the clock (training wall-clock):" in table
     assert json.loads((out / "f.json").read_text())["time"]["PODS max_variance 16/4"]["seeds"] == 3
-    assert by_axis["steps"]["GRPO 16/16"]["speedup"] == pytest.approx(1.0)
+    assert by_axis["steps"]["GRPO 16/16"]["speedup"] == pytest.approx((1.0, 1.0))
 
 
 def test_cli_errors_are_one_line(tmp_path, monkeypatch):

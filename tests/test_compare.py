@@ -268,3 +268,31 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
 def test_the_plotted_band_stays_inside_0_and_1_and_is_the_mean_without_seeds():
     low, high = compare.band_limits(np.array([0.1, 0.5, 0.95]), np.array([0.3, 0.2, np.nan]))
     assert low == pytest.approx([0.0, 0.3, 0.95]) and high == pytest.approx([0.4, 0.7, 0.95])
+
+
+def test_runs_of_different_budgets_are_not_pooled_unless_cut_to_one(tmp_path, monkeypatch):
+    """A 180 s and a 600 s demo run are not two seeds of one curve: refused in one line naming both; --budget-s 180
+    reads both as 180 s runs; --budget-s 600 cannot stretch the 180 s run; different step limits stay refused."""
+    runs = []
+    for seed, budget in enumerate((180, 600)):
+        run = make_run(tmp_path, f"demo-{budget}", "PODS max_variance 16/4", seed,
+                       [(0, 0.1), (170, 0.3), (590, 0.5)][:2 + seed], step_times=[10.0] * (budget // 10))
+        config = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps(dict(config, max_time_s=budget, max_steps=0)))
+        runs.append(run)
+    text = run_cli(monkeypatch, runs)
+    assert text == ("compare.py: error: runs of different budgets are not pooled as seeds: max_time_s 180, max_steps "
+                    "0: demo-180; max_time_s 600, max_steps 0: demo-600. Pass --budget-s S to read every run as one "
+                    "of S seconds of training, or compare them apart")
+    rows, _ = compare.compare(runs, budget_s=180)
+    assert rows[0]["seeds"] == 2 and rows[0]["curve_end_s"] == 170  # the 600 s run's later evaluations cut
+    with pytest.raises(ValueError, match=r"--budget-s 600: runs trained for less .*: demo-180 \(180 s\)"):
+        compare.compare(runs, budget_s=600)
+    config = json.loads((runs[1] / "config.json").read_text())
+    (runs[1] / "config.json").write_text(json.dumps(dict(config, max_steps=5)))
+    with pytest.raises(ValueError, match="different step limits"):
+        compare.compare(runs, budget_s=180)
+    import bootstrap  # its report refuses them alike
+
+    with pytest.raises(ValueError, match="different budgets"):
+        bootstrap.report(runs, "PODS max_variance 16/4", resamples=5)
