@@ -337,8 +337,9 @@ def _clock(runs, recorded=None):
         f" / {_acc(float(np.mean(durations)), 1)}"
 
 
-def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", clock=None):
-    """The study's tables, per step and on the clock (an axis without recorded times says so in one line)."""
+def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", clock=None, clock_note=None):
+    """The study's tables, per step and on the clock (an axis without recorded times says so in one line;
+    clock_note: how the clock's times were obtained, when they are not all measured)."""
     known = next(iter(v for v in by_axis.values() if v))
     first = known[baseline_label]
     lines = [f"Held-out {metric}: paired bootstrap over seeds ({first['resamples']} resamples, seed "
@@ -349,7 +350,8 @@ def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", cl
              "resamples where neither curve reached it; 'reached in': share of resamples whose mean curve reaches the threshold. Mean accuracy: area under each seed's "
              "curve (trapezoid rule, held at its last evaluation) over the window, divided by its width; difference: "
              "paired, arm - baseline."]
-    for axis, title in (("steps", "Per optimizer step"), ("time", "On the clock (training wall-clock)")):
+    clock_title = f"On the clock, {clock_note}" if clock_note else "On the clock (training wall-clock)"
+    for axis, title in (("steps", "Per optimizer step"), ("time", clock_title)):
         figures_by_label = by_axis.get(axis)
         lines += ["", f"{title}:", ""]
         if not figures_by_label:
@@ -387,9 +389,10 @@ def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
 
 
 def report_runs(runs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES,
-                budget_s=None, clock=None):
+                budget_s=None, clock=None, clock_note=None, jitter=0.0):
     """Group runs (compare.RunData, each already cut to its budget) by method and bootstrap both axes; the clock
-    axis is left out (None) when some evaluation's training seconds are not recorded. Returns (by_axis, table)."""
+    axis is left out (None) when some evaluation's training seconds are not recorded. jitter > 0 adds the clock
+    figures' sensitivity to it (`jitter_lines`). Returns (by_axis, table)."""
     if not runs:
         raise ValueError("no runs to compare")
     if not any(len(r.eval_accuracy) for r in runs):
@@ -401,21 +404,49 @@ def report_runs(runs, baseline_label, plot_path=None, title=None, metric="accura
     timed = all(np.isfinite(r.eval_times_s).all() for r in runs)
     by_axis = {"time": bootstrap(runs_by_label, baseline_label, "time", resamples, budget=budget_s) if timed else None,
                "steps": bootstrap(runs_by_label, baseline_label, "steps", resamples)}
-    table = markdown_table(by_axis, runs_by_label, baseline_label, metric, clock)
+    table = markdown_table(by_axis, runs_by_label, baseline_label, metric, clock, clock_note)
+    if jitter and timed:
+        table += "\n\n" + "\n".join(jitter_lines(runs_by_label, baseline_label, jitter, resamples, budget_s))
     table += "".join(f"\n- settings differ between runs: {d}" for d in compare.config_differences(runs))
     if plot_path:
         plot(runs_by_label, by_axis, plot_path, title, metric)
     return by_axis, table
 
 
+JITTER_DRAWS = 10
+
+
+def jitter_lines(runs_by_label, baseline_label, jitter, resamples=RESAMPLES, budget_s=None, draws=JITTER_DRAWS):
+    """How far the clock's intervals move when each run's evaluation times are scaled by a factor drawn uniformly
+    from [1 - jitter, 1 + jitter] (one per run and draw, a seeded generator): a machine's clock varies by a few
+    percent from run to run. One line per arm: the range of each interval end over the draws."""
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    ends = {label: {"low": [], "high": [], "difference": []} for label in runs_by_label}
+    for _ in range(draws):
+        scaled = {label: [dataclasses.replace(r, eval_times_s=r.eval_times_s * rng.uniform(1 - jitter, 1 + jitter))
+                          for r in runs] for label, runs in runs_by_label.items()}
+        for label, f in bootstrap(scaled, baseline_label, "time", resamples, budget=budget_s).items():
+            if not f["missing"]:
+                ends[label]["low"].append(_end(*f["speedup_ci"]["low"]))
+                ends[label]["high"].append(_end(*f["speedup_ci"]["high"]))
+                ends[label]["difference"].append(_ci(f["mean_accuracy_difference_ci"], _signed))
+    lines = [f"Clock jitter: {draws} draws, each run's times x U[{1 - jitter:g}, {1 + jitter:g}]; the speed-up "
+             "interval's ends and the mean-accuracy difference's interval seen over the draws:"]
+    for label, seen in ends.items():
+        if label != baseline_label and seen["low"]:
+            lines.append(f"- {label}: low end {', '.join(dict.fromkeys(seen['low']))}; high end "
+                         f"{', '.join(dict.fromkeys(seen['high']))}; difference {', '.join(dict.fromkeys(seen['difference']))}")
+    return lines
+
+
 def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES,
-           budget_s=None):
+           budget_s=None, jitter=0.0):
     """Read the run folders (compare.py's rules; runs of different budgets refused unless budget_s, to which each
     is cut: `within_budget`) and report them (`report_runs`); draws the plot when plot_path is given."""
     runs = [compare.read_run(path, metric=metric) for path in compare.expand_run_dirs(run_dirs)]
     compare.check_budgets(runs, budget_s)
     return report_runs([within_budget(r, budget_s) for r in runs], baseline_label, plot_path, title, metric,
-                       resamples, budget_s)
+                       resamples, budget_s, jitter=jitter)
 
 
 def main(argv=None):
@@ -437,17 +468,28 @@ def main(argv=None):
     parser.add_argument("--title")
     parser.add_argument("--budget-s", type=float, help="read every run as one with this --max-time-s (a run given "
                         "a longer budget: its steps and evaluations past it left out)")
+    parser.add_argument("--estimate-clock", action="store_true", help="with --from-data: place evaluations whose "
+                        "seconds were not recorded at step x the arm's mean step time (reported as an estimate)")
+    parser.add_argument("--jitter", type=float, default=0.0, help="also show how the clock's intervals move when "
+                        "each run's times are scaled by up to +- this fraction (e.g. 0.03)")
     args = parser.parse_args(argv)
+    if args.estimate_clock and not args.from_data:
+        parser.error("--estimate-clock is for data files whose seconds were not recorded: give --from-data")
     if args.from_data and args.export_data:
         parser.error("--export-data writes data files from run folders: it cannot be given with --from-data")
     if args.from_data:
         runs, clock = studydata.read_study(args.run_dirs, args.metric)
         compare.check_budgets(runs, args.budget_s)
-        by_axis, table = report_runs([within_budget(r, args.budget_s) for r in runs], args.baseline_label,
-                                     args.plot, args.title, args.metric, args.resamples, args.budget_s, clock)
+        runs = [within_budget(r, args.budget_s) for r in runs]
+        note = None
+        if args.estimate_clock:
+            runs, note = studydata.estimate_clock(runs, clock), ("ESTIMATED: an evaluation's training seconds, where "
+                                                                 "not recorded, = its step x the arm's mean step time")
+        by_axis, table = report_runs(runs, args.baseline_label, args.plot, args.title, args.metric, args.resamples,
+                                     args.budget_s, clock, note, args.jitter)
     else:
         by_axis, table = report(args.run_dirs, args.baseline_label, args.plot, args.title, args.metric,
-                                args.resamples, args.budget_s)
+                                args.resamples, args.budget_s, args.jitter)
     if args.export_data:
         studydata.export_runs(args.run_dirs, args.export_data, args.metric)
     print(table)

@@ -132,8 +132,9 @@ def within_budget(run, budget_s):
     probably end past the budget (after step k when elapsed_k + duration_k > budget_s), so its steps up to there
     (their per-phase clock too) and the evaluations made at those steps. (Such a run also evaluates after its last
     step; this one's last kept evaluation is the one before.) Without step lines, the evaluations up to budget_s.
-    None or 0: no budget. A run whose step times or evaluation times are not recorded cannot be cut: refused."""
-    if not budget_s:
+    None or 0: no budget; a run trained with that budget or less: itself. A run whose step times or evaluation times
+    are not recorded cannot be cut: refused."""
+    if not budget_s or 0 < _budget(run)[0] <= budget_s:
         return run
     durations, phases = np.asarray(run.step_durations_s, dtype=float), run.step_phases_s
     if len(durations) and np.isfinite(durations).all():

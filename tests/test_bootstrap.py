@@ -226,3 +226,17 @@ def test_a_run_is_read_as_one_with_the_budget_would_have_logged(tmp_path):
     assert by_axis["time"]["GRPO"]["peak"] == pytest.approx(0.4)
     by_axis, _ = bootstrap.report([tmp_path / "long", tmp_path / "short"], "GRPO", resamples=20)
     assert by_axis["time"]["GRPO"]["final"] == pytest.approx((1.0 + 0.4) / 2)
+
+
+def test_clock_jitter_shows_how_far_the_intervals_move(tmp_path):
+    """Each run's times scaled by up to +-10%: the method (twice as fast on every seed) stays at about 2x, so every
+    draw's interval ends lie within 2 x 1.1 / 0.9 and 2 x 0.9 / 1.1; without jitter they are 2.0."""
+    runs = runs_by_label(tmp_path, {"GRPO": [ramp(0.5, 100, every_s=5), ramp(0.5, 50, every_s=5)],
+                                    "PODS": [ramp(0.5, 50, every_s=5), ramp(0.5, 25, every_s=5)]})
+    lines = bootstrap.jitter_lines(runs, "GRPO", 0.1, resamples=50, draws=4)
+    assert lines[0].startswith("Clock jitter: 4 draws, each run's times x U[0.9, 1.1]") and len(lines) == 2
+    ends = [float(v) for v in lines[1].split("low end ")[1].split("; difference")[0].replace("high end ", "")
+            .replace(";", ",").split(", ")]
+    assert all(2 * 0.9 / 1.1 <= v <= 2 * 1.1 / 0.9 for v in ends) and len(set(ends)) > 1
+    assert bootstrap.jitter_lines(runs, "GRPO", 0.0, resamples=20, draws=2)[1] == \
+        "- PODS: low end 2.0; high end 2.0; difference [+0.06, +0.12]"  # no jitter: one value each

@@ -1,0 +1,87 @@
+"""studydata.py: a run folder exported to its data file and read back gives the same figures; files with values not
+recorded are reported per step only; the committed GA data reproduce the committed table and BENCHMARKS.md's."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import bootstrap
+import compare
+import studydata
+from run_helpers import ROOT
+from test_compare import make_run, ramp
+
+GA_COMMAND = ["--from-data", str(ROOT / "results" / "ga"), "--baseline-label", "GRPO 16/16", "--budget-s", "900",
+              "--estimate-clock", "--jitter", "0.1"]
+
+
+def test_a_run_folder_exported_and_read_back_gives_the_same_report(tmp_path, capsys):
+    for seed in range(3):
+        make_run(tmp_path / "runs", f"g{seed}", "GRPO 16/16", seed, ramp(0.4, 100, offset=0.01 * seed),
+                 step_times=[4.0] * 25)
+        make_run(tmp_path / "runs", f"p{seed}", "PODS max_variance 16/4", seed, ramp(0.4, 50, offset=0.02 * seed),
+                 step_times=[2.0] * 50)
+    written = studydata.export_runs([tmp_path / "runs"], tmp_path / "data")
+    assert sorted(p.name for p in written) == [f"{arm}{seed}.json" for arm in "gp" for seed in range(3)]
+    original, back = compare.read_run(tmp_path / "runs" / "p1"), studydata.read_data(tmp_path / "data" / "p1.json")
+    for field in ("eval_times_s", "eval_accuracy", "eval_steps", "step_durations_s"):
+        np.testing.assert_allclose(getattr(back, field), getattr(original, field))
+    assert back.phase_means_s == pytest.approx(original.phase_means_s) and back.label == original.label
+    assert back.seed == 1 and back.config["label"] == "PODS max_variance 16/4"
+    _, from_runs = bootstrap.report([tmp_path / "runs"], "GRPO 16/16", resamples=100, budget_s=60)
+    args = ["--baseline-label", "GRPO 16/16", "--resamples", "100", "--budget-s", "60"]
+    bootstrap.main([str(tmp_path / "runs"), *args, "--export-data", str(tmp_path / "cli")])
+    capsys.readouterr()
+    bootstrap.main(["--from-data", str(tmp_path / "cli"), *args])  # the budget cut works from the data too
+    assert capsys.readouterr().out.strip() == from_runs
+    assert "On the clock (training wall-clock):\n\nthreshold" in from_runs
+
+
+def test_values_not_recorded_are_null_and_the_clock_is_not_reported(tmp_path):
+    record = studydata.run_record(compare.read_run(make_run(tmp_path, "r", "GRPO", 0, ramp(0.5, 100))))
+    record["evaluations"]["elapsed_s"][3] = None
+    path = studydata.write_record(record, tmp_path / "data" / "r.json")
+    other = dict(record, seed=1, run="r1")
+    studydata.write_record(other, tmp_path / "data" / "r1.json")
+    studydata.write_record({"arm_clock_s": {"GRPO": {"generate_s": 1.0, "update_s": 2.0, "step_s": 3.0}}},
+                           tmp_path / "data" / studydata.STUDY_FILE)
+    run = studydata.read_data(path)
+    assert math.isnan(run.eval_times_s[3]) and run.eval_steps[3] == 3
+    runs, clock = studydata.read_study([tmp_path / "data"])
+    by_axis, table = bootstrap.report_runs(runs, "GRPO", resamples=20, clock=clock)
+    assert by_axis["time"] is None and by_axis["steps"]["GRPO"]["seeds"] == 2
+    assert "not recorded: the evaluations' training seconds were not kept for every run." in table
+    assert "| 1.0 / 2.0 / 3.0 (arm mean) |" in table
+    # --estimate-clock: a missing time is its step x the arm's mean step time (evaluations here: one per step).
+    estimated = studydata.estimate_clock(runs, clock)
+    assert estimated[0].eval_times_s[3] == pytest.approx(3 * 3.0) and estimated[0].eval_times_s[2] == 20.0
+    by_axis, table = bootstrap.report_runs(estimated, "GRPO", resamples=20, clock=clock, clock_note="ESTIMATED")
+    assert by_axis["time"]["GRPO"]["seeds"] == 2 and "On the clock, ESTIMATED:" in table
+    with pytest.raises(ValueError, match="no mean step time recorded for 'GRPO'"):
+        studydata.estimate_clock(runs, {})
+    with pytest.raises(ValueError, match="not recorded, so it cannot be cut to a budget of 50 s"):
+        bootstrap.within_budget(run, 50)
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a run data file"):
+        studydata.read_data(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="holds accuracy, not both_accuracy"):
+        studydata.read_data(path, "both_accuracy")
+
+
+def test_the_committed_ga_data_reproduce_the_committed_tables(capsys):
+    """results/ga holds what survives of the GA study; the table recomputed from it is results/ga/ga.md, and that
+    table is the one BENCHMARKS.md reports."""
+    bootstrap.main(GA_COMMAND)
+    table = capsys.readouterr().out.strip()
+    assert table == (ROOT / "results" / "ga" / "ga.md").read_text().strip()
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 8 and all(row in benchmarks for row in rows)  # per step and on the clock
+    command = " ".join(f'"{a}"' if " " in a else a for a in GA_COMMAND).replace(str(ROOT) + "/", "")
+    assert f"python bootstrap.py {command}" in benchmarks
+    runs, _ = studydata.read_study([ROOT / "results" / "ga"])
+    assert sorted((r.label, r.seed) for r in runs) == sorted((label, seed) for seed in range(5) for label in
+                                                             ("GRPO 16/16", "PODS max_variance 16/4",
+                                                              "PODS random 16/4"))
