@@ -344,11 +344,12 @@ def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", cl
     first = known[baseline_label]
     lines = [f"Held-out {metric}: paired bootstrap over seeds ({first['resamples']} resamples, seed "
              f"{BOOTSTRAP_SEED}; every arm drawn on the same seeds), 95% intervals in brackets. Baseline: "
-             f"{baseline_label}; threshold = {FRACTION} x its peak over all seeds, fixed before resampling. Speed-up = the baseline's "
-             "time (steps) to the threshold / the arm's; an arm whose curve ends below it has not reached it by that "
-             "end, a bound (< x), never 0x; an interval end written '< x' ('> x') has censored resamples there, '?' "
-             "resamples where neither curve reached it; 'reached in': share of resamples whose mean curve reaches the threshold. Mean accuracy: area under each seed's "
-             "curve (trapezoid rule, held at its last evaluation) over the window, divided by its width; difference: "
+             f"{baseline_label}; threshold = {FRACTION} x its peak over all seeds, fixed before resampling. "
+             "Speed-up = the baseline's time (steps) to the threshold / the arm's; an arm whose curve ends below it "
+             "has not reached it by that end, a bound (< x), never 0x; an interval end written '< x' ('> x') has "
+             "censored resamples there, '?' resamples where neither curve reached it; 'reached in': share of "
+             "resamples whose mean curve reaches the threshold. Mean accuracy: area under each seed's curve "
+             "(trapezoid rule, held at its last evaluation) over the window, divided by its width; difference: "
              "paired, arm - baseline."]
     clock_title = f"On the clock, {clock_note}" if clock_note else "On the clock (training wall-clock)"
     for axis, title in (("steps", "Per optimizer step"), ("time", clock_title)):
@@ -434,8 +435,8 @@ def jitter_lines(runs_by_label, baseline_label, jitter, resamples=RESAMPLES, bud
              "interval's ends and the mean-accuracy difference's interval seen over the draws:"]
     for label, seen in ends.items():
         if label != baseline_label and seen["low"]:
-            lines.append(f"- {label}: low end {', '.join(dict.fromkeys(seen['low']))}; high end "
-                         f"{', '.join(dict.fromkeys(seen['high']))}; difference {', '.join(dict.fromkeys(seen['difference']))}")
+            low, high, difference = (", ".join(dict.fromkeys(seen[key])) for key in ("low", "high", "difference"))
+            lines.append(f"- {label}: low end {low}; high end {high}; difference {difference}")
     return lines
 
 
