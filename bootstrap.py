@@ -15,8 +15,8 @@ Method (documented, tested):
 - The threshold is fixed before resampling: 0.99 x the peak of the baseline's seed-mean curve over all seeds.
 - Censoring: a mean curve (compare.py's seed mean, linear between evaluations, kept while every drawn seed has a
   value) that never reaches the threshold has not reached it by the end of its curve E, so its speed-up is a bound,
-  T_b / T_m < T_b / E ("not reached (< 0.8x)"), never 0; a baseline that does not reach it gives the bound
-  T_m > ... the other way (speed-up > E_b / T_m). Each end of the 95% interval is the 2.5th (97.5th) percentile of
+  T_b / T_m < T_b / E ("not reached (< 0.8x)"), never 0; a baseline that does not reach it makes the speed-up a
+  lower bound (> E_b / T_m); neither: unknown. Each end of the 95% interval is the 2.5th (97.5th) percentile of
   the resampled values, and where censored resamples sit at that percentile it is written as the bound it is
   ("< 0.4"); the table gives the share of resamples whose curve reached the threshold. A resample where the ratio is
   undefined (the baseline at the threshold at 0) is left out and counted.
@@ -347,10 +347,10 @@ def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", cl
              f"{baseline_label}; threshold = {FRACTION} x its peak over all seeds, fixed before resampling. "
              "Speed-up = the baseline's time (steps) to the threshold / the arm's; an arm whose curve ends below it "
              "has not reached it by that end, a bound (< x), never 0x; an interval end written '< x' ('> x') has "
-             "censored resamples there, '?' resamples where neither curve reached it; 'reached in': share of "
-             "resamples whose mean curve reaches the threshold. Mean accuracy: area under each seed's curve "
-             "(trapezoid rule, held at its last evaluation) over the window, divided by its width; difference: "
-             "paired, arm - baseline."]
+             "censored resamples there, '?' resamples where neither curve reached it, 'a-b' lies between a and b; "
+             "'reached in': share of resamples whose mean curve reaches the threshold. Mean accuracy: area under "
+             "each seed's curve (trapezoid rule, held at its last evaluation) over the window, divided by its width; "
+             "difference: paired, arm - baseline."]
     clock_title = f"On the clock, {clock_note}" if clock_note else "On the clock (training wall-clock)"
     for axis, title in (("steps", "Per optimizer step"), ("time", clock_title)):
         figures_by_label = by_axis.get(axis)
