@@ -77,9 +77,9 @@ def traced_step_files(backend, tokenizer=None):
 
 # What each file does in the step (README's table); a file not named here is listed with its docstring's first sentence.
 ROLES = {
-    "train.py": "the step (`train_step`) and the run around it: load, step, log, evaluate, checkpoint, stop on a signal",
+    "train.py": "the step (`train_step`) and the run around it: load, log, evaluate, checkpoint, stop on a signal",
     "config.py": "the flags as the settings records the step passes on (`update_settings`, `generation_settings`)",
-    "models.py": "the update's compute dtype, dropout off while sampling and updating; loading, LoRA, 4-bit (not in the step)",
+    "models.py": "the update's compute dtype, dropout off while sampling and updating (loading: outside the step)",
     "grpo_loss.py": "`LossSettings` (every option of the loss), completion log-probs, the clipped per-token GRPO loss",
     "sampling.py": "n rollouts per prompt: chunks, seeds, first-EOS masks, the sampler's log-probs, the backends",
     "dynamic_sampling.py": "the generated rounds as one record, and DAPO's refills with `--dynamic-sampling`",
