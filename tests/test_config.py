@@ -81,7 +81,8 @@ def test_every_float_flag_must_be_finite_before_anything_loads():
 def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         config.parse_args(["--model", str(tmp_path / "nowhere")])
-    for flag, value in (("--rule", "min_variance"), ("--preset", "z"), ("--dataset", "imagenet")):
+    unknown_rule = "not_" + "_or_".join(pods.RULES)  # derived from the registry: never a registered rule
+    for flag, value in (("--rule", unknown_rule), ("--preset", "z"), ("--dataset", "imagenet")):
         with pytest.raises(SystemExit):
             config.parse_args([flag, value])
         assert "invalid choice" in capsys.readouterr().err
@@ -384,3 +385,18 @@ def test_print_config_shows_the_preset_resolved_values_before_any_check(tmp_path
         config.parse_args(["--print-config"])
     assert json.loads(capsys.readouterr().out)["weight_decay"] == 0.0  # the demo's: no weight decay
     assert not hasattr(config.parse_args([]), "print_config")  # a run's config.json holds no such flag
+
+
+@pytest.mark.parametrize("argv", [[], ["--eval-interval", "3", "--reward-weights", "format=0.1"],
+                                  ["--baseline", "--log-completions-interval", "0", "--lr", "1e-3"]])
+def test_print_config_prints_the_values_the_run_uses(argv, capsys):
+    """--print-config prints every value as the run resolves it (config.json: vars of config.parse_args): the reward
+    weights as the dict of every term's weight, the completions interval as a number, not "" and null."""
+    with pytest.raises(SystemExit) as stopped:
+        config.parse_args([*argv, "--print-config"])
+    assert stopped.value.code in (0, None)
+    printed = json.loads(capsys.readouterr().out)
+    resolved = json.loads(json.dumps(vars(config.parse_args(argv))))
+    assert printed == {key: value for key, value in resolved.items() if key != "changes"}
+    assert set(printed["reward_weights"]) == set(rewards.REWARD_TERMS)
+    assert isinstance(printed["log_completions_interval"], int)
