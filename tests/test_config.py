@@ -18,6 +18,7 @@ import sampling
 import train
 import update
 from grpo_loss import LossSettings
+from presets import PRESETS
 
 
 @pytest.mark.filterwarnings("ignore:--bf16 on CPU")
@@ -41,6 +42,9 @@ def test_presets_baseline_and_overrides():
     assert demo.update_size < demo.num_rollouts and demo.max_time_s == 600
 
 
+NOT_BATCH_SCOPE = next(name for name, rule in pods.RULES.items() if not rule.batch_scope and name != "none")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["-n", "4", "-m", "8"], "must be <= --num-rollouts"),
     (["--rule", "none", "-n", "8", "-m", "4"], "needs m == n"),
@@ -54,7 +58,8 @@ def test_presets_baseline_and_overrides():
     (["--eval-samples", "-1"], "--eval-samples must be >= 0"),
     (["--top-p", "1.5"], "top-p"),
     (["--num-train-rows", "0"], "--num-train-rows"),
-    (["--selection-scope", "batch", "--rule", "random"], "--selection-scope batch .* needs --rule max_variance"),
+    (["--selection-scope", "batch", "--rule", NOT_BATCH_SCOPE],
+     f"--selection-scope batch .* needs --rule {' or '.join(pods.batch_scope_rules())}"),
     (["--clip-eps-high", "0"], "--clip-eps-high 0.0 must be >= --clip-eps 0.2"),
     (["--clip-eps-high", "0.1"], "must be >= --clip-eps 0.2"),
 ])
@@ -316,11 +321,9 @@ def same_rows(one, other):
 
 SELECT_FLAG_CASES = [  # (flags, the flags whose selection they must change (power); None: the paper's defaults)
     ([], None),
-    (["--rule", "random"], []),
-    (["--rule", "random", "--seed", "4"], ["--rule", "random"]),
-    (["--rule", "percentile"], []),
-    (["--rule", "max_reward"], []),
-    (["--rule", "none", "-m", "4"], []),
+    *[(["--rule", rule, *(["-m", "4"] if rule == "none" else [])], []) for rule in pods.RULES  # every other rule
+      if rule != PRESETS["demo"]["rule"]],
+    *[(["--rule", rule, "--seed", "4"], ["--rule", rule]) for rule in pods.RULES if pods.RULES[rule].random],
     (["-m", "3"], []),
     (["-n", "6", "-m", "3"], ["-n", "6"]),
     (["--advantage-normalization", "group"], []),
@@ -331,7 +334,7 @@ SELECT_FLAG_CASES = [  # (flags, the flags whose selection they must change (pow
      ["--selection-scope", "batch"]),
     (["--drop-zero-variance"], []),
     (["--drop-zero-variance", "--rule", "random", "--scale-rewards", "batch"],
-     ["--rule", "random", "--scale-rewards", "batch"]),
+     ["--rule", "random", "--scale-rewards", "batch"]),  # a random rule's draw with a dropped prompt
 ]
 
 
