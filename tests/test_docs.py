@@ -196,6 +196,21 @@ def test_training_mds_preset_table_is_the_presets():
         assert preset["model"] in row[1] or preset["model"].startswith("smollm2"), row
 
 
+def test_where_things_are_names_every_file_and_every_benchmark():
+    """docs/training.md's map names every module and folder of the project, and bench/'s row every benchmark."""
+    table = section("docs/training.md", "### Where things are")
+    named = {name for row in table_rows(table) for name in re.findall(r"`([\w/.]+)`", row[0])}
+    files = {path.name for path in ROOT.glob("*.py")} | {f"{path.parent.name}/" for path in ROOT.glob("*/__init__.py")}
+    files |= {f"{path.name}/" for path in ROOT.iterdir() if path.is_dir() and path.name in ("model_configs", "tests")}
+    assert files - named == set(), f"docs/training.md, Where things are: no row for {sorted(files - named)}"
+    from bench.__main__ import COMMANDS
+
+    bench_row = next(row for row in table_rows(table) if row[0] == "`bench/`")
+    listed = {part.split()[0] for span in re.findall(r"`python -m bench ([^`]+)`", bench_row[2])
+              for part in span.replace("\\", "").split(" | ")}
+    assert listed == set(COMMANDS), "docs/training.md, Where things are: bench/'s row lists bench.__main__.COMMANDS"
+
+
 # ------------------------------------------------------------------------------------------ references
 
 MODULES = {path.stem for path in ROOT.glob("*.py")} | {path.parent.name for path in ROOT.glob("*/__init__.py")}
