@@ -95,6 +95,12 @@ def test_readmes_smoke_test_and_commands_use_train_flags_only():
     assert len(flags) > 10 and flags - set(ACTIONS) == set(), f"README: train.py takes no {flags - set(ACTIONS)}"
 
 
+def test_readme_links_every_reference_page():
+    linked = set(re.findall(r"\]\(((?:docs/)?[\w.]+\.md)", DOCS["README.md"]))
+    pages = {name for name in DOCS if name != "README.md"}
+    assert pages - linked == set(), f"README's 'Where to go next' should link {sorted(pages - linked)}"
+
+
 def test_readmes_preset_table_is_the_presets():
     rows = table_rows(section("README.md", "## 4. "))
     named = {}
