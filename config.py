@@ -158,7 +158,8 @@ def build_parser():
         help="continue the run in --output-dir from its newest readable checkpoint; budget, logging and optimizer "
              "flags given now win, flags that change what the run is are refused (docs/training.md, section 5)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
-    add("--print-config", action="store_true", help="print the resolved flags (preset, --baseline, flags) and exit")
+    add("--print-config", action="store_true",
+        help="print every resolved value (preset, --baseline, flags; as config.json holds them) and exit")
     add("--report-to", choices=report.REPORT_TO, default="none",
         help="also send the metrics.jsonl lines, same names, to TensorBoard (<out>/tensorboard) or Weights & Biases")
     add = parser.add_argument_group("several GPUs (torchrun -m multigpu)").add_argument
@@ -193,6 +194,7 @@ def parse_args(argv=None, restarted=False):
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
+        resolve_defaults(args)  # as config.json will hold them
         print(json.dumps(vars(args), indent=1))
         parser.exit()
     check_args(args, restarted)
@@ -202,11 +204,20 @@ def parse_args(argv=None, restarted=False):
     return args
 
 
-def check_args(args, restarted=False):
-    """Every error visible before loading anything: flag values and combinations, reward weights (parsed here,
-    once, into a dict), the run folder, the data and the model source."""
+def resolve_defaults(args):
+    """The values whose default depends on other flags, resolved as the run uses them (and config.json holds them):
+    --log-completions-interval (default: --eval-interval), and the reward weights and options parsed, once, into
+    dicts (every registered term's weight). --print-config prints them so too."""
     if args.log_completions_interval is None:
         args.log_completions_interval = args.eval_interval
+    args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
+    args.reward_options = rewards.parse_reward_options(args.reward_options)
+
+
+def check_args(args, restarted=False):
+    """Every error visible before loading anything: flag values and combinations, reward weights (resolve_defaults),
+    the run folder, the data and the model source."""
+    resolve_defaults(args)
     for action in build_parser()._actions:  # NaN passes every `x < 0` test below; no flag gives infinity a meaning
         value = getattr(args, action.dest, None)
         if action.type is float and value is not None and not math.isfinite(value):
@@ -232,8 +243,6 @@ def check_args(args, restarted=False):
     _check_variant_flags(args)
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
-    args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
-    args.reward_options = rewards.parse_reward_options(args.reward_options)
     _check_device_flags(args)
     runfolder.check_run_dir(args, restarted)
     _check_data(args)

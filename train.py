@@ -8,7 +8,7 @@ One step (`train_step`): n rollouts per prompt -> rewards -> keep m per prompt b
 ones -> clipped GRPO update. The run (`train`): load, then step, log, evaluate and checkpoint until the budget ends.
 Simplifications: a constant learning rate; rule-based rewards only; our own decode engine or HF generate (no vLLM).
 Several GPUs (settings (e), (f)): `torchrun ... -m multigpu` runs this same loop through the seams of `OneProcess`.
-Flags and presets: config.py; the run folder and its checkpoints: checkpoint.py; more in docs/training.md.
+Flags: config.py; presets: presets.py; the run folder and its checkpoints: checkpoint.py; more in docs/training.md.
 """
 
 import contextlib

@@ -42,7 +42,7 @@ def data_dir():
     path = find_data_dir()
     if path is None:
         pytest.skip("no data folder: set PODS_DATA_DIR to a folder holding gsm8k/, math/, chemistry/ "
-                    "(README, Set-up), or put it at ../shared/data")
+                    "(docs/training.md, section 7), or put it at ../shared/data")
     return path
 
 

