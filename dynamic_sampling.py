@@ -32,6 +32,7 @@ import sampling
 import update
 
 METRICS = ("total", "accuracy")  # --dynamic-sampling-metric
+MAX_GENERATION_ROUNDS = 100  # --max-generation-rounds is refused above (DAPO's, verl's default: 10)
 
 
 @dataclass
