@@ -384,7 +384,7 @@ def expected_selection(rollouts, args, round_index=0):
     kept, advantages, dropped = pods.select(
         reward_matrix, args.update_size, args.rule, normalize=args.advantage_normalization,
         scale_rewards=args.scale_rewards, scope=args.selection_scope, drop_zero_variance=args.drop_zero_variance,
-        generator=torch.Generator().manual_seed(sampling.derived_seed(seed, 0)))
+        generator=torch.Generator().manual_seed(train.selection_seed(seed, 0)))
     return update.kept_batch(rollouts, kept, advantages), dropped
 
 
