@@ -231,10 +231,13 @@ def check_args(args, restarted=False):
     if args.rule == "none" and args.update_size != args.num_rollouts:
         raise ValueError(f"rule 'none' (plain GRPO) trains on every rollout: needs m == n, got m = "
                          f"{args.update_size}, n = {args.num_rollouts}; pick a PODS rule or set m = n")
-    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1 \
-            or not args.is_clip >= 1:
-        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0, 0 < --top-p <= 1 and "
-                         "--is-clip >= 1")
+    for flag, value, ok, bound in (("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
+                                   ("--temperature", args.temperature, args.temperature > 0, "> 0"),
+                                   ("--clip-eps", args.clip_eps, args.clip_eps > 0, "> 0"),
+                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+                                   ("--is-clip", args.is_clip, args.is_clip >= 1, ">= 1")):
+        if not ok:
+            raise ValueError(f"{flag} must be {bound}, got {value:g}")
     for name in ("num_train_rows", "lora_alpha"):  # optional counts
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
