@@ -19,7 +19,9 @@ lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is no
 gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
 The sampler check (rollout_check.py): the first pass of `update_policy` (the policy that sampled) is compared
 with the sampler's log-probs of the kept tokens, at no extra forward pass (`UpdateMetrics.sampler_gap`); with
-`LossSettings.importance_sampling_correction` its ratio also weights the loss (grpo_loss.importance_weights).
+`LossSettings.importance_sampling_correction` pi_old / pi_sampler also weights the loss (grpo_loss.importance_weights);
+"token_reject" takes its rejected tokens out of the loss mask and the normaliser, which must be known before the
+first backward, so `fill_logprobs` computes pi_old for it even with mu = 1 (one more no-grad pass).
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
