@@ -193,6 +193,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     def say(line):  # above the progress bar, from the main process
         if processes.is_main:
             tqdm.write(f"step {step}: {line}", file=sys.stderr)
+
     settings = config.update_settings(args)
     scored, batches, batch_rounds, backends = [], [], [], set()
     with processes.full_weights(model):
