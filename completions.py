@@ -38,7 +38,8 @@ def completions_record(step, scored):
         for i in range(num_prompts):
             prompt_id += 1
             rows.append({"type": "prompt", "prompt_id": prompt_id, "prompt": scored_round.prompts[i],
-                         "answer": scored_round.answers[i], "filtered": bool(scored_round.filtered[i])})
+                         "answer": scored_round.answers[i], "filtered": bool(scored_round.filtered[i]),
+                         "set_aside": bool(scored_round.set_aside[i])})
             for j in range(n):
                 r = i * n + j
                 rows.append({"type": "rollout", "prompt_id": prompt_id, "rollout": j,
@@ -118,7 +119,9 @@ def rollout_table(rows, prompt_id, width=100):
     names = list(rollouts[0]["rewards"]) if rollouts else []
     lines = [f"prompt {prompt_id} (answer {prompt['answer']!r}): {_clip(prompt['prompt'], width + 40, end=True)}",
              f"{len(rollouts)} rollouts, {sum(r['kept'] for r in rollouts)} kept (*)"
-             f"{', set aside by --dynamic-sampling' if prompt.get('filtered') else ''}, by reward:",
+             f"{', set aside by --dynamic-sampling (no reward spread)' if prompt.get('filtered') else ''}"
+             + (", set aside by --dynamic-sampling to even out the processes' rows" if prompt.get("set_aside") else "")
+             + ", by reward:",
              "  reward " + "".join(f"{name[:9]:>10}" for name in names) + "  tokens  kept advantage  completion"]
     for row in rollouts:
         values = "".join(f"{'-' if v is None else format(v, '.2f'):>10}" for v in row["rewards"].values())

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import sys
 import time
 import warnings
@@ -60,7 +61,14 @@ RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm", "max_ste
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (what is wrong, and where the flags are listed), not the usage text."""
+    """argparse whose errors are one line (what is wrong, and where the flags are listed), not the usage text. A
+    negative number, also in scientific notation (`--lr -1e-3`) or -inf/-nan, is a value, not a flag: the range
+    checks then name what is wrong with it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
+                                                   re.IGNORECASE)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (python {self.prog} --help lists the flags)\n")
@@ -108,7 +116,8 @@ def build_parser():
         help="DAPO: set groups with all-equal rewards aside, draw more prompts until --prompts-per-step have a spread")
     add("--dynamic-sampling-metric", choices=dynamic_sampling.METRICS, default="total",
         help="the reward that must vary within a group: the weighted total (what the advantages use) or accuracy")
-    add("--max-generation-rounds", type=int, default=10, help="--dynamic-sampling: generation rounds per rollout batch")
+    add("--max-generation-rounds", type=int, default=10, help="--dynamic-sampling: generation rounds per rollout "
+        f"batch (at most {dynamic_sampling.MAX_GENERATION_ROUNDS})")
     add("--reward-weights", default="",
         help=f"name=weight for the reward terms whose weight changes; the others keep theirs "
              f"({DEFAULT_REWARD_WEIGHTS}, the paper's; weight 0 logs a reward without training on it)")
@@ -233,16 +242,20 @@ def check_args(args, restarted=False):
     if args.rule == "none" and args.update_size != args.num_rollouts:
         raise ValueError(f"rule 'none' (plain GRPO) trains on every rollout: needs m == n, got m = "
                          f"{args.update_size}, n = {args.num_rollouts}; pick a PODS rule or set m = n")
-    if not args.learning_rate > 0 or not args.temperature > 0 or args.clip_eps <= 0 or not 0 < args.top_p <= 1 \
-            or not args.is_clip >= 1:
-        raise ValueError("need --learning-rate > 0, --temperature > 0, --clip-eps > 0, 0 < --top-p <= 1 and "
-                         "--is-clip >= 1")
+    for flag, value, ok, bound in (("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
+                                   ("--temperature", args.temperature, args.temperature > 0, "> 0"),
+                                   ("--clip-eps", args.clip_eps, args.clip_eps > 0, "> 0"),
+                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+                                   ("--is-clip", args.is_clip, args.is_clip >= 1, ">= 1")):
+        if not ok:
+            raise ValueError(f"{flag} must be {bound}, got {value:g}")
     for name in ("num_train_rows", "lora_alpha"):  # optional counts
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _check_variant_flags(args)
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
+    _check_dynamic_sampling(args)
     _check_device_flags(args)
     runfolder.check_run_dir(args, restarted)
     _check_data(args)
@@ -264,7 +277,44 @@ def _check_device_flags(args):
         raise ValueError("--optimizer adamw8bit needs bitsandbytes and a CUDA device; use --optimizer adamw")
 
 
+def _check_dynamic_sampling(args):
+    """--dynamic-sampling needs groups that can have a spread, and a bound on the rounds looking for them."""
+    if args.max_generation_rounds > dynamic_sampling.MAX_GENERATION_ROUNDS:
+        raise ValueError(f"--max-generation-rounds must be <= {dynamic_sampling.MAX_GENERATION_ROUNDS}, got "
+                         f"{args.max_generation_rounds}: a step that finds too few groups with a spread trains on "
+                         "what it has after that many rounds")
+    if not args.dynamic_sampling:
+        return
+    if args.num_rollouts < 2:
+        raise ValueError(f"--dynamic-sampling with --num-rollouts {args.num_rollouts}: a group of one rollout never "
+                         "has a reward spread, so every group would be set aside; use -n >= 2")
+    if args.dynamic_sampling_metric == "total" and not any(args.reward_weights.values()):
+        raise ValueError("--dynamic-sampling with every --reward-weights weight 0: the weighted total is 0 for every "
+                         "rollout, so no group can have a spread; give a reward a weight or use "
+                         "--dynamic-sampling-metric accuracy")
+
+
+def inert_loss_options(args):
+    """The loss options set away from their default whose `needs` field is at its default: they do nothing (e.g.
+    --is-clip without --importance-sampling-correction)."""
+    fields = {option.name: option for option in dataclasses.fields(grpo_loss.LossSettings)}
+    return [option for option in LOSS_FLAGS if option.metadata["needs"]
+            and getattr(args, _dest(option)) != option.default
+            and getattr(args, _dest(fields[option.metadata["needs"]])) == fields[option.metadata["needs"]].default]
+
+
 def _check_variant_flags(args):
+    correction = args.importance_sampling_correction  # a resumed run's config.json value is not checked by argparse
+    if correction in grpo_loss.REMOVED_IS_CORRECTIONS:
+        raise ValueError(f"--importance-sampling-correction {grpo_loss.REMOVED_IS_CORRECTIONS[correction]}")
+    if correction not in grpo_loss.IS_CORRECTIONS:
+        raise ValueError(f"--importance-sampling-correction must be one of {grpo_loss.IS_CORRECTIONS}, got "
+                         f"{correction!r}")
+    fields = {option.name: option for option in dataclasses.fields(grpo_loss.LossSettings)}
+    for option in inert_loss_options(args):
+        needed = fields[option.metadata["needs"]]
+        warnings.warn(f"{grpo_loss.flag_name(option)} {getattr(args, _dest(option))} does nothing with "
+                      f"{grpo_loss.flag_name(needed)} {needed.default} (left out of the method label)")
     if args.clip_eps_high is not None and not args.clip_eps_high >= args.clip_eps:
         # Clip-higher (DAPO) widens the upper bound only; a narrower one clips the ratio of every improving token.
         raise ValueError(f"--clip-eps-high {args.clip_eps_high} must be >= --clip-eps {args.clip_eps} (clip-higher "
@@ -327,8 +377,11 @@ def method_label(args):
         label = f"PODS {args.rule} {args.num_rollouts}/{args.update_size}"
     defaults = preset_defaults(args.preset if args.preset in PRESETS else "demo")
     words = dict(LABEL_FLAGS)
+    inert = {_dest(option) for option in inert_loss_options(args)}  # they do nothing: the same method
     for option in LOSS_FLAGS:
         words.setdefault(_dest(option), lambda value, args, flag=grpo_loss.flag_name(option): f"{flag[2:]} {value}")
+    for name in inert:
+        words.pop(name, None)
     variants = [describe(getattr(args, name), args) for name, describe in words.items()
                 if getattr(args, name) != defaults[name]]
     variants = [variant for variant in variants if variant]

@@ -10,20 +10,20 @@ prompts as groups are missing from the seeded prompt order and generates again, 
 has. The rule keeps m rollouts of each group that entered: pods.select runs once over all of them, so
 --selection-scope batch and --scale-rewards batch see exactly the groups that entered.
 
-- `Generated`: one generation round (its prompts, rollouts, rewards, and which groups were set aside).
+train.py calls this module only with --dynamic-sampling; a round is a train.Generated (its prompts, rollouts and
+rewards), whose `filtered` and `set_aside` marks `refill` sets.
 - `without_spread`: the groups whose metric is equal for all n rollouts (the weighted total by default, or accuracy).
 - `refill`: the generation rounds of one rollout batch; with several processes each refills its own share and every
   process decides from every process's count (train.OneProcess.counts), so all agree on the rounds.
 - `entered_rewards` / `kept_batches` / `join`: what the selection sees, its result mapped back onto each round's rows,
   and those rows as one update batch.
-- `step_metrics`: groups generated, fraction set aside, generation rounds, groups missing.
+- `step_metrics`: groups generated, fraction without a spread, fraction set aside to even out the processes'
+  rows, generation rounds, groups missing.
 
 Simplifications: a refill draws only the missing number of prompts (verl generates whole batches and drops the
 surplus with a spread), and a step whose rounds ran out trains on fewer groups (verl stops with an error); with
 several processes, then on as many per process as the one with the fewest holds (`even_out`).
 """
-
-from dataclasses import dataclass
 
 import torch
 
@@ -32,21 +32,8 @@ import sampling
 import update
 
 METRICS = ("total", "accuracy")  # --dynamic-sampling-metric
-
-
-@dataclass
-class Generated:
-    """One generation round of a rollout batch: P prompts x n rollouts, scored."""
-    examples: list                  # [P] data.Example
-    rollouts: sampling.Rollouts
-    rewards: torch.Tensor           # [P, n] weighted total
-    per_func: dict                  # reward function -> [P*n] (NaN: not applicable)
-    first_chunk: int                # this process's first generation chunk (its rollouts' seeds)
-    filtered: torch.Tensor = None   # [P] bool: set aside by `refill` (no spread); None: none
-
-    def __post_init__(self):
-        if self.filtered is None:
-            self.filtered = torch.zeros(self.rewards.shape[0], dtype=torch.bool)
+MAX_GENERATION_ROUNDS = 100  # --max-generation-rounds is refused above (DAPO's, verl's default: 10)
+ROUNDS_BETWEEN_NOTES = 10  # a rollout batch still short of groups with a spread says so every this many rounds
 
 
 def without_spread(rewards, per_func, metric="total"):
@@ -64,37 +51,47 @@ def without_spread(rewards, per_func, metric="total"):
 
 
 def entered(rounds):
-    """The number of groups with a spread in `rounds`."""
-    return sum(int((~part.filtered).sum()) for part in rounds)
+    """The number of groups of `rounds` that entered the selection: with a spread, and not set aside."""
+    return sum(int(part.entered.sum()) for part in rounds)
 
 
-def refill(first, generate, wanted, metric="total", max_rounds=1, counts=lambda value: [value]):
+def refill(first, generate, wanted, metric="total", max_rounds=1, counts=lambda value: [value], say=None):
     """The generation rounds of one rollout batch: `first`, then `generate(missing, index)` while some process holds
     fewer than `wanted` groups with a spread and fewer than `max_rounds` rounds were generated. missing: the groups
     each process lacks, in process order (one process: [P - groups with a spread]); round `index` (1, 2, ...) draws
     sum(missing) prompts from the prompt order and this process generates and scores its missing ones. counts(value):
     every process's value (one process: [value]). Each round's `filtered` marks its groups without a spread; when the
-    rounds run out, `even_out` leaves every process as many groups as the one with the fewest."""
-    rounds = [first]
-    first.filtered = without_spread(first.rewards, first.per_func, metric)
+    rounds run out, `even_out` marks `set_aside` the groups with a spread beyond what the poorest process holds.
+    say(line): told every ROUNDS_BETWEEN_NOTES rounds that the batch is still short (None: silent)."""
+    rounds = [mark(first, metric)]
     while True:
         have = counts(entered(rounds))  # every process decides alike from every process's count
         missing = [max(wanted - count, 0) for count in have]
         if not any(missing) or len(rounds) >= max_rounds:
             break
-        part = generate(missing, len(rounds))
-        part.filtered = without_spread(part.rewards, part.per_func, metric)
-        rounds.append(part)
+        if say is not None and len(rounds) % ROUNDS_BETWEEN_NOTES == 0:
+            say(f"dynamic sampling: {len(rounds)} generation rounds so far and {sum(have)} of {len(have) * wanted} "
+                f"groups with a spread; at most {max_rounds} rounds (--max-generation-rounds), then the step trains "
+                "on what it has")
+        rounds.append(mark(generate(missing, len(rounds)), metric))
     even_out(rounds, min(have))
     return rounds
 
 
+def mark(part, metric):
+    """`part` (a train.Generated) with its groups without a spread marked `filtered`, none yet `set_aside`."""
+    part.filtered = without_spread(part.rewards, part.per_func, metric)
+    part.set_aside = torch.zeros_like(part.filtered)
+    return part
+
+
 def even_out(rounds, limit):
-    """Set aside the groups with a spread after the first `limit` (in draw order): several processes must train on
-    as many rows each (their updates run the same collectives); one process: limit = what it has, nothing changes."""
+    """Mark `set_aside` the groups with a spread after the first `limit` (in draw order): several processes must train
+    on as many rows each (their updates run the same collectives); one process: limit = what it has, nothing changes.
+    They have a spread: they are not `filtered`, and are counted apart (`step_metrics`)."""
     for part in rounds:
-        groups = (~part.filtered).nonzero().squeeze(1)
-        part.filtered[groups[limit:]] = True
+        groups = part.entered.nonzero().squeeze(1)
+        part.set_aside[groups[limit:]] = True
         limit = max(limit - len(groups), 0)
 
 
@@ -107,7 +104,7 @@ def no_rollouts():
 
 def entered_rewards(rounds):
     """[P', n]: the rewards of the groups that entered, in draw order: what the selection rule sees."""
-    return torch.cat([part.rewards[~part.filtered] for part in rounds])
+    return torch.cat([part.rewards[part.entered] for part in rounds])
 
 
 def kept_batches(rounds, kept, advantages):
@@ -116,7 +113,7 @@ def kept_batches(rounds, kept, advantages):
     empty batch; with one round and nothing set aside this is update.kept_batch(rollouts, kept, advantages)."""
     batches, start = [], 0
     for part in rounds:
-        groups = (~part.filtered).nonzero().squeeze(1)
+        groups = part.entered.nonzero().squeeze(1)
         n = part.rewards.shape[1]
         part_kept, part_advantages = kept[start:start + len(groups)], advantages[start:start + len(groups)]
         start += len(groups)
@@ -154,9 +151,12 @@ def join(batches, pad_id):
 
 def step_metrics(scored, wanted):
     """A step's counters from its report.ScoredRounds (every generation round of every rollout batch); wanted:
-    --prompts-per-step x --grad-accum-steps groups."""
+    --prompts-per-step x --grad-accum-steps groups. frac_filtered: groups without a spread; frac_set_aside: groups
+    with a spread left out so that every process trains on as many rows (several processes, rounds out)."""
     generated = sum(len(part.filtered) for part in scored)
     filtered = sum(int(part.filtered.sum()) for part in scored)
+    set_aside = sum(int(part.set_aside.sum()) for part in scored)
     return {"dynamic_sampling/groups_generated": generated, "dynamic_sampling/frac_filtered": filtered / generated,
+            "dynamic_sampling/frac_set_aside": set_aside / generated,
             "dynamic_sampling/generation_rounds": len(scored),
-            "dynamic_sampling/groups_missing": wanted - (generated - filtered)}
+            "dynamic_sampling/groups_missing": wanted - (generated - filtered - set_aside)}

@@ -13,9 +13,12 @@ additional updates on the same batch.
 Variants (defaults = the paper): `aggregation` "sequence" (above), "token" (DAPO: sum over all kept
 tokens / their number) or "fixed" (Dr. GRPO: sum / (rows x max completion tokens)); clip-higher (DAPO:
 ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit;
-`importance_sampling_correction` (truncated importance sampling, as TRL's vLLM correction and verl's rollout_is;
-`importance_weights`) multiplies each token's policy-gradient term by min(pi_old / pi_sampler, C) ("tis") or drops
-the tokens whose ratio exceeds C ("mask"; a dropped token still counts in the "token" denominator), C = is_clip.
+`importance_sampling_correction` (against the sampler-trainer mismatch; `importance_weights`, ratio w = pi_old /
+pi_sampler per token, C = is_clip) multiplies each token's policy-gradient term by min(w, C) ("tis": TRL's
+token_truncate, verl's rollout_is="token"), or by w where w <= C and 0 above ("token_mask": TRL's token_mask; the
+token still counts in every denominator), or rejects the tokens outside [1/C, C] ("token_reject": verl's
+rollout_rs="token_k1": weight 1 inside, and a rejected token leaves the loss mask, so it leaves its row's token
+count and the "token" denominator, and adds no KL term either; `loss_tokens`).
 The trainer accumulates micro-batches, so "token" and "fixed" must normalise over the whole update batch:
 `grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
 
@@ -37,17 +40,24 @@ from torch import Tensor
 _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
 
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
-IS_CORRECTIONS = ("none", "tis", "mask")
+IS_CORRECTIONS = ("none", "tis", "token_mask", "token_reject")
+# Modes of older versions, refused with what to use instead (a mapping would change what a resumed run trains).
+REMOVED_IS_CORRECTIONS = {
+    "mask": "'mask' (weight 1 where pi_old / pi_sampler <= --is-clip, else 0) matched neither TRL nor verl and was "
+            "removed; use token_mask (TRL: the ratio where it is <= C, else 0) or token_reject (verl: weight 1 where "
+            "1/C <= ratio <= C, rejected tokens out of the loss and its denominators) in a new run"}
 
 
-def loss_option(default, help=None, flag=None, ratio_only=False, example=None, acts_with=(), **argparse_options):
+def loss_option(default, help=None, flag=None, ratio_only=False, example=None, acts_with=(), needs=None,
+                **argparse_options):
     """A LossSettings field. help: it gets a train.py flag (--field-name, or `flag`) with this help, these argparse
     options and the field's default (config.py builds it); no help: the value comes from the flag of that name
     declared elsewhere. ratio_only: it acts on the ratio rho only, which is exactly 1 with --mu 1 (a warning).
     example: a valid value other than the default, for the tests that run every option (None: they pick one).
-    acts_with: the flags without which it does nothing (those tests give them to both sides)."""
+    acts_with: the flags without which it does nothing (those tests give them to both sides). needs: the field that
+    must differ from its default for this one to act (config.py warns and leaves it out of the method label)."""
     metadata = dict(help=help, flag=flag, ratio_only=ratio_only, example=example, acts_with=tuple(acts_with),
-                    argparse=argparse_options)
+                    needs=needs, argparse=argparse_options)
     return field(default=default, metadata=metadata)
 
 
@@ -70,10 +80,14 @@ class LossSettings:
     max_completion_tokens: int | None = loss_option(None)  # the generation limit: the "fixed" aggregation's denominator
     # Against the sampler-trainer mismatch (rollout_check.py); grpo_loss_sum then needs the sampler's log-probs.
     importance_sampling_correction: str = loss_option(
-        "none", "tis: weight each token's policy gradient by min(pi_old / pi_sampler, --is-clip); mask: drop the "
-        "tokens above it; none: the paper", choices=IS_CORRECTIONS, example="tis")
-    is_clip: float = loss_option(2.0, "the importance ratio's cap (TRL's and verl's default: 2)", type=float,
-                                 example=1.5, acts_with=("--importance-sampling-correction", "tis"))
+        "none", "per-token ratio w = pi_old / pi_sampler, C = --is-clip. tis: weight each token's policy gradient by "
+        "min(w, C) (TRL token_truncate, verl rollout_is token); token_mask: by w where w <= C, else 0 (TRL "
+        "token_mask); token_reject: drop the tokens with w outside [1/C, C] from the loss and its denominators "
+        "(verl rollout_rs token_k1); none: the paper", choices=IS_CORRECTIONS, example="tis")
+    is_clip: float = loss_option(2.0, "C of --importance-sampling-correction (default 2, verl's rollout_is_threshold; "
+                                 "TRL's default is 3 with its sequence-level mask)", type=float,
+                                 example=1.5, acts_with=("--importance-sampling-correction", "tis"),
+                                 needs="importance_sampling_correction")
 
 
 def flag_name(option: dataclasses.Field) -> str:
@@ -161,15 +175,43 @@ def mask_truncated(completion_mask: Tensor, truncated: Tensor) -> Tensor:
     return completion_mask.masked_fill(truncated[:, None].to(completion_mask.device), 0)
 
 
-def importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, correction: str, clip: float) -> Tensor:
-    """Detached per-token weights [B, C] of the policy-gradient term for rollouts sampled by another sampler than
-    pi_old: ratio = exp(old - sampler); "tis": min(ratio, clip); "mask": 1 where ratio <= clip, else 0."""
+def _check_correction(correction: str, clip: float) -> None:
+    if correction in REMOVED_IS_CORRECTIONS:
+        raise ValueError(f"importance sampling correction {REMOVED_IS_CORRECTIONS[correction]}")
     if correction not in IS_CORRECTIONS[1:]:
         raise ValueError(f"importance sampling correction must be one of {IS_CORRECTIONS[1:]}, got {correction!r}")
     if not clip >= 1:
         raise ValueError(f"the importance ratio's clip must be >= 1, got {clip}")
+
+
+def importance_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, correction: str, clip: float) -> Tensor:
+    """Detached per-token weights [B, C] of the policy-gradient term for rollouts sampled by another sampler than
+    pi_old: ratio = exp(old - sampler), C = clip.
+    "tis" (TRL token_truncate, verl rollout_is="token"): min(ratio, C);
+    "token_mask" (TRL token_mask, clip_min unset): the ratio where ratio <= C, else 0;
+    "token_reject" (verl rollout_rs="token_k1", threshold C: bounds [1/C, C]): 1 where 1/C <= ratio <= C, else 0;
+    its rejected tokens also leave the loss mask (`loss_tokens`), which a weight alone cannot do."""
+    _check_correction(correction, clip)
     ratio = torch.exp(old_logprobs.detach().float() - sampler_logprobs.float())
-    return ratio.clamp(max=clip) if correction == "tis" else (ratio <= clip).float()
+    if correction == "tis":
+        return ratio.clamp(max=clip)
+    if correction == "token_mask":
+        return ratio.masked_fill(ratio > clip, 0.0)
+    return ((ratio >= 1 / clip) & (ratio <= clip)).float()
+
+
+def loss_tokens(completion_mask: Tensor, old_logprobs: Tensor | None, sampler_logprobs: Tensor | None,
+                settings: "LossSettings") -> Tensor:
+    """The tokens that count in the loss and in its denominators (`loss_denominator`): completion_mask, with the
+    tokens "token_reject" rejects zeroed (as verl's rollout_rs changes response_mask); other corrections: unchanged.
+    Per token, so a multi-process denominator is still the sum of each process's."""
+    if settings.importance_sampling_correction != "token_reject" or not completion_mask.numel():
+        return completion_mask
+    if old_logprobs is None or sampler_logprobs is None:
+        raise ValueError("importance_sampling_correction 'token_reject' needs pi_old's and the sampler's log-probs to "
+                         "know which tokens count in the loss")
+    accepted = importance_weights(old_logprobs, sampler_logprobs, "token_reject", settings.is_clip).bool()
+    return completion_mask * accepted.to(completion_mask.device).to(completion_mask.dtype)
 
 
 def _check_aggregation(aggregation: str) -> None:
@@ -230,8 +272,10 @@ def grpo_loss_sum(
     sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) = the full-batch loss.
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO clip-higher; None = clip_eps).
     With importance_sampling_correction, the weights (`importance_weights` of old_logprobs and sampler_logprobs
-    [B, C], the sampler's) multiply each token's policy-gradient term, not its KL term.
-    Metrics: token means over this call's kept tokens, see `grpo_loss` (plus "importance_weight_mean").
+    [B, C], the sampler's) multiply each token's policy-gradient term, not its KL term; "token_reject" takes its
+    rejected tokens out of the mask instead (`loss_tokens`: their KL term too, and out of their row's token count).
+    Metrics: token means over this call's kept tokens, see `grpo_loss` (plus "importance_weight_mean", over every
+    completion token: the mean weight, for "token_reject" the fraction accepted).
     """
     settings = loss_settings(settings, **options)
     clip_eps, clip_eps_high, kl_coef, aggregation = (settings.clip_eps, settings.clip_eps_high, settings.kl_coef,
@@ -257,17 +301,18 @@ def grpo_loss_sum(
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")
 
-    token_weights = None  # truncated importance sampling (rollout_check.py)
+    token_weights = None  # importance sampling against the sampler-trainer mismatch (rollout_check.py)
     if settings.importance_sampling_correction != "none":
         if sampler_logprobs is None or sampler_logprobs.shape != logprobs.shape:
             raise ValueError(f"importance_sampling_correction {settings.importance_sampling_correction!r} needs the "
                              "sampler's log-probs [B, C] (sampling.Rollouts.sampler_logprobs)")
         token_weights = importance_weights(old_logprobs, sampler_logprobs, settings.importance_sampling_correction,
                                            settings.is_clip)
+    generated = completion_mask.bool()  # before token_reject's rejection: what importance_weight_mean is over
 
     # Padded positions may hold anything (even inf/NaN): zero them *before* exp so that neither the
     # value nor the gradient (0 * inf) can turn into NaN.
-    keep = completion_mask.bool()
+    keep = loss_tokens(completion_mask, old_logprobs, sampler_logprobs, settings).bool()
     mask = keep.float()
 
     def tokens(x: Tensor) -> Tensor:
@@ -305,8 +350,9 @@ def grpo_loss_sum(
             "ratio_mean": masked_mean(ratio),
             "kl": masked_mean(kl) if ref_logprobs is not None else 0.0,
         }
-        if token_weights is not None:
-            metrics["importance_weight_mean"] = masked_mean(tokens(token_weights))
+        if token_weights is not None:  # token_reject: the fraction of tokens accepted
+            metrics["importance_weight_mean"] = float(token_weights.float()[generated].mean()) if generated.any() \
+                else 0.0
     return loss_sum, metrics
 
 
@@ -338,5 +384,6 @@ def grpo_loss(
     settings = loss_settings(settings, **options)
     loss_sum, metrics = grpo_loss_sum(logprobs, old_logprobs, advantages, completion_mask, settings, ref_logprobs,
                                       sampler_logprobs)
-    denominator = loss_denominator(completion_mask, settings.aggregation, settings.max_completion_tokens)
+    denominator = loss_denominator(loss_tokens(completion_mask, old_logprobs, sampler_logprobs, settings),
+                                   settings.aggregation, settings.max_completion_tokens)
     return loss_sum / max(denominator, 1), metrics

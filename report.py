@@ -55,20 +55,22 @@ class ScoredRound:
     answers: list                # [P] reference answers
     texts: list                  # [P*n] completions
     filtered: torch.Tensor       # [P] bool: set aside by --dynamic-sampling (no reward spread), not trained on
+    set_aside: torch.Tensor      # [P] bool: a spread, but left out by --dynamic-sampling to even out processes' rows
     sampler_ratios: torch.Tensor | None = None  # [P*n] mean pi / pi_sampler over a kept rollout's tokens (NaN: not
                                                 # kept); set by train_step after the update
 
     @classmethod
     def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped,
-           filtered=None):
+           filtered=None, set_aside=None):
         """From a sampling.Rollouts, its data.Examples and what was computed from them (kept_advantages: one per
-        kept row, in kept_rows order, as the update received them; filtered: [P] bool, None: none)."""
+        kept row, in kept_rows order, as the update received them; filtered, set_aside: [P] bool, None: none)."""
         advantages = torch.full((rewards.numel(),), math.nan)
         advantages[kept_rows] = kept_advantages.float()
-        filtered = torch.zeros(rewards.shape[0], dtype=torch.bool) if filtered is None else filtered
+        none = torch.zeros(rewards.shape[0], dtype=torch.bool)
         return cls(rewards, per_func, kept_rows, advantages, zero_variance_dropped, rollouts.lengths,
                    rollouts.truncated, int(rollouts.prompt_mask.sum()) * rewards.shape[1],
-                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts), filtered,
+                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts),
+                   none if filtered is None else filtered, none if set_aside is None else set_aside,
                    torch.full((rewards.numel(),), math.nan))
 
 
@@ -93,9 +95,11 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
     rewards_all = torch.cat([s.rewards for s in scored])
     kept_rewards = torch.cat([s.rewards.flatten()[s.kept_rows] for s in scored])
     lengths = torch.cat([s.lengths for s in scored]).float()
-    metrics = {"reward": float(rewards_all.mean()), "reward_std": float(rewards_all.std(dim=1).mean()),
+    group_std = rewards_all.std(dim=1) if rewards_all.shape[1] > 1 else torch.zeros(len(rewards_all))  # -n 1: 0
+    metrics = {"reward": float(rewards_all.mean()), "reward_std": float(group_std.mean()),
                **({"reward_selected": float(kept_rewards.mean())} if len(kept_rewards) else {}),
-               "frac_reward_zero_std": float((rewards_all.std(dim=1) == 0).float().mean())}
+               # all n rewards equal (a group of one rollout too, whose std is NaN)
+               "frac_reward_zero_std": float((rewards_all.amax(dim=1) == rewards_all.amin(dim=1)).float().mean())}
     for name in scored[0].per_func:
         metrics[f"rewards/{name}/mean"] = float(torch.cat([s.per_func[name] for s in scored]).nanmean())
     metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),

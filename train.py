@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -38,6 +39,7 @@ import sampling
 import update
 
 NONFINITE_STOP = 3  # consecutive steps whose update was skipped
+SELECTION_STREAM = 0x5E1EC7  # the random rule's seeds: derived_seed(batch seed, this, first chunk), no chunk's seed
 
 
 class Stopped(SystemExit):
@@ -142,18 +144,38 @@ def score(rollouts, examples, args):
     return result.total.view(len(examples), n), result.per_func
 
 
+@dataclass
+class Generated:
+    """One generation round of a rollout batch: P prompts x n rollouts, scored."""
+    examples: list                  # [P] data.Example
+    rollouts: sampling.Rollouts
+    rewards: torch.Tensor           # [P, n] weighted total
+    per_func: dict                  # reward function -> [P*n] (NaN: not applicable)
+    first_chunk: int                # this process's first generation chunk (its rollouts' seeds)
+    filtered: torch.Tensor = None   # [P] bool: no reward spread, set aside by --dynamic-sampling; None: none
+    set_aside: torch.Tensor = None  # [P] bool: a spread, but left out to even out the processes' rows; None: none
+
+    def __post_init__(self):
+        for name in ("filtered", "set_aside"):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(self.rewards.shape[0], dtype=torch.bool))
+
+    @property
+    def entered(self):
+        """[P] bool: the groups the selection rule sees."""
+        return ~(self.filtered | self.set_aside)
+
+
 def generate_and_score(model, tokenizer, examples, args, seed, costs, processes, sizes=None):
-    """n rollouts per prompt of this process's share of `examples` (sizes: processes.share), scored: a
-    dynamic_sampling.Generated."""
+    """n rollouts per prompt of this process's share of `examples` (sizes: processes.share), scored: a Generated."""
     examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size, sizes)
-    rollouts = dynamic_sampling.no_rollouts()  # a refill only other processes needed
     with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
-        if examples:
-            rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
-                                                  config.generation_settings(args), seed, first_chunk)
+        rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
+                                              config.generation_settings(args), seed, first_chunk) if examples \
+            else dynamic_sampling.no_rollouts()  # a --dynamic-sampling refill only other processes needed
     with report.timed(costs, "reward_s"):
         reward_matrix, per_func = score(rollouts, examples, args)
-    return dynamic_sampling.Generated(examples, rollouts, reward_matrix, per_func, first_chunk)
+    return Generated(examples, rollouts, reward_matrix, per_func, first_chunk)
 
 
 def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess(), draw=None):
@@ -167,33 +189,44 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
         torch.cuda.reset_peak_memory_stats(args.device)
     if args.dynamic_sampling and draw is None:
         raise ValueError("train_step with --dynamic-sampling needs draw(count), the next examples of the prompt order")
+
+    def say(line):  # above the progress bar, from the main process
+        if processes.is_main:
+            tqdm.write(f"step {step}: {line}", file=sys.stderr)
+
     settings = config.update_settings(args)
     scored, batches, batch_rounds, backends = [], [], [], set()
     with processes.full_weights(model):
         for round_index, examples in enumerate(rounds):
             seed = sampling.derived_seed(args.seed, step, round_index)  # a resumed step draws what it drew before
             generated = [generate_and_score(model, tokenizer, examples, args, seed, costs, processes)]
+            rewards_seen = generated[0].rewards
             if args.dynamic_sampling:  # DAPO: groups without a spread set aside, more prompts drawn in their place
                 def more(missing, refill_round, seed=seed):  # `missing`: each process's groups still lacking
                     return generate_and_score(model, tokenizer, draw(sum(missing)), args,
                                               sampling.derived_seed(seed, refill_round), costs, processes, missing)
                 generated = dynamic_sampling.refill(generated[0], more, len(generated[0].examples),
                                                     args.dynamic_sampling_metric, args.max_generation_rounds,
-                                                    processes.counts)
+                                                    processes.counts, say)
+                rewards_seen = dynamic_sampling.entered_rewards(generated)
             backends.update(part.rollouts.backend for part in generated if part.examples)
             with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
                 kept, advantages, dropped = pods.select(
-                    dynamic_sampling.entered_rewards(generated), args.update_size, args.rule,
-                    normalize=args.advantage_normalization, scale_rewards=args.scale_rewards,
-                    scope=args.selection_scope, drop_zero_variance=args.drop_zero_variance,
-                    generator=torch.Generator().manual_seed(sampling.derived_seed(seed, generated[0].first_chunk)))
-            part_batches = dynamic_sampling.kept_batches(generated, kept, advantages)
-            batches.append(dynamic_sampling.join([batch for batch, _ in part_batches], tokenizer.pad_token_id or 0))
+                    rewards_seen, args.update_size, args.rule, normalize=args.advantage_normalization,
+                    scale_rewards=args.scale_rewards, scope=args.selection_scope,
+                    drop_zero_variance=args.drop_zero_variance,
+                    generator=torch.Generator().manual_seed(selection_seed(seed, generated[0].first_chunk)))
+            if args.dynamic_sampling:  # the kept rows mapped back onto each round, joined into one update batch
+                part_batches = dynamic_sampling.kept_batches(generated, kept, advantages)
+                batches.append(dynamic_sampling.join([batch for batch, _ in part_batches], tokenizer.pad_token_id or 0))
+            else:
+                batches.append(update.kept_batch(generated[0].rollouts, kept, advantages))
+                part_batches = [(batches[-1], update.kept_rows(kept, args.num_rollouts))]
             batch_rounds.append([])
             for part, (batch, kept_rows) in zip(generated, part_batches):
                 batch_rounds[-1].append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards,
                                                               part.per_func, kept_rows, batch.advantages, dropped,
-                                                              part.filtered))
+                                                              part.filtered, part.set_aside))
                 dropped = 0  # counted once per rollout batch
             scored += batch_rounds[-1]
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
@@ -207,6 +240,9 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
     if args.dynamic_sampling:
         metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
+    if result.rows == 0:  # the update_rows 0 of its metrics line, said where the run is watched
+        say("trained nothing: " + ("no group had a reward spread within --max-generation-rounds" if
+                                   args.dynamic_sampling else "every prompt was dropped") + " (no optimizer step)")
     # Did the rollouts come from the policy? The update's log-probs against the sampler's (rollout_check.py).
     metrics["sampler/engine"] = float("hf" not in backends)
     fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
@@ -214,6 +250,13 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
                                                                            args.backend, f"step {step}")):
         metrics["sampler/fallback"] = fallback
     return metrics, scored
+
+
+def selection_seed(batch_seed, first_chunk):
+    """The seed of the random rule's generator for a rollout batch: a stream of its own, apart from every generation
+    chunk's (sampling.derived_seed(batch_seed, chunk)) and refill round's, yet fixed by the batch (a resume redraws
+    it)."""
+    return sampling.derived_seed(batch_seed, SELECTION_STREAM, first_chunk)
 
 
 # ------------------------------------------------------------------------------------------ the run

@@ -19,7 +19,9 @@ lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is no
 gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
 The sampler check (rollout_check.py): the first pass of `update_policy` (the policy that sampled) is compared
 with the sampler's log-probs of the kept tokens, at no extra forward pass (`UpdateMetrics.sampler_gap`); with
-`LossSettings.importance_sampling_correction` its ratio also weights the loss (grpo_loss.importance_weights).
+`LossSettings.importance_sampling_correction` pi_old / pi_sampler also weights the loss (grpo_loss.importance_weights);
+"token_reject" takes its rejected tokens out of the loss mask and the normaliser, which must be known before the
+first backward, so `fill_logprobs` computes pi_old for it even with mu = 1 (one more no-grad pass).
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
@@ -164,10 +166,16 @@ def _logprobs(model, micro, settings, device):
                                         settings.temperature)
 
 
+def needs_old_logprobs(settings):
+    """mu > 1 (pi_old is the policy before the first step), or --importance-sampling-correction token_reject, whose
+    rejected tokens leave the loss normaliser, which must be known before the first micro-batch's backward."""
+    return settings.updates_per_batch > 1 or settings.loss.importance_sampling_correction == "token_reject"
+
+
 def fill_logprobs(model, batches, settings):
-    """Set each batch's old_logprobs (only mu > 1) and ref_logprobs (only kl_coef > 0; LoRA adapter disabled =
-    the reference policy), in one no-grad pass with the update's micro-batches; None where not needed."""
-    need_old, need_ref = settings.updates_per_batch > 1, settings.loss.kl_coef > 0
+    """Set each batch's old_logprobs (only `needs_old_logprobs`) and ref_logprobs (only kl_coef > 0; LoRA adapter
+    disabled = the reference policy), in one no-grad pass with the update's micro-batches; None where not needed."""
+    need_old, need_ref = needs_old_logprobs(settings), settings.loss.kl_coef > 0
     if need_ref and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs a LoRA model: the adapter switched off is the reference policy")
     device = next(model.parameters()).device
@@ -194,10 +202,13 @@ def micro_batch_loss(logprobs, micro, settings):
 
 
 def loss_denominator(batches, settings):
-    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask):
-    kept rows ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed")."""
-    return grpo_loss.loss_denominator([loss_mask(batch, settings.loss.mask_truncated) for batch in batches],
-                                      settings.loss.aggregation, settings.loss.max_completion_tokens)
+    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask, less
+    the tokens --importance-sampling-correction token_reject rejects: grpo_loss.loss_tokens): kept rows
+    ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"). A sum over rows:
+    several processes sum their values."""
+    masks = [grpo_loss.loss_tokens(loss_mask(batch, settings.loss.mask_truncated), batch.old_logprobs,
+                                   batch.sampler_logprobs, settings.loss) for batch in batches]
+    return grpo_loss.loss_denominator(masks, settings.loss.aggregation, settings.loss.max_completion_tokens)
 
 
 def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
@@ -212,7 +223,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     if total(rows) == 0:
         optimizer.zero_grad(set_to_none=True)
         return UpdateMetrics(loss=0.0, grad_norm=0.0, token_means={}, rows=0, optimizer_steps=0, skipped_steps=0)
-    for name, needed in (("old_logprobs", settings.updates_per_batch > 1), ("ref_logprobs", settings.loss.kl_coef > 0)):
+    for name, needed in (("old_logprobs", needs_old_logprobs(settings)), ("ref_logprobs", settings.loss.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
     if settings.loss.importance_sampling_correction != "none" and any(batch.sampler_logprobs is None

@@ -3,6 +3,7 @@ once, every bad flag, path or combination failing in parse_args, before anything
 arriving through train.train_step at the update (against pods.select called directly with the flag's value)."""
 
 import argparse
+import dataclasses
 import json
 import warnings
 
@@ -225,6 +226,86 @@ def test_the_collective_timeout_must_be_positive():
         config.parse_args(["--dist-timeout-s", "0"])
 
 
+def test_is_clip_without_a_correction_warns_in_one_line_and_stays_out_of_the_label():
+    """--is-clip acts only with --importance-sampling-correction: alone it warns and the label is the plain run's,
+    so compare.py does not split two identical runs; with a correction it is in the label."""
+    with pytest.warns(UserWarning, match=r"--is-clip 1.5 does nothing with --importance-sampling-correction none") \
+            as caught:
+        alone = config.parse_args(["--is-clip", "1.5"])
+    assert "\n" not in str(caught[0].message)
+    assert config.method_label(alone) == config.method_label(config.parse_args([]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acting = config.parse_args(["--is-clip", "1.5", "--importance-sampling-correction", "tis"])
+    assert "is-clip 1.5" in config.method_label(acting)
+
+
+def test_is_clip_help_states_the_defaults_of_trl_and_verl():
+    """TRL 1.16's vllm_importance_sampling_clip_max is 3 (with the sequence_mask mode by default); verl's
+    rollout_is_threshold is 2: the help must not call 2 TRL's default."""
+    trl_config = pytest.importorskip("trl.trainer.grpo_config")
+    fields = {f.name: f for f in dataclasses.fields(trl_config.GRPOConfig)}
+    assert fields["vllm_importance_sampling_clip_max"].default == 3.0
+    assert fields["vllm_importance_sampling_mode"].default == "sequence_mask"
+    help_text = next(action.help for action in config.build_parser()._actions if action.dest == "is_clip")
+    assert "TRL's default is 3" in help_text and "verl" in help_text and "TRL's and verl's default: 2" not in help_text
+
+
+@pytest.mark.parametrize("mode", ["tis", "token_mask", "token_reject"])
+def test_each_importance_sampling_mode_is_a_choice_of_the_flag(mode):
+    args = config.parse_args(["--importance-sampling-correction", mode])
+    assert config.loss_settings(args).importance_sampling_correction == mode
+
+
+def test_a_resume_of_a_run_with_the_removed_mask_mode_is_refused_naming_the_new_modes(tmp_path, capsys):
+    """Older runs' config.json may say `mask` (weight 1 below C: neither TRL's nor verl's); continuing it under
+    another rule would change what it trains, so the resume is refused naming token_mask and token_reject; the flag
+    itself no longer offers it."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
+    saved = vars(config.parse_args(["--importance-sampling-correction", "tis"]))
+    (run / "config.json").write_text(json.dumps(dict(saved, importance_sampling_correction="mask")))
+    with pytest.raises(ValueError, match=r"--importance-sampling-correction 'mask' .*token_mask.*token_reject"):
+        config.parse_args(["--output-dir", str(run), "--resume"])
+    with pytest.raises(SystemExit):
+        config.parse_args(["--importance-sampling-correction", "mask"])
+    assert "invalid choice: 'mask'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dynamic-sampling", "-n", "1", "-m", "1"], "--dynamic-sampling with --num-rollouts 1: a group of one"),
+    (["--dynamic-sampling", "--reward-weights", "accuracy=0,format=0,tag_count=0"], "no group can have a spread"),
+    (["--dynamic-sampling", "--max-generation-rounds", "1000000"], "--max-generation-rounds must be <= 100"),
+])
+def test_dynamic_sampling_that_cannot_find_a_spread_is_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config.parse_args(argv)
+    # the accuracy metric does not read the weights: its groups can still have a spread
+    config.parse_args(["--dynamic-sampling", "--dynamic-sampling-metric", "accuracy", "--reward-weights",
+                       "accuracy=0,format=0,tag_count=0"])
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--learning-rate", "--temperature", "--clip-eps", "--is-clip", "--top-p",
+                                  "--max-time-s", "--weight-decay", "--kl-coef", "--dist-timeout-s"])
+@pytest.mark.parametrize("value", ["-1e-3", "-2", "-0.5", "-1E+2"])
+def test_a_negative_number_is_a_value_so_the_range_check_speaks(flag, value, capsys):
+    """argparse took `-1e-3` for a flag ("expected one argument"): every numeric flag now gets the value, and its
+    own check names what is wrong."""
+    name = "--learning-rate" if flag == "--lr" else flag
+    with pytest.raises(ValueError, match=f"{name} must be .*got {float(value):g}"):
+        config.parse_args([flag, value])
+    assert "expected one argument" not in capsys.readouterr().err
+
+
+def test_a_negative_count_is_a_value_too():
+    for flag in ("--max-steps", "--eval-samples", "--num-threads", "-n"):
+        with pytest.raises(ValueError, match="must be"):
+            config.parse_args([flag, "-3"])
+    with pytest.raises(ValueError, match="must be a finite number"):
+        config.parse_args(["--lr", "-inf"])
+
+
 def test_a_restarted_run_resumes_from_its_latest_checkpoint(tmp_path):
     import checkpoint
 
@@ -310,7 +391,7 @@ def expected_selection(rollouts, args, round_index=0):
     kept, advantages, dropped = pods.select(
         reward_matrix, args.update_size, args.rule, normalize=args.advantage_normalization,
         scale_rewards=args.scale_rewards, scope=args.selection_scope, drop_zero_variance=args.drop_zero_variance,
-        generator=torch.Generator().manual_seed(sampling.derived_seed(seed, 0)))
+        generator=torch.Generator().manual_seed(train.selection_seed(seed, 0)))
     return update.kept_batch(rollouts, kept, advantages), dropped
 
 

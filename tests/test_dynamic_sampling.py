@@ -17,6 +17,7 @@ import dynamic_sampling
 import eval as eval_module
 import models
 import pods
+import report
 import rewards
 import sampling
 import train
@@ -44,7 +45,7 @@ def test_without_spread_follows_the_metric():
 def fake_round(group_rewards):
     """A Generated round with rewards [P, n] and no rollouts (refill looks at the rewards only)."""
     group_rewards = torch.tensor(group_rewards, dtype=torch.float32)
-    return dynamic_sampling.Generated([None] * len(group_rewards), None, group_rewards, {}, 0)
+    return train.Generated([None] * len(group_rewards), None, group_rewards, {}, 0)
 
 
 @pytest.mark.parametrize("max_rounds, asked, missing", [(10, [2, 1, 1], 0), (3, [2, 1], 1), (1, [], 2)])
@@ -82,8 +83,47 @@ def test_with_several_processes_every_process_refills_its_own_share_and_all_stop
     assert calls == [[1, 1]] and dynamic_sampling.entered(rounds) == 2
     other = iter([0, 0])
     rounds = dynamic_sampling.refill(fake_round([[0.0, 1.0], [0.0, 1.0]]), generate, 2, "total", 2, counts)
-    assert [part.filtered.tolist() for part in rounds] == [[True, True], [True]]  # the other process has none
+    # the other process has none: every group here is set aside to even out the rows, though each has a spread
+    assert [part.filtered.tolist() for part in rounds] == [[False, False], [False]]
+    assert [part.set_aside.tolist() for part in rounds] == [[True, True], [True]]
     assert dynamic_sampling.entered(rounds) == 0
+
+
+def test_rounds_that_keep_finding_no_spread_say_so_and_end_at_the_bound():
+    """Every ROUNDS_BETWEEN_NOTES rounds without a full batch, a line says how many rounds ran and how many groups
+    have a spread; the rounds stop at max_rounds (config refuses more than MAX_GENERATION_ROUNDS)."""
+    lines, calls = [], []
+
+    def generate(missing, index):
+        calls.append(index)
+        return fake_round([[1.0, 1.0]] * missing[0])
+
+    rounds = dynamic_sampling.refill(fake_round([[1.0, 1.0], [0.0, 0.0]]), generate, 2, "total", 25, say=lines.append)
+    assert len(rounds) == 25 and calls == list(range(1, 25)) and dynamic_sampling.entered(rounds) == 0
+    assert lines == [f"dynamic sampling: {count} generation rounds so far and 0 of 2 groups with a spread; at most 25 "
+                     "rounds (--max-generation-rounds), then the step trains on what it has" for count in (10, 20)]
+    assert dynamic_sampling.ROUNDS_BETWEEN_NOTES == 10 and dynamic_sampling.MAX_GENERATION_ROUNDS == 100
+
+
+def test_groups_set_aside_to_even_out_the_processes_are_not_counted_as_filtered():
+    """Two processes, rounds out: this one holds 2 groups with a spread, the other 1, so even_out leaves one of ours
+    out. It has a spread: frac_filtered (groups without one) stays 0 and frac_set_aside counts it; the completions
+    log marks it set aside, not filtered, and the viewer says why."""
+    rounds = dynamic_sampling.refill(fake_round([[0.0, 1.0], [1.0, 0.0]]), None, 2, "total", 1,
+                                     counts=lambda value: [value, 1])
+    assert rounds[0].filtered.tolist() == [False, False] and rounds[0].set_aside.tolist() == [False, True]
+    assert dynamic_sampling.entered_rewards(rounds).tolist() == [[0.0, 1.0]]
+    metrics = dynamic_sampling.step_metrics(rounds, 2)
+    assert metrics["dynamic_sampling/frac_filtered"] == 0.0 and metrics["dynamic_sampling/frac_set_aside"] == 0.5
+    assert metrics["dynamic_sampling/groups_missing"] == 1
+    rollouts = rollouts_of(2, 2)
+    examples = [data.Example(text=f"q{i}", prompt=[], answer=str(i)) for i in range(2)]
+    scored = report.ScoredRound.of(rollouts, examples, rounds[0].rewards, {}, torch.tensor([0, 1]),
+                                   torch.tensor([0.5, -0.5]), 0, rounds[0].filtered, rounds[0].set_aside)
+    prompts = [row for row in completions.completions_record(1, [scored])["rows"] if row["type"] == "prompt"]
+    assert [(row["filtered"], row["set_aside"]) for row in prompts] == [(False, False), (False, True)]
+    lines = completions.rollout_table(completions.completions_record(1, [scored])["rows"], 1)
+    assert "to even out the processes' rows" in lines[1] and "no reward spread" not in lines[1]
 
 
 def test_join_pads_prompts_left_and_completions_right():
@@ -195,7 +235,7 @@ def expected_update(args, seen, prompts):
         entered.append(result.total.view(len(examples), -1)[spread])
     first_seed = sampling.derived_seed(args.seed, 2, 0)
     kept, advantages, _ = pods.select(torch.cat(entered), args.update_size, args.rule, scope=args.selection_scope,
-                                      generator=torch.Generator().manual_seed(sampling.derived_seed(first_seed, 0)))
+                                      generator=torch.Generator().manual_seed(train.selection_seed(first_seed, 0)))
     if kept.dtype == torch.bool:  # batch scope: a mask; the paper's scope: m indices per group, in the rule's order
         kept, advantages = [row.nonzero().squeeze(1) for row in kept], [a[k] for a, k in zip(advantages, kept)]
     expected, start = [], 0
@@ -288,7 +328,7 @@ def test_a_run_logs_the_refills_and_marks_the_filtered_groups(dynamic_run):
     assert filtered_in_all  # the run did set groups aside; the viewer says so
     step, prompt_id = filtered_in_all[0]
     lines = eval_module.main(["rollouts", str(dynamic_run), "--step", str(step), "--prompt", str(prompt_id)])
-    assert "4 rollouts, 0 kept (*), set aside by --dynamic-sampling, by reward:" in lines
+    assert "4 rollouts, 0 kept (*), set aside by --dynamic-sampling (no reward spread), by reward:" in lines
 
 
 def test_a_crash_mid_step_after_a_refill_then_resume_equals_the_uninterrupted_run(dynamic_run, tiny_model_dir,

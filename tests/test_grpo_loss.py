@@ -70,21 +70,77 @@ def test_loss_and_gradient_match_naive_loop(beta):
         assert torch.allclose(x.grad, want_grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("correction, clip", [("tis", 2.0), ("tis", 1.2), ("mask", 2.0), ("mask", 1.2)])
+# The worked example: ratios pi_old / pi_sampler [0.5, 3, 1, 0.056] with C = 2, each mode against its reference.
+EXAMPLE_OLD, EXAMPLE_SAMPLER = [0.5, 0.9, 0.9, 0.05], [1.0, 0.3, 0.9, 0.9]   # probabilities of the 4 tokens
+EXAMPLE_WEIGHTS = {
+    "tis": [0.5, 2.0, 1.0, 0.05 / 0.9],            # TRL token_truncate: min(ratio, C)
+    "token_mask": [0.5, 0.0, 1.0, 0.05 / 0.9],     # TRL token_mask: ratio.masked_fill(ratio > C, 0)
+    "token_reject": [1.0, 0.0, 1.0, 0.0],          # verl rollout_rs token_k1: 1 iff 1/C <= ratio <= C
+}
+
+
+@pytest.mark.parametrize("correction", sorted(EXAMPLE_WEIGHTS))
+def test_importance_weights_equal_the_reference_each_mode_is_named_after(correction):
+    old, sampler = torch.tensor([EXAMPLE_OLD]).log(), torch.tensor([EXAMPLE_SAMPLER]).log()
+    weights = gl.importance_weights(old, sampler, correction, 2.0)
+    assert torch.allclose(weights, torch.tensor([EXAMPLE_WEIGHTS[correction]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", gl.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("correction", sorted(EXAMPLE_WEIGHTS))
+def test_the_example_loss_and_its_denominator_per_mode(correction, aggregation):
+    """A = 1, pi_old = pi (ratio 1), one row of 4 tokens and one of 2 (both with the example's weights, the second
+    cut to its first 2 tokens), max 4 tokens. TRL's modes weight the policy-gradient term and keep every token in
+    every denominator; verl's rejection takes the rejected tokens out of the loss mask, so out of each row's token
+    count ("sequence") and of the "token" denominator; "fixed" stays rows x max tokens (verl: a constant)."""
+    old = torch.tensor([EXAMPLE_OLD, EXAMPLE_OLD]).log()
+    sampler = torch.tensor([EXAMPLE_SAMPLER, EXAMPLE_SAMPLER]).log()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    w = EXAMPLE_WEIGHTS[correction]
+    if correction == "token_reject":    # verl: response_mask *= accepted; weight 1 on what is left
+        rows = [[1.0, 1.0], [1.0]]      # accepted weights of row 0 (tokens 0, 2) and row 1 (token 0)
+    else:
+        rows = [w, w[:2]]
+    want = {"sequence": -(sum(rows[0]) / len(rows[0]) + sum(rows[1]) / len(rows[1])) / 2,
+            "token": -(sum(rows[0]) + sum(rows[1])) / (len(rows[0]) + len(rows[1])),
+            "fixed": -(sum(rows[0]) + sum(rows[1])) / (2 * 4)}[aggregation]
+    logp = old.clone().requires_grad_(True)
+    loss, metrics = gl.grpo_loss(logp, old, torch.ones(2), mask, aggregation=aggregation, max_completion_tokens=4,
+                                 importance_sampling_correction=correction, is_clip=2.0, sampler_logprobs=sampler)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    denominator = gl.loss_denominator(gl.loss_tokens(mask, old, sampler, gl.loss_settings(
+        importance_sampling_correction=correction, is_clip=2.0)), aggregation, 4)
+    kept_tokens = 3 if correction == "token_reject" else 6
+    assert denominator == {"sequence": 2, "token": kept_tokens, "fixed": 8}[aggregation]
+    assert metrics["importance_weight_mean"] == pytest.approx((sum(w) + sum(w[:2])) / 6, rel=1e-5)
+
+
+@pytest.mark.parametrize("correction, clip", [(correction, clip) for correction in gl.IS_CORRECTIONS[1:]
+                                              for clip in (2.0, 1.2)])
 def test_importance_weights_match_a_per_token_reference(correction, clip):
-    """tis: min(exp(old - sampler), C); mask: 0 where the ratio exceeds C, else 1; detached; they scale each token's
+    """tis: min(w, C); token_mask: w where w <= C, else 0; token_reject: 1 where 1/C <= w <= C, else 0, with the
+    rejected tokens out of the mask (loss, KL term and denominators); detached; the weights scale each token's
     policy-gradient term and leave the KL term alone (loss and gradient against the naive loop)."""
     logp, old, ref, adv, mask = random_batch(4)
     sampler = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 0.6
-    want = [[min(math.exp(o - s), clip) if correction == "tis" else float(math.exp(o - s) <= clip)
-             for o, s in zip(old_row, sampler_row)] for old_row, sampler_row in zip(old.tolist(), sampler.tolist())]
+
+    def reference(o, s):
+        w = math.exp(o - s)
+        return {"tis": min(w, clip), "token_mask": w if w <= clip else 0.0,
+                "token_reject": float(1 / clip <= w <= clip)}[correction]
+
+    want = [[reference(o, s) for o, s in zip(old_row, sampler_row)]
+            for old_row, sampler_row in zip(old.tolist(), sampler.tolist())]
     weights = gl.importance_weights(old.requires_grad_(True), sampler, correction, clip)
     assert not weights.requires_grad and torch.allclose(weights.double(), torch.tensor(want, dtype=torch.float64))
     bound = weights[mask.bool()] == (clip if correction == "tis" else 0.0)
     assert 0 < float(bound.double().mean()) < 1   # the cap (or the mask) binds on some tokens, not on all
     old = old.detach()
-    expected, expected_grad = naive_loss_and_grad(*[t.tolist() for t in (logp, old, adv, mask, ref)], beta=0.1,
-                                                  weights=weights.tolist())
+    naive_mask = mask.tolist()
+    if correction == "token_reject":   # verl: rejected tokens leave the mask itself
+        naive_mask = [[m * int(w) for m, w in zip(mask_row, w_row)] for mask_row, w_row in zip(naive_mask, want)]
+    expected, expected_grad = naive_loss_and_grad(*[t.tolist() for t in (logp, old, adv)], naive_mask,
+                                                  ref.tolist(), beta=0.1, weights=weights.tolist())
     x = logp.clone().requires_grad_(True)
     loss, metrics = gl.grpo_loss(x, old, adv, mask, ref_logprobs=ref, sampler_logprobs=sampler, kl_coef=0.1,
                                  importance_sampling_correction=correction, is_clip=clip)
@@ -97,6 +153,12 @@ def test_importance_weights_match_a_per_token_reference(correction, clip):
         gl.importance_weights(old, sampler, "none", 2.0)
     with pytest.raises(ValueError, match="needs the sampler's log-probs"):
         gl.grpo_loss(x, old, adv, mask, importance_sampling_correction=correction)
+
+
+def test_the_removed_mask_mode_is_refused_naming_its_replacements():
+    old = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="'mask'.*token_mask.*token_reject"):
+        gl.importance_weights(old, old, "mask", 2.0)
 
 
 def test_metrics_match_naive_counts():

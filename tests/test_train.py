@@ -161,3 +161,68 @@ def test_a_step_whose_prompts_are_all_dropped_takes_no_optimizer_step(lora_model
     assert (metrics["num_zero_variance_dropped"], metrics["update_rows"], metrics["optimizer_steps"]) == (2, 0, 0)
     assert "reward_selected" not in metrics and all(math.isfinite(v) for v in metrics.values())
     assert not optimizer.state and metrics["frac_reward_zero_std"] == 1.0
+
+
+def test_a_step_that_trains_nothing_says_so(lora_model, smollm2_tokenizer, monkeypatch, capsys):
+    """update_rows 0 in the metrics line is also said in one line where the run is watched (stderr, above the bar)."""
+    monkeypatch.setattr(rewards, "compute_rewards", lambda prompts, completions, answers, **kwargs:
+                        rewards.RewardResult(total=torch.ones(len(completions)), per_func={}))
+    args = step_args(drop_zero_variance=True)
+    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, step=3)
+    err = capsys.readouterr().err
+    assert "step 3: trained nothing: every prompt was dropped (no optimizer step)" in err
+    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                     step_args(), step=4)
+    assert "trained nothing" not in capsys.readouterr().err
+
+
+def test_groups_of_one_rollout_count_as_zero_std(lora_model, smollm2_tokenizer):
+    """-n 1: a group's std is NaN (one value), yet all its rewards are equal: frac_reward_zero_std is 1, not 0."""
+    args = step_args(num_rollouts=1, update_size=1, rule="none")
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args,
+                                  step=1)
+    assert metrics["frac_reward_zero_std"] == 1.0 and metrics["reward_std"] == 0.0
+
+
+def test_a_default_step_does_not_enter_dynamic_sampling(lora_model, smollm2_tokenizer, monkeypatch):
+    """Without --dynamic-sampling a step calls nothing of dynamic_sampling.py: a reader of the default step never
+    needs that file (every function of it here raises)."""
+    import dynamic_sampling
+
+    def entered(*args, **kwargs):
+        raise AssertionError("a default step entered dynamic_sampling.py")
+
+    for name, value in vars(dynamic_sampling).items():
+        if callable(value) and getattr(value, "__module__", None) == "dynamic_sampling":
+            monkeypatch.setattr(dynamic_sampling, name, entered)
+    for extra in ({}, {"selection_scope": "batch"}, {"grad_accum_steps": 2}):
+        args = step_args(**extra)
+        metrics, scored = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args),
+                                           [EXAMPLES] * args.grad_accum_steps, args, step=1)
+        assert metrics["update_rows"] == 2 * 2 * args.grad_accum_steps and len(scored) == args.grad_accum_steps
+        assert not any(part.filtered.any() or part.set_aside.any() for part in scored)
+
+
+def test_the_random_rules_generator_has_a_stream_of_its_own(lora_model, smollm2_tokenizer, monkeypatch):
+    """The selection generator of --rule random is seeded apart from every generation chunk of its rollout batch
+    (sampling.derived_seed(batch seed, first chunk + chunk)) and every refill round: before, it reused chunk 0's."""
+    seen = {"generate": [], "select": []}
+    real_generate, real_select = sampling.generate_rollouts, pods.select
+
+    def spy_generate(model, tokenizer, texts, n, settings, seed, first_chunk=0, **kwargs):
+        seen["generate"].append((seed, first_chunk))
+        return real_generate(model, tokenizer, texts, n, settings, seed, first_chunk, **kwargs)
+
+    def spy_select(*args, generator=None, **kwargs):
+        seen["select"].append(generator.initial_seed())
+        return real_select(*args, generator=generator, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate_rollouts", spy_generate)
+    monkeypatch.setattr(pods, "select", spy_select)
+    args = step_args(rule="random", rollout_batch_size=2)   # 2 prompts x 4 rollouts: 4 chunks of 2 rows
+    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, step=5)
+    [(seed, first_chunk)], [selection] = seen["generate"], seen["select"]
+    chunk_seeds = {sampling.derived_seed(seed, first_chunk + chunk) for chunk in range(1000)}
+    refill_seeds = {sampling.derived_seed(seed, refill) for refill in range(1, 101)}
+    assert selection not in chunk_seeds | refill_seeds | {seed}
+    assert seed == sampling.derived_seed(args.seed, 5, 0) and selection == train.selection_seed(seed, first_chunk)

@@ -251,6 +251,45 @@ def test_the_denominator_of_the_token_aggregation_counts_the_loss_mask():
     assert metrics.loss == 0.0 and math.isfinite(metrics.grad_norm)  # ... and no division by 0
 
 
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_token_reject_takes_the_rejected_tokens_out_of_the_step_denominator(aggregation):
+    """verl's token rejection with --mu 1: fill_logprobs computes pi_old (the rejection must be known before the first
+    backward), the step's "token" denominator counts the accepted tokens only (two processes: twice that), and
+    micro-batches of 1 and 2 rows give grpo_loss's gradient over the whole batch."""
+    model = lora_model()
+    move_lora_b(model)
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    batch = varied_batch(6, seed=1)
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    attention = torch.cat([torch.ones_like(batch.prompt_ids), batch.completion_mask], 1)
+    with torch.no_grad():
+        current = grpo_loss.token_logprobs(model, ids, attention, 6)
+    batch.sampler_logprobs = current + torch.randn(current.shape, generator=torch.Generator().manual_seed(3))
+    loss = LossSettings(aggregation=aggregation, importance_sampling_correction="token_reject", is_clip=2.0)
+    accepted = ((current - batch.sampler_logprobs).exp() - 1.25).abs() <= 0.75   # 1/2 <= ratio <= 2
+    kept_tokens = int((batch.completion_mask.bool() & accepted).sum())
+    assert 0 < kept_tokens < int(batch.completion_mask.sum())   # the rejection acts on some tokens, not all
+    frozen.zero_grad()
+    logprobs = grpo_loss.token_logprobs(model, ids, attention, 6)
+    expected_loss, _ = grpo_loss.grpo_loss(logprobs, logprobs.detach(), batch.advantages, batch.completion_mask,
+                                           loss, sampler_logprobs=batch.sampler_logprobs)
+    expected_loss.backward()
+    expected = grads(model)
+    for micro in (1, 2):
+        settings = update.UpdateSettings(micro_batch_size=micro, max_grad_norm=0, loss=loss)
+        batch.old_logprobs = None
+        update.fill_logprobs(model, [batch], settings)
+        assert batch.old_logprobs is not None
+        if aggregation == "token":
+            assert update.loss_denominator([batch], settings) == kept_tokens
+        metrics = update.update_policy(model, frozen, [batch], settings)
+        torch.testing.assert_close(grads(model), expected, rtol=1e-4, atol=1e-6)
+        assert metrics.loss == pytest.approx(expected_loss.item(), rel=1e-4, abs=1e-6)
+    two = update.update_policy(model, frozen, [batch], settings, lambda value: 2 * value)
+    torch.testing.assert_close(grads(model), expected / 2, rtol=1e-4, atol=1e-6)
+    assert two.loss == pytest.approx(expected_loss.item(), rel=1e-4, abs=1e-6)
+
+
 def test_kept_batch_takes_indices_a_mask_or_rows_alike():
     P, n = 2, 3
     rollouts = sampling.Rollouts(

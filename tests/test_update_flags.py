@@ -161,9 +161,14 @@ UPDATE_FLAG_CASES = [  # (flags, the flags they are compared with (power), batch
     (["--importance-sampling-correction", "tis"], [], offpolicy_batch),
     (["--importance-sampling-correction", "tis", "--is-clip", "1.5"], ["--importance-sampling-correction", "tis"],
      offpolicy_batch),
-    (["--importance-sampling-correction", "mask"], [], offpolicy_batch),
-    (["--importance-sampling-correction", "mask", "--is-clip", "1.5"], ["--importance-sampling-correction", "mask"],
-     offpolicy_batch),
+    (["--importance-sampling-correction", "token_mask"], [], offpolicy_batch),
+    (["--importance-sampling-correction", "token_mask", "--is-clip", "1.5"],
+     ["--importance-sampling-correction", "token_mask"], offpolicy_batch),
+    (["--importance-sampling-correction", "token_reject"], [], offpolicy_batch),
+    (["--importance-sampling-correction", "token_reject", "--is-clip", "1.5"],
+     ["--importance-sampling-correction", "token_reject"], offpolicy_batch),
+    (["--importance-sampling-correction", "token_reject", "--loss-aggregation", "token", "--mu", "2"],
+     ["--loss-aggregation", "token", "--mu", "2"], stale_batch),
     (["--clip-eps", "0.15", "--clip-eps-high", "0.25", "--kl-coef", "0.2", "--loss-aggregation", "token",
       "--mask-truncated", "--temperature", "0.8", "--max-grad-norm", "0.5", "--mu", "2"], [], stale_batch),
 ]
@@ -185,10 +190,10 @@ def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_o
     assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
 
 
-@pytest.mark.parametrize("correction", ["tis", "mask"])
+@pytest.mark.parametrize("correction", grpo_loss.IS_CORRECTIONS[1:])
 def test_importance_sampling_does_nothing_when_the_sampler_is_exact(correction, flag_model):
-    """Sampler log-probs equal to the policy's: every ratio is 1 <= --is-clip, so tis and mask give the update of
-    the paper's objective exactly."""
+    """Sampler log-probs equal to the policy's: every ratio is 1, inside [1/C, C], so every correction gives the
+    update of the paper's objective exactly."""
     model, weights = flag_model
 
     def exact_batch(model, args):
