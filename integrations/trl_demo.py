@@ -144,10 +144,14 @@ def refusal(args, given=()):
 
 def unsupported_combination(args):
     """The one line refusing mapped flags whose combination TRL's batch layout cannot run, or None."""
-    rows = args.prompts_per_step * args.num_rollouts
-    if (args.prompts_per_step * args.update_size) % args.micro_batch_size:
+    rows, kept_rows = args.prompts_per_step * args.num_rollouts, args.prompts_per_step * args.update_size
+    if kept_rows % args.micro_batch_size:
         return (f"the kept rows of a step ({args.prompts_per_step} x {args.update_size}) must be a multiple of "
                 f"--micro-batch-size (now {args.micro_batch_size})")
+    if rows % (kept_rows // args.micro_batch_size):  # TRL splits the generated rows as it splits the kept ones
+        return (f"the {rows} rows a step generates (--prompts-per-step x --num-rollouts) must split into as many "
+                f"equal parts as the kept rows make micro-batches ({kept_rows // args.micro_batch_size}): change "
+                "--micro-batch-size")
     if args.rollout_batch_size < rows:
         return (f"--rollout-batch-size {args.rollout_batch_size} is less than the {rows} rows of a step, which TRL "
                 f"generates in one call (--prompts-per-step x --num-rollouts): raise it to {rows}")

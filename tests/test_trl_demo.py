@@ -71,6 +71,7 @@ def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
     (["--backend", "engine"], "--backend engine is not mapped onto TRL by this demo"),
     (["--checkpoint-interval-s", "60"], "--checkpoint-interval-s 60.0 is not mapped onto TRL by this demo"),
     (["--micro-batch-size", "3"], "multiple of --micro-batch-size"),
+    (["--prompts-per-step", "3", "--num-rollouts", "5", "--micro-batch-size", "3"], "15 rows a step generates"),
     (["--rollout-batch-size", "4"], "--rollout-batch-size 4 is less than"),
 ])
 @pytest.mark.usefixtures("nothing_loads")
