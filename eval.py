@@ -341,7 +341,7 @@ def main(argv=None, load_sharded=None):
         print(f"skipping {path}: {problems[path]}", file=sys.stderr)
     checkpoints = [path for path in checkpoints if not problems[path]]
     if args.checkpoint and not checkpoints:
-        raise ValueError(f"{args.checkpoint}: no readable checkpoint")
+        raise ValueError(f"--checkpoint {args.checkpoint}: no readable checkpoint (each skipped one is named above)")
     sharded = [path for path in checkpoints if checkpoint.is_sharded(path)]
     if sharded and load_sharded is None:
         raise ValueError(f"{sharded[0]} was written by several processes (dcp/): evaluate it with "

@@ -325,6 +325,13 @@ def test_every_cli_error_names_the_flag_to_fix(tiny_model_dir, tmp_path, monkeyp
     assert not (tmp_path / "out.json").exists()
 
 
+def test_a_run_without_a_readable_checkpoint_names_the_flag(tmp_path, monkeypatch, capsys):
+    path = _add_checkpoint(tmp_path / "run", 1, tmp_path, {"model": "m"})
+    (path / "adapter" / "adapter_model.safetensors").write_bytes(b"")  # cut short
+    code, error = run_main_as_a_command(monkeypatch, capsys, ["--checkpoint", str(tmp_path / "run")])
+    assert code == 1 and re.search("^eval.py: error: --checkpoint .*run: no readable checkpoint", error), error
+
+
 def test_help_lists_the_rollouts_command(capsys):
     with pytest.raises(SystemExit):
         eval_module.main(["--help"])
