@@ -297,13 +297,15 @@ def show_rollouts(argv):
             if (run / "config.json").is_file() else None
         every = f"--log-completions-interval {interval}" if interval else "--log-completions-interval"
         evaluations = sorted(completions._logged_files(run, "eval_step"))
-        if args.eval or not evaluations:
-            line = f"{args.run}: nothing logged yet ({'evaluations' if args.eval else 'training steps'} log their "
-            line += f"completions every {every} steps)" if interval != 0 else f"completions: this run has {every})"
+        if interval == 0 or args.eval or not evaluations:
+            line = (f"{args.run}: no completions logged: the run has --log-completions-interval 0 (never)"
+                    if interval == 0 else f"{args.run}: nothing logged yet (" + (
+                        "each held-out evaluation logs a sample of its completions" if args.eval else
+                        f"train.py logs a step's rollouts every {every} steps") + ")")
             print(line)
             return [line]
-        lines.append(f"{args.run}: no training step's rollouts logged yet (train.py logs every {every} steps); "
-                     "its newest evaluation's completions instead:")
+        lines.append(f"{args.run}: no training step's rollouts logged yet (train.py logs them every {every} "
+                     "steps); its newest evaluation's completions instead:")
         kind, args.eval = "eval_step", True
     step, rows = completions.read_completions(run, args.step, kind)
     if not args.eval:

@@ -362,6 +362,8 @@ def test_rollouts_of_a_run_that_logged_no_step_yet_say_so_and_show_the_evaluatio
     nothing = _logged_run(tmp_path / "other", eval_steps=())  # nothing logged at all
     lines = eval_module.main(["rollouts", str(nothing)])
     assert len(lines) == 1 and "nothing logged yet" in lines[0]
+    (nothing / "config.json").write_text(json.dumps({"log_completions_interval": 0}))  # e.g. a TRL demo run
+    assert "--log-completions-interval 0 (never)" in eval_module.main(["rollouts", str(nothing)])[0]
 
 
 @pytest.mark.parametrize("flags, message", [
