@@ -74,7 +74,7 @@ WHY = {
     "keep_checkpoints": "it writes no checkpoints",
     "importance_sampling_correction": "TRL corrects only vLLM's sampling, which the CPU demo does not use",
     "dynamic_sampling": "TRL has no DAPO refill of zero-spread groups",
-    "kl_coef": "the demo runs TRL with beta = 0",
+    "kl_coef": "TRL's KL term (beta) is not checked against train.py's here, so the demo runs TRL with beta = 0",
     "progress": "it prints a line per step, no bar",
 }
 
