@@ -172,9 +172,12 @@ def load_results(path, eval_config):
 
 def parse_args(argv):
     import config
+    import data
     import models
 
-    parser = config.OneLineParser(prog="eval.py", description=__doc__.split("\n\n")[0])
+    parser = config.OneLineParser(prog="eval.py", description=__doc__.split("\n\n")[0],
+                                  epilog="A training run's logged rollouts: python eval.py rollouts RUN [--step S] "
+                                         "[--prompt I] [--eval] (python eval.py rollouts --help).")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--checkpoint", help="a checkpoint dir (adapter/ + config.json) or a run dir: "
                                             "evaluates every checkpoint in <run>/checkpoints/")
@@ -183,7 +186,8 @@ def parse_args(argv):
                         help="evaluate --model (default: the preset's) as a run of this train.py preset evaluates its "
                              "policy: its prompts, held-out sample, temperature, lengths, batch and dtype")
     parser.add_argument("--base-model", help="override the base model named in the checkpoint's config.json")
-    parser.add_argument("--dataset", help="default: the run's dataset (config.json), else gsm8k")
+    parser.add_argument("--dataset", choices=data.DATASETS,
+                        help="default: the run's dataset (config.json), else gsm8k")
     parser.add_argument("--data-dir", help="folder with the dataset files (default: the run's, else "
                                            "$PODS_DATA_DIR or ../shared/data, else the Hugging Face Hub)")
     parser.add_argument("--split", default="test", choices=("train", "test"))
@@ -216,7 +220,26 @@ def parse_args(argv):
         args = parser.parse_args(argv)
     if not (args.checkpoint or args.model):
         parser.error("one of the arguments --checkpoint --model --preset is required")
+    problem = flag_problem(args)
+    if problem:
+        parser.error(problem)
     return args
+
+
+def flag_problem(args):
+    """The one line naming the first flag whose value cannot be evaluated with, or None."""
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-completion-tokens", args.max_completion_tokens),
+                        ("--samples-per-prompt", args.samples_per_prompt), ("--repeats", args.repeats),
+                        ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if args.num_threads < 0:
+        return f"--num-threads must be >= 0 (0 = torch's default), got {args.num_threads}"
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"
+    if not 0 < args.top_p <= 1:
+        return f"--top-p must be in (0, 1], got {args.top_p}"
+    return None
 
 
 def run_settings(args, checkpoints):
@@ -241,7 +264,10 @@ def run_settings(args, checkpoints):
 
 def show_rollouts(argv):
     """`python eval.py rollouts RUN`: print the completions log of a training step (one prompt's n rollouts sorted
-    by reward, the kept ones marked with their advantages) or of an evaluation; returns the printed lines."""
+    by reward, the kept ones marked with their advantages) or of an evaluation; returns the printed lines. A run
+    that has logged no training step yet (train.py logs every --log-completions-interval steps) says so and shows
+    its newest evaluation's completions, if any."""
+    import checkpoint
     import completions
     import config
 
@@ -253,8 +279,40 @@ def show_rollouts(argv):
     parser.add_argument("--eval", action="store_true", help="the evaluation's logged completions instead")
     parser.add_argument("--width", type=int, default=100, help="characters of each completion shown")
     args = parser.parse_args(argv)
-    step, rows = completions.read_completions(args.run, args.step, "eval_step" if args.eval else "step")
-    lines = [f"{args.run}: {'evaluation at ' if args.eval else ''}step {step}"]
+    run = Path(args.run)
+    if not (run / checkpoint.METRICS_FILE).is_file():
+        raise ValueError(f"{args.run} is not a run folder (no {checkpoint.METRICS_FILE}): give the --output-dir of "
+                         "a train.py run")
+    if args.width < 10:
+        raise ValueError(f"--width must be >= 10, got {args.width}")
+    kind = "eval_step" if args.eval else "step"
+    logged = sorted(completions._logged_files(run, kind))
+    if args.step is not None and args.step not in logged:
+        what = "evaluation completions" if args.eval else "training rollouts"
+        raise ValueError(f"--step {args.step}: {args.run} has no {what} logged at that step; "
+                         + (f"logged at steps {', '.join(map(str, logged))}" if logged else "none logged yet"))
+    lines = []
+    if not logged:
+        interval = checkpoint.read_run_config(run).get("log_completions_interval") \
+            if (run / "config.json").is_file() else None
+        every = f"--log-completions-interval {interval}" if interval else "--log-completions-interval"
+        evaluations = sorted(completions._logged_files(run, "eval_step"))
+        if interval == 0 or args.eval or not evaluations:
+            line = (f"{args.run}: no completions logged: the run has --log-completions-interval 0 (never)"
+                    if interval == 0 else f"{args.run}: nothing logged yet (" + (
+                        "each held-out evaluation logs a sample of its completions" if args.eval else
+                        f"train.py logs a step's rollouts every {every} steps") + ")")
+            print(line)
+            return [line]
+        lines.append(f"{args.run}: no training step's rollouts logged yet (train.py logs them every {every} "
+                     "steps); its newest evaluation's completions instead:")
+        kind, args.eval = "eval_step", True
+    step, rows = completions.read_completions(run, args.step, kind)
+    if not args.eval:
+        count = sum(row["type"] == "prompt" for row in rows)
+        if not 0 <= args.prompt < count:
+            raise ValueError(f"--prompt {args.prompt}: step {step} has prompts 0-{count - 1}")
+    lines += [f"{args.run}: {'evaluation at ' if args.eval else ''}step {step}"]
     lines += completions.eval_table(rows, args.width) if args.eval else \
         completions.rollout_table(rows, args.prompt, args.width)
     print("\n".join(lines))
@@ -274,20 +332,30 @@ def main(argv=None, load_sharded=None):
     import runfolder
     import sampling
 
-    checkpoints = checkpoint.find_checkpoints(args.checkpoint) if args.checkpoint else []
+    if args.checkpoint and not Path(args.checkpoint).exists():
+        raise ValueError(f"--checkpoint {args.checkpoint}: no such file or folder")
+    try:
+        checkpoints = checkpoint.find_checkpoints(args.checkpoint) if args.checkpoint else []
+    except ValueError as error:
+        raise ValueError(f"--checkpoint: {error}") from None
     problems = {path: runfolder.checkpoint_problem(path) for path in checkpoints}  # a file empty or cut short
     for path in [path for path in checkpoints if problems[path]]:
         print(f"skipping {path}: {problems[path]}", file=sys.stderr)
     checkpoints = [path for path in checkpoints if not problems[path]]
     if args.checkpoint and not checkpoints:
-        raise ValueError(f"{args.checkpoint}: no readable checkpoint")
+        raise ValueError(f"--checkpoint {args.checkpoint}: no readable checkpoint (each skipped one is named above)")
     sharded = [path for path in checkpoints if checkpoint.is_sharded(path)]
     if sharded and load_sharded is None:
         raise ValueError(f"{sharded[0]} was written by several processes (dcp/): evaluate it with "
                          "python -m multigpu eval and the same flags")
     settings = run_settings(args, checkpoints)
     data.check_data_source(settings["dataset"], settings["data_dir"], splits=(args.split,))
-    models.check_model_source(settings["model"])  # a missing local model: one line, before anything loads
+    try:
+        models.check_model_source(settings["model"])  # a missing local model: one line, before anything loads
+    except (ValueError, OSError) as error:
+        named_by = "--model" if args.model else "--base-model" if args.base_model else \
+            "the model named in the run's config.json (another: --base-model)"
+        raise ValueError(f"{named_by}: {error}") from None
     out_path = Path(args.out) if args.out else (
         checkpoint.run_dir_of(args.checkpoint) / f"eval_{args.split}.json" if args.checkpoint
         else Path(f"eval_{args.split}.json"))

@@ -13,11 +13,11 @@ the paper's objective (variants.png, variants.md). All three take 2 optimizer st
 each of 4 prompts per step; GRPO-GA (GRPO 16/16) trains on all 64, accumulating the gradient over micro-batches,
 PODS max_variance 16/4 on 16 of them, and a random 16/4 control on 16 random ones (does max-variance matter, or
 only fewer rows?). A 256-prompt held-out set every 5 steps; peak and final accuracy and the speed-up on the time
-and the step axis with 95% bootstrap intervals over seeds (bootstrap.py): <out>/ga.md, ga.json, the plot.
+and the step axis with 95% bootstrap intervals over seeds (bootstrap.py): <out>/ga.md, ga.json, ga.png (--plot).
 
     python study.py run --out runs/study --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
-    python study.py variants --out runs/variants --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
-    python study.py ga --out runs/ga --seeds 0 1 2 3 4 [--max-time-s 900] [-- extra train.py flags]
+    python study.py variants --out runs/variants --seeds 0 1 2 --max-time-s 150 [-- extra train.py flags]
+    python study.py ga --out runs/ga --seeds 0 1 2 3 4 [--max-time-s 900] [--plot P] [-- extra train.py flags]
     python study.py compare RUN_DIR...            (an alias of python compare.py)
 
 Every setting the recorded tables depend on is passed explicitly (`STUDY_TRAIN_ARGS`), evaluation
@@ -132,7 +132,10 @@ GA_TRAIN_ARGS = with_settings(STUDY_TRAIN_ARGS, GA_SETTINGS)
 # reads every run as a run of this budget (bootstrap.within_budget), that first one included.
 GA_MAX_TIME_S = 900.0
 GA_NUM_THREADS = 2      # one run at a time on the 2-core machine, both cores to it (BENCHMARKS: 1.5-1.85x faster)
-GA_PLOT = Path(__file__).with_name("docs") / "study_ga.png"
+# Training wall-clock per run of the recorded rule / n/m study and loss-variant study (BENCHMARKS.md): the commands'
+# defaults, so that `python study.py run|variants --out DIR` trains as long as the recorded runs did.
+RUN_MAX_TIME_S = 120.0
+VARIANTS_MAX_TIME_S = 150.0
 
 
 def ga_plan(seeds, num_rollouts=16):
@@ -249,9 +252,10 @@ def run_variants(out_dir, seeds, max_time_s, train_args=(), dry_run=False, num_t
 
 
 def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=False, num_threads=GA_NUM_THREADS,
-           plot=GA_PLOT, resamples=bootstrap.RESAMPLES, train_script=Path(__file__).with_name("train.py")):
+           plot=None, resamples=bootstrap.RESAMPLES, train_script=Path(__file__).with_name("train.py")):
     """PODS vs GRPO-GA (module docstring): train every arm for every seed, one run at a time, then write
-    <out>/ga.md (table) and ga.json (figures with intervals) and draw the plot; returns the table."""
+    <out>/ga.md (table) and ga.json (figures with intervals) and draw the plot (None: <out>/ga.png); returns the
+    table."""
     runs = ga_plan(seeds)
     failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, GA_TRAIN_ARGS)
     if dry_run:
@@ -259,6 +263,7 @@ def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=Fals
     if failed:  # said before the report, which may have too few runs to be made
         print(f"\nfailed runs: {', '.join(failed)}")
     out_dir = Path(out_dir)
+    plot = out_dir / "ga.png" if plot is None else plot
     present = [out_dir / name for name in runs if (out_dir / name / "metrics.jsonl").is_file()]
     title = (f"PODS 16/4 vs GRPO-GA (GRPO 16/16: all rollouts trained), demo scale, {len(seeds)} "
              f"seed{'s' if len(seeds) > 1 else ''}, 1.96 SE bands")
@@ -292,15 +297,18 @@ def main(argv=None):
                                      "arguments after -- go to every train.py run")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4] if ga else [0, 1, 2])
-    parser.add_argument("--max-time-s", type=float, default=GA_MAX_TIME_S if ga else 120.0,
-                        help="training wall-clock per run")
+    parser.add_argument("--max-time-s", type=float, help="training wall-clock per run (default: the recorded "
+                        "study's, " + {"run": f"{RUN_MAX_TIME_S:g}", "variants": f"{VARIANTS_MAX_TIME_S:g}",
+                                       "ga": f"{GA_MAX_TIME_S:g}"}[command] + ")",
+                        default={"run": RUN_MAX_TIME_S, "variants": VARIANTS_MAX_TIME_S, "ga": GA_MAX_TIME_S}[command])
     if command == "run":
         parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
     parser.add_argument("--num-threads", type=int, default=GA_NUM_THREADS if ga else 1, help="torch CPU threads "
                         "per run: on a shared machine one thread avoids OpenMP spin-waits (here 2 threads were ~7x "
                         "slower); the ga study, timed, wants a quiet machine and both of its cores")
     if ga:
-        parser.add_argument("--plot", default=str(GA_PLOT), help="the plot's path")
+        parser.add_argument("--plot", help="the plot's path (default: <out>/ga.png; the figure BENCHMARKS.md shows "
+                            "is docs/study_ga.png)")
         parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     args = parser.parse_args(argv)

@@ -232,7 +232,7 @@ def test_results_written_under_the_old_key_are_still_appended_to(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--checkpoint", "{tmp}/missing"], "missing does not exist"),
+    (["--checkpoint", "{tmp}/missing"], "--checkpoint .*missing: no such file or folder"),
     (["--checkpoint", "{tmp}"], "neither a checkpoint"),
     (["--model", "m", "--dataset", "math", "--data-dir", "{tmp}"], "data file not found: .*test500.jsonl"),
 ])
@@ -285,3 +285,96 @@ def test_preset_supplies_the_runs_settings_and_flags_still_win(monkeypatch, caps
             runpy.run_path(str(Path(eval_module.__file__)), run_name="__main__")
         error = capsys.readouterr().err
         assert exit_info.value.code == 2 and error.count("\n") == 1 and message in error
+
+
+def run_main_as_a_command(monkeypatch, capsys, argv):
+    """(exit status, the error line) of `python eval.py ARGV`: argparse's errors (status 2) and the ValueErrors
+    __main__ turns into one line (status 1) alike; (0, "") when it ran through."""
+    monkeypatch.setattr("sys.argv", ["eval.py", *argv])
+    try:
+        runpy.run_path(str(Path(eval_module.__file__)), run_name="__main__")
+    except SystemExit as exit_info:
+        code = exit_info.code
+        return (code, capsys.readouterr().err) if isinstance(code, int) else (1, code + "\n")
+    return 0, ""
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--samples-per-prompt", "0"], "--samples-per-prompt must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--max-completion-tokens", "0"], "--max-completion-tokens must be >= 1, got 0"),  # was silently 256
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--top-p", "2"], "--top-p must be in \\(0, 1\\], got 2.0"),
+    (["--num-threads", "-1"], "--num-threads must be >= 0 .*got -1"),
+    (["--dataset", "bogus"], "--dataset: invalid choice"),
+    (["--model", "{tmp}/missing"], "--model: .*missing' does not exist"),
+    (["--checkpoint", "{tmp}/missing", "--model", None], "--checkpoint .*missing: no such"),
+    (["--checkpoint", "{tmp}", "--model", None], "--checkpoint: .* is neither a checkpoint"),
+])
+def test_every_cli_error_names_the_flag_to_fix(tiny_model_dir, tmp_path, monkeypatch, capsys, flags, message):
+    argv = ["--model", str(tiny_model_dir), "--dataset", "arithmetic", "--num-prompts", "2", "--repeats", "1",
+            "--max-completion-tokens", "4", "--out", str(tmp_path / "out.json"), "--no-progress", "--num-threads", "1"]
+    if None in flags:  # a flag that excludes --model
+        argv, flags = argv[2:], flags[:2]
+    code, error = run_main_as_a_command(monkeypatch, capsys, argv + [flag.format(tmp=tmp_path) for flag in flags])
+    assert code != 0 and error.startswith("eval.py: error: ") and error.count("\n") == 1
+    assert re.search(message, error), error
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_run_without_a_readable_checkpoint_names_the_flag(tmp_path, monkeypatch, capsys):
+    path = _add_checkpoint(tmp_path / "run", 1, tmp_path, {"model": "m"})
+    (path / "adapter" / "adapter_model.safetensors").write_bytes(b"")  # cut short
+    code, error = run_main_as_a_command(monkeypatch, capsys, ["--checkpoint", str(tmp_path / "run")])
+    assert code == 1 and re.search("^eval.py: error: --checkpoint .*run: no readable checkpoint", error), error
+
+
+def test_help_lists_the_rollouts_command(capsys):
+    with pytest.raises(SystemExit):
+        eval_module.main(["--help"])
+    assert "python eval.py rollouts RUN" in capsys.readouterr().out
+
+
+def _logged_run(tmp_path, steps=(), eval_steps=(0,)):
+    """A run folder as train.py leaves it, with completions logged at these training and evaluation steps."""
+    from test_report import scored_round
+
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"log_completions_interval": 5, "eval_interval": 5}))
+    (run / checkpoint.METRICS_FILE).write_text('{"type": "train", "step": 1}\n')
+    for step in steps:
+        completions.write_completions(run, completions.completions_record(step, [scored_round()]))
+    for step in eval_steps:
+        completions.write_completions(run, completions.eval_completions_record(step, [
+            {"prompt": "Q", "answer": "7", "completion": "<answer>7</answer>", "correct": True, "formatted": True}]))
+    return run
+
+
+def test_rollouts_of_a_run_that_logged_no_step_yet_say_so_and_show_the_evaluation(tmp_path, capsys):
+    run = _logged_run(tmp_path)  # a 2-step run logging every 5th step: only its evaluations are logged
+    lines = eval_module.main(["rollouts", str(run)])
+    assert "no training step's rollouts logged yet" in lines[0] and "--log-completions-interval 5" in lines[0]
+    assert any("<answer>7</answer>" in line for line in lines) and "evaluation at step 0" in "\n".join(lines)
+    nothing = _logged_run(tmp_path / "other", eval_steps=())  # nothing logged at all
+    lines = eval_module.main(["rollouts", str(nothing)])
+    assert len(lines) == 1 and "nothing logged yet" in lines[0]
+    (nothing / "config.json").write_text(json.dumps({"log_completions_interval": 0}))  # e.g. a TRL demo run
+    assert "--log-completions-interval 0 (never)" in eval_module.main(["rollouts", str(nothing)])[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--step", "7"], "--step 7: .*logged at steps 2"),
+    (["--prompt", "5"], "--prompt 5: step 2 has prompts 0-1"),
+    (["--width", "0"], "--width must be >= 10"),
+    (["--eval", "--step", "3"], "--step 3: .*logged at steps 0"),
+])
+def test_rollouts_errors_name_the_flag_to_fix(tmp_path, monkeypatch, capsys, flags, message):
+    run = _logged_run(tmp_path, steps=(2,))
+    code, error = run_main_as_a_command(monkeypatch, capsys, ["rollouts", str(run), *flags])
+    assert code == 1 and error.startswith("eval.py: error: ") and re.search(message, error), error
+    code, error = run_main_as_a_command(monkeypatch, capsys, ["rollouts", str(tmp_path / "missing")])
+    assert code == 1 and "is not a run folder" in error

@@ -246,3 +246,32 @@ def test_ga_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
         study.GA_BASELINE, "PODS max_variance 16/4", "PODS random 16/4"))
     figures = json.loads((tmp_path / "out" / "ga.json").read_text())
     assert set(figures) == {"time", "steps"} and figures["steps"][study.GA_BASELINE]["seeds"] == 1
+
+
+def test_ga_without_plot_writes_into_its_out_folder_never_into_docs(tmp_path, monkeypatch):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    docs_plot = study.Path(study.__file__).with_name("docs") / "study_ga.png"
+    before = docs_plot.stat().st_mtime_ns if docs_plot.exists() else None
+    real = study.run_ga
+
+    def run_ga(out_dir, seeds, max_time_s, train_args, dry_run, num_threads, plot, resamples):
+        assert plot is None or study.Path(plot).resolve() != docs_plot.resolve(), "the committed figure, overwritten"
+        return real(out_dir, seeds, max_time_s, train_args, dry_run, num_threads, plot, 20, script)
+
+    monkeypatch.setattr(study, "run_ga", run_ga)
+    study.main(["ga", "--out", str(tmp_path / "ga"), "--seeds", "0", "--max-time-s", "5"])
+    assert (tmp_path / "ga" / "ga.png").read_bytes()[:4] == b"\x89PNG"  # the plot beside ga.md and ga.json
+    assert (docs_plot.stat().st_mtime_ns if docs_plot.exists() else None) == before  # the committed figure untouched
+
+
+@pytest.mark.parametrize("command, recorded_s", [("run", 120.0), ("variants", 150.0), ("ga", 900.0)])
+def test_each_command_defaults_to_the_budget_of_its_recorded_study(tmp_path, capsys, command, recorded_s):
+    """BENCHMARKS.md records `study.py run ... --max-time-s 120`, `study.py variants ... --max-time-s 150` and
+    `study.py ga` at 900 s: the commands without --max-time-s must train as long."""
+    study.main([command, "--out", str(tmp_path), "--dry-run"])
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert commands and all(f"--max-time-s {recorded_s}" in line for line in commands)
+    benchmarks = (study.Path(study.__file__).with_name("BENCHMARKS.md")).read_text()
+    recorded = [line for line in benchmarks.splitlines() if line.startswith(f"python study.py {command} --out")][0]
+    assert f"--max-time-s {recorded_s:g}" in recorded or "--max-time-s" not in recorded.split("#")[0]

@@ -1,6 +1,14 @@
-"""integrations/trl_demo.py: train.py's flags mapped onto TRL (the demo preset and its baseline), flags it cannot map
-refused in one line, and (slow) a whole tiny run (PODS 4/2, two micro-batches a step) writing train.py's metrics
-lines that compare.py reads."""
+"""integrations/trl_demo.py: train.py's flags mapped onto TRL (the demo preset and its baseline) or refused in one
+line before anything loads (the refusals come from train.py's parser: a new flag is refused until mapped), --help
+listing only what it honours, the rewards seeing --reward-options and the token ids, --max-time-s stopping training,
+a quiet start, and (slow) whole tiny runs writing train.py's metrics lines that compare.py reads."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
 
 import pytest
 
@@ -8,36 +16,182 @@ pytest.importorskip("integrations.trl_pods", exc_type=ImportError)
 
 import compare  # noqa: E402
 import config  # noqa: E402
+import rewards  # noqa: E402
+import train  # noqa: E402
 from integrations import trl_demo  # noqa: E402
-from run_helpers import read_lines, tiny_argv  # noqa: E402
+from run_helpers import ROOT, read_lines  # noqa: E402
+
+
+def tiny_demo_argv(model_dir, out_dir, *extra):
+    """A 2-step PODS 4/2 run of the tiny model through TRL: 2 prompts a step, 2 micro-batches of 2 kept rows."""
+    return ["--model", str(model_dir), "--dataset", "arithmetic", "--num-train-rows", "64", "--num-rollouts", "4",
+            "--update-size", "2", "--prompts-per-step", "2", "--max-completion-tokens", "8", "--max-steps", "2",
+            "--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "1e-2", "--micro-batch-size", "2",
+            "--eval-samples", "2", "--eval-interval", "2", "--num-threads", "1", "--output-dir", str(out_dir), *extra]
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """train.load stops the test: a refusal must come before any model or data is loaded."""
+    def load(*args, **kwargs):
+        raise AssertionError("train.load was reached: the flag was not refused")
+    monkeypatch.setattr(train, "load", load)
 
 
 @pytest.mark.parametrize("flags, n, m, rule, rows", [([], 16, 4, "max_variance", 64),
                                                      (["--baseline"], 4, 4, "none", 16)])
 def test_the_demo_preset_maps_onto_one_trl_generation_per_step(tmp_path, flags, n, m, rule, rows):
-    args = config.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
+    args = trl_demo.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
     trl_args = trl_demo.trl_config(args, tmp_path)
     assert (trl_args.num_generations, trl_args.num_generations_kept, trl_args.downsampling_rule) == (n, m, rule)
     assert trl_args.per_device_train_batch_size == rows and trl_args.steps_per_generation == 1  # 4 prompts a step
     assert (trl_args.loss_type, trl_args.scale_rewards, trl_args.beta, trl_args.top_k) == ("grpo", "group", 0.0, 0)
     assert (trl_args.temperature, trl_args.max_completion_length, trl_args.epsilon) == (1.0, 32, 0.2)
+    assert args.device == "cpu" and args.checkpoint_interval_s < 0 and args.log_completions_interval == 0
+    assert trl_args.max_steps > 10 ** 6  # no step limit: --max-time-s (600 s) ends the run, not TRL's epochs
+
+
+def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
+    args = trl_demo.parse_args(["--output-dir", str(tmp_path / "run"), "--gradient-checkpointing"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trl_args = trl_demo.trl_config(args, tmp_path)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    assert trl_args.gradient_checkpointing is True
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--grad-accum-steps", "2"], "--grad-accum-steps 2 is not mapped"),
-    (["--kl-coef", "0.04"], "--kl-coef 0.04 is not mapped"),
+    (["--dynamic-sampling"], "--dynamic-sampling is not mapped onto TRL"),
+    (["--importance-sampling-correction", "tis"], "--importance-sampling-correction is not mapped onto TRL"),
+    (["--resume"], "--resume is not mapped onto TRL by this demo: it writes no checkpoints"),
+    (["--grad-accum-steps", "2"], "--grad-accum-steps is not mapped"),
+    (["--kl-coef", "0.04"], "--kl-coef is not mapped"),
+    (["--mu", "2"], "--updates-per-batch is not mapped"),
+    (["--progress"], "--progress is not mapped"),
+    (["--backend", "engine"], "--backend engine is not mapped onto TRL by this demo"),
+    (["--checkpoint-interval-s", "60"], "--checkpoint-interval-s 60.0 is not mapped onto TRL by this demo"),
     (["--micro-batch-size", "3"], "multiple of --micro-batch-size"),
+    (["--prompts-per-step", "3", "--num-rollouts", "5", "--micro-batch-size", "3"], "15 rows a step generates"),
+    (["--rollout-batch-size", "4"], "--rollout-batch-size 4 is less than"),
 ])
-def test_flags_it_cannot_map_are_refused(tmp_path, flags, message):
+@pytest.mark.usefixtures("nothing_loads")
+def test_flags_it_cannot_map_are_refused_before_anything_loads(tiny_model_dir, tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
-        trl_demo.run(config.parse_args(flags + ["--output-dir", str(tmp_path / "run")]))
-    assert not (tmp_path / "run").exists()  # refused before anything is written or loaded
+        trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run", *flags))
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def example_argv(action):
+    """The flag of a train.py argparse action with a value it accepts."""
+    flag = action.option_strings[0]
+    if action.nargs == 0:
+        return [flag]
+    return [flag, str(action.choices[-1] if action.choices else {int: 1, float: 1.5}.get(action.type, "x"))]
+
+
+@pytest.mark.usefixtures("nothing_loads")
+def test_every_train_py_flag_is_mapped_or_refused(tiny_model_dir, tmp_path):
+    honoured = set(trl_demo.MAPPED) | set(trl_demo.LIMITED)
+    refused = []
+    for action in config.build_parser()._actions:
+        if action.dest == "help" or action.dest in honoured:
+            continue
+        with pytest.raises(ValueError, match=f"^{action.option_strings[0]} is not mapped onto TRL"):
+            trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run", *example_argv(action)))
+        refused.append(action.dest)
+    assert {"dynamic_sampling", "importance_sampling_correction", "resume", "kl_coef", "bf16"} <= set(refused)
+    mapped_flags = [option for action in trl_demo.demo_parser()._actions for option in action.option_strings]
+    for action in config.build_parser()._actions:  # argparse's prefix matching must not turn one into the other
+        if action.dest in refused:
+            assert not [flag for flag in mapped_flags for option in action.option_strings if flag.startswith(option)]
+
+
+@pytest.mark.usefixtures("nothing_loads")
+def test_a_new_train_py_flag_is_refused_until_mapped(monkeypatch, tiny_model_dir, tmp_path):
+    build = config.build_parser
+
+    def with_a_new_flag():
+        parser = build()
+        parser.add_argument("--new-idea", type=int, default=0)
+        return parser
+
+    monkeypatch.setattr(config, "build_parser", with_a_new_flag)
+    with pytest.raises(ValueError, match="^--new-idea is not mapped onto TRL"):
+        trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run", "--new-idea", "3"))
+
+
+@pytest.mark.usefixtures("nothing_loads")
+def test_a_preset_value_it_cannot_map_is_refused(monkeypatch, tiny_model_dir, tmp_path):
+    monkeypatch.setitem(config.PRESETS, "demo", dict(config.PRESETS["demo"], drop_zero_variance=True))
+    with pytest.raises(ValueError, match="--preset demo sets --drop-zero-variance True, which is not mapped"):
+        trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run"))
+
+
+def test_help_lists_only_what_it_honours(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        trl_demo.main(["--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0 and text.startswith("usage: python -m integrations.trl_demo")
+    for flag in ("--num-rollouts", "--max-time-s", "--reward-options", "--micro-batch-size", "--backend"):
+        assert flag in text
+    for flag in ("--dynamic-sampling", "--importance-sampling-correction", "--resume", "--kl-coef", "--mu",
+                 "--grad-accum-steps", "--print-config", "--keep-checkpoints", "--progress", "--dist-timeout-s"):
+        assert flag not in text
+
+
+def test_the_rewards_get_the_reward_options_and_the_completion_token_ids(monkeypatch, tmp_path):
+    args = trl_demo.parse_args(["--output-dir", str(tmp_path / "run")])
+    args.reward_options = {"accuracy": {"timeout_s": 3.0}}  # no registered term has options yet: set as parsed
+    seen = {}
+
+    def compute_rewards(prompts, completions, answers, **kwargs):
+        seen.update(kwargs)
+        return rewards.RewardResult(total=__import__("torch").zeros(len(completions)), per_func={})
+
+    monkeypatch.setattr(rewards, "compute_rewards", compute_rewards)
+    values = trl_demo.reward_function(args)(prompts=["p"], completions=["<answer>3</answer>"], answer=["3"],
+                                            messages=[[{"role": "user", "content": "1+2"}]],
+                                            completion_ids=[[7, 8, 2]], trainer_state=None)
+    assert values == [0.0] and seen["options"] == {"accuracy": {"timeout_s": 3.0}}
+    assert seen["completion_ids"] == [[7, 8, 2]] and seen["weights"] == args.reward_weights
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_max_time_s_stops_training_before_a_step_that_would_pass_it(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(trl_demo.time, "perf_counter", clock)
+    trainer = types.SimpleNamespace(phase_s=dict.fromkeys(("generate_s", "reward_s", "select_s"), 0.0))
+    args = types.SimpleNamespace(max_time_s=10.0, eval_interval=0)
+    timer, state, _ = trl_demo.step_logger(trainer, args, None, [], lambda line: None)
+    stops = []
+    for step in (1, 2, 3):
+        control = types.SimpleNamespace(should_training_stop=False)
+        timer.on_step_begin(None, types.SimpleNamespace(global_step=step - 1), control)
+        clock.now += 4.0  # each step takes 4 s: after two (8 s), a third would end at 12 s > 10 s
+        timer.on_step_end(None, types.SimpleNamespace(global_step=step), control)
+        stops.append(control.should_training_stop)
+        if control.should_training_stop:
+            break
+    assert stops == [False, True] and state.step == 2 and state.elapsed_s == 8.0
+    args.max_time_s = 0.0  # no time limit
+    control = types.SimpleNamespace(should_training_stop=False)
+    timer.on_step_begin(None, None, control)
+    clock.now += 100.0
+    timer.on_step_end(None, types.SimpleNamespace(global_step=3), control)
+    assert not control.should_training_stop
 
 
 @pytest.mark.slow  # ~20 s on 2 shared cores (TRL's first step imports and compiles kernels)
 @pytest.mark.usefixtures("varied_rewards")
 def test_a_tiny_run_writes_train_py_metrics_lines(tiny_model_dir, tmp_path):
-    run_dir = trl_demo.main(tiny_argv(tiny_model_dir, tmp_path / "run"))
+    run_dir = trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run"))
     steps, evals = read_lines(run_dir, "train"), read_lines(run_dir, "eval")
     assert [s["step"] for s in steps] == [1, 2] and [e["step"] for e in evals] == [0, 2]
     for line in steps:
@@ -47,3 +201,28 @@ def test_a_tiny_run_writes_train_py_metrics_lines(tiny_model_dir, tmp_path):
     run = compare.read_run(run_dir)
     assert run.label == "TRL PODS max_variance 4/2" and len(run.eval_times_s) == 2
     assert len(run.step_durations_s) == 2 and set(run.phase_means_s) == {"generate_s", "update_s"}
+
+
+@pytest.mark.slow  # ~20 s: a subprocess importing TRL, one step of the tiny model
+def test_the_command_starts_quietly_and_stops_at_max_time_s(tiny_model_dir, tmp_path):
+    argv = tiny_demo_argv(tiny_model_dir, tmp_path / "run", "--max-steps", "3", "--max-time-s", "0.001",
+                          "--eval-samples", "0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
+    done = subprocess.run([sys.executable, "-m", "integrations.trl_demo", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no bitsandbytes kernel line, no transformers FutureWarning
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("TRL PODS max_variance 4/2: ") and "0.001 s of training" in lines[0]
+    assert [line["step"] for line in read_lines(tmp_path / "run", "train")] == [1]  # the budget ends after one step
+    assert any(line.startswith("done: 1 steps") for line in lines)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["checkpoint_interval_s"] < 0
+
+
+@pytest.mark.usefixtures("nothing_loads")
+def test_a_folder_holding_a_run_is_refused_without_advice_to_resume(tiny_model_dir, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
+    with pytest.raises(ValueError, match="already holds a run, which this demo cannot continue") as error:
+        trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run"))
+    assert "--resume" not in str(error.value)
