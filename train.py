@@ -160,7 +160,8 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
     report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
-    log-probs check the sampler's (rollout_check.check: off-policy engine rollouts switch generation to HF). With
+    log-probs check the sampler's before the optimizer step (rollout_check.check: off-policy engine rollouts are not
+    trained on, and generation switches to HF). With
     --dynamic-sampling, `draw(count)` gives the next `count` examples of the prompt order for the refills."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
@@ -196,9 +197,12 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
                                                               part.filtered))
                 dropped = 0  # counted once per rollout batch
             scored += batch_rounds[-1]
+    # Rollouts of the decode engine are checked before the optimizer step: off-policy ones are not trained on.
+    engine_made = processes.total(int(any(backend != "hf" for backend in backends))) > 0
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
-        result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
+        result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total,
+                                      max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT if engine_made else None)
     for rounds_of_batch, ratios in zip(batch_rounds, result.sampler_ratios or []):  # for the completions log
         for scored_round, part in zip(rounds_of_batch, ratios.split([len(s.kept_rows) for s in rounds_of_batch])):
             scored_round.sampler_ratios[scored_round.kept_rows] = part
@@ -211,7 +215,8 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     metrics["sampler/engine"] = float("hf" not in backends)
     fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
     if result.sampler_gap is not None and (fallback := rollout_check.check(model, result.sampler_gap, fast,
-                                                                           args.backend, f"step {step}")):
+                                                                           args.backend, f"step {step}",
+                                                                           result.sampler_rejected)):
         metrics["sampler/fallback"] = fallback
     return metrics, scored
 
