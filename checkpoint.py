@@ -22,7 +22,7 @@ a half-written temporary folder is removed by the next save.
 
 What a resume restores besides weights and optimizer is a `TrainerState` (step, training seconds, data
 position, counters, the size metrics.jsonl had at save time: `open_metrics_log` cuts the lines written after
-the checkpoint). A checkpoint is never written from non-finite weights. Opening one never runs code from it: its
+the checkpoint; the sampler fallback, so that a resumed run does not go back to a decode engine it left). A checkpoint is never written from non-finite weights. Opening one never runs code from it: its
 .pt files are read with torch.load(weights_only=True) (`load_state_file`), so a run folder someone shared is safe to
 evaluate or resume.
 
@@ -64,6 +64,7 @@ class TrainerState:
     skipped_steps: int = 0           # optimizer steps skipped for a non-finite loss or gradient norm
     nonfinite_streak: int = 0        # consecutive training steps with a skipped optimizer step
     evaluated_step: int = -1         # step of the last held-out evaluation in the log
+    sampler_fallback: tuple | None = None  # (backend, why) when the run left the decode engine (sampling.fall_back)
 
     @classmethod
     def from_saved(cls, saved):

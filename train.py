@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import torch
 from tqdm import tqdm
@@ -276,10 +277,18 @@ def resume(run_dir, model, optimizer, args, processes):
         raise ValueError(f"--resume: no readable checkpoint in {run_dir}: " + "; ".join(why for _, why in skipped))
     state = checkpoint.TrainerState.from_saved(processes.load_checkpoint(path, model, optimizer))
     update.set_hyperparameters(optimizer, args.learning_rate, args.weight_decay)  # this run's flags win
+    if state.sampler_fallback and args.backend is None:  # the engine the run left stays left (--backend: as asked)
+        backend, why = state.sampler_fallback
+        with warnings.catch_warnings():  # one line, below, instead of fall_back's warning
+            warnings.simplefilter("ignore")
+            sampling.fall_back(model, backend, why)
     if processes.is_main:
         for passed, why in skipped:
             print(f"passed over {passed}: {why}", file=sys.stderr)
         print(f"resumed {path} (step {state.step}, {state.elapsed_s:.0f} s of training)")
+        if state.sampler_fallback and args.backend is None:
+            print(f"generating with {sampling.BACKEND_NAMES[state.sampler_fallback[0]]}, as before the checkpoint: "
+                  f"{state.sampler_fallback[1]}")
     return state
 
 
@@ -319,6 +328,7 @@ def run(args, run_dir, processes):
     def save():
         nonlocal saved, last_checkpoint_s
         state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
+        state.sampler_fallback = sampling.fallback_of(model)  # a resume does not go back to an engine it left
         with runfolder.disk_full_said(run_dir, runfolder.checkpoint_bytes(model, optimizer)):
             processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
         saved, last_checkpoint_s = (state.step, state.evaluated_step), state.elapsed_s

@@ -116,6 +116,24 @@ def test_the_step_that_detects_a_faulty_sampler_leaves_the_weights_as_they_were(
     assert lora_b and all(int(value.count_nonzero()) == 0 for value in lora_b)
 
 
+def test_a_resume_keeps_generating_with_what_the_run_fell_back_to(peaked_model_dir, tmp_path, monkeypatch, capsys):
+    """The fallback is saved with the checkpoint: a resumed run (a new process, after a preemption) does not train
+    another step on the faulty engine, and says in one line why it generates with generate()."""
+    plant("wrong temperature", monkeypatch)
+    argv = tiny_argv(peaked_model_dir, tmp_path / "run", "--eval-samples", "0", "--learning-rate", "5e-2")
+    train.main(argv + ["--max-steps", "2"])
+    monkeypatch.setattr(sampling, "_FALLBACKS", type(sampling._FALLBACKS)())  # what a new process starts with
+    capsys.readouterr()
+    run_dir = train.main(argv + ["--max-steps", "4", "--resume"])
+    lines = read_lines(run_dir, "train")
+    assert [(line["step"], line["sampler/engine"]) for line in lines] == [(1, 1), (2, 0), (3, 0), (4, 0)]
+    assert [line["step"] for line in lines if "sampler/fallback" in line] == [1]
+    out = capsys.readouterr().out.splitlines()
+    said = [line for line in out if line.startswith("generating with Hugging Face generate(), as before the ")]
+    assert len(said) == 1 and "(step 1: mean |log-prob difference|" in said[0]
+    assert "note: the decode engine was left: the decode engine samples from another policy" in out[-1]
+
+
 def test_backend_engine_stops_the_run_with_a_one_line_error(peaked_model_dir, tmp_path, monkeypatch):
     plant("wrong temperature", monkeypatch)
     with pytest.raises(sampling.SamplerError, match=r"step 1: mean \|log-prob difference\| [0-9.]+ > ") as error:
