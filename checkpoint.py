@@ -58,6 +58,7 @@ class TrainerState:
     """Everything besides weights, optimizer and RNG states that a resumed run must continue from."""
     step: int = 0                    # training steps done
     elapsed_s: float = 0.0           # training wall-clock seconds (evaluation excluded)
+    last_step_s: float = 0.0         # the last step's duration: --max-time-s starts no step it would likely end past
     position: tuple = (0, 0)         # (epoch, cursor) in the prompt order (next_prompt_indices)
     num_tokens: int = 0              # prompt + completion tokens generated so far
     metrics_bytes: int = 0           # size of metrics.jsonl when this state was saved

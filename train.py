@@ -317,7 +317,7 @@ def run(args, run_dir, processes):
         checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
     start_step = state.step  # evaluations check the sampler until this process's own steps do (evaluate_heldout)
-    step_s, accuracy, stop = 0.0, None, None
+    step_s, accuracy, stop = state.last_step_s, None, None  # a resume foresees its next step as the uninterrupted run
     last_checkpoint_s = state.elapsed_s
 
     def draw(count):
