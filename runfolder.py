@@ -10,7 +10,8 @@ full disk, a folder that cannot be written.
   or the checkpoint it names has an empty or cut file (a disk failing, a copy interrupted), the newest earlier one
   that is whole is used instead, and the passed-over ones are named. Saves are atomic, so an earlier one is intact.
 - A full disk during a save (`disk_full_said`): the partial copy is removed at once (it would keep the disk full)
-  and the run stops with one line giving the space needed; the previous checkpoint is intact.
+  and the run stops with one line giving the space needed and what to do: resume from the previous checkpoint, which
+  is intact, or, at the first checkpoint, start over.
 - `check_output_dir`, `read_config`: a file in the way, a folder that cannot be written, a config.json that is not
   JSON: one line each, before any model loads.
 Simplification: a lock file, not an OS lock (fcntl locks are unreliable on the network file systems of clusters).
@@ -182,10 +183,17 @@ def disk_full_said(run_dir, needed_bytes):
             raise
         for partial in root.glob(checkpoint.TMP_PREFIX + "*"):  # we hold the lock: nobody else is writing here
             shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
+        then = (f"the previous checkpoint is intact. Free some space, then continue with --output-dir {run_dir} "
+                "--resume") if newest_checkpoint(run_dir)[0] is not None else \
+            f"there is no checkpoint to resume. Free some space; {start_over(run_dir)}"
         raise OSError(f"disk full: a checkpoint needs ~{_size(needed_bytes)} in {root} "
-                      f"({_size(shutil.disk_usage(root).free)} free); the partial copy is removed and the "
-                      f"previous checkpoint is intact. Free some space, then continue with --output-dir {run_dir} "
-                      "--resume") from None
+                      f"({_size(shutil.disk_usage(root).free)} free); the partial copy is removed and {then}") from None
+
+
+def start_over(run_dir):
+    """What to do with a run folder that holds no checkpoint yet (a run stopped before its first one)."""
+    return (f"delete {Path(run_dir) / checkpoint.METRICS_FILE} to start it over (the same command, without --resume), "
+            "or pass another --output-dir")
 
 
 def check_output_dir(path):
@@ -224,18 +232,17 @@ def check_run_dir(args, restarted=False):
         return  # restarted before the first checkpoint: the run starts over
     has_checkpoint = args.output_dir is not None and newest_checkpoint(args.output_dir, readable=False)[0] is not None
     metrics = Path(str(args.output_dir)) / checkpoint.METRICS_FILE
-    start_over = (f"it stopped before its first checkpoint: delete {metrics} to start it over (the same command, "
-                  "without --resume), or pass another --output-dir")
+    stopped_early = f"it stopped before its first checkpoint: {start_over(args.output_dir)}"
     if args.resume:
         if args.output_dir is None:
             raise ValueError("--resume needs --output-dir")
         if not has_checkpoint:
             raise ValueError(f"--resume: no complete checkpoint in {checkpoint.checkpoint_root(args.output_dir)}; "
-                             + start_over)
+                             + stopped_early)
     elif args.output_dir is not None:
         if metrics.exists() and metrics.stat().st_size > 0:
             raise ValueError(f"{args.output_dir} already holds a run: " + (
-                "pass --resume to continue it or another --output-dir" if has_checkpoint else start_over))
+                "pass --resume to continue it or another --output-dir" if has_checkpoint else stopped_early))
 
 
 def resume_changes(args, saved, identity, recorded):

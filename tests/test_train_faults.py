@@ -127,6 +127,30 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_the_resume_is_exact(tin
     assert_equals_uninterrupted(run_dir, uninterrupted)
 
 
+def test_a_full_disk_at_the_first_checkpoint_says_to_start_over_and_that_works(tiny_model_dir, tmp_path, monkeypatch,
+                                                                               uninterrupted):
+    """No checkpoint to resume: the line does not advise --resume (which would be refused) but what works; doing
+    what it says gives the full run, with no lock left in the way."""
+    argv = tiny_argv(tiny_model_dir, tmp_path / "run", *EXTRA)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", full)
+        with pytest.raises(OSError) as error:
+            train.main(argv)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert str(error.value).startswith("disk full: a checkpoint needs ") and "\n" not in str(error.value)
+    assert "--resume" not in str(error.value).replace("without --resume", "")
+    assert str(error.value).endswith(f"there is no checkpoint to resume. Free some space; delete {metrics} to start "
+                                     "it over (the same command, without --resume), or pass another --output-dir")
+    assert not (tmp_path / "run" / runfolder.LOCK_FILE).exists()
+    metrics.unlink()
+    train.main(argv)
+    assert_equals_uninterrupted(tmp_path / "run", uninterrupted)
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_by_eval_and_resumed_from_the_one_before(tmp_path, uninterrupted,
                                                                                        capsys):
     run_dir = tmp_path / "run"
