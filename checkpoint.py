@@ -10,6 +10,8 @@ seconds as well as the step. One checkpoint is a folder
         trainer_state.pt    optimizer state, python/numpy/torch RNG states, data position, step, elapsed_s,
                             cumulative counters, metrics.jsonl size at save time
         config.json         copy of the run's config
+        metrics.jsonl       copy of the run's log up to this checkpoint (`check_metrics_log`: a resume restores a
+                            log cut short or deleted from it)
 
 and <out>/checkpoints/latest.txt names the newest complete one. A multi-process run (torchrun) writes the same
 folder with dcp/ (sharded weights and optimizer) and rng/ instead of adapter/ or model/
@@ -83,6 +85,26 @@ def open_metrics_log(run_dir, keep_bytes=0):
         handle.seek(0)
         handle.truncate(handle.read(keep_bytes).rfind(b"\n") + 1)
     return open(path, "a")
+
+
+def check_metrics_log(run_dir, checkpoint_path, metrics_bytes):
+    """Before a resume from `checkpoint_path`: the run's metrics.jsonl must hold the `metrics_bytes` the checkpoint
+    saw (the resume cuts away what follows). A log cut short or deleted would lose steps' lines silently: it is
+    restored from the checkpoint's copy (returns the one line that says so; None: the log is whole), or, where the
+    checkpoint holds none (multi-process checkpoints, older ones), refused in one ValueError line."""
+    log, copy = Path(run_dir) / METRICS_FILE, Path(checkpoint_path) / METRICS_FILE
+    size = log.stat().st_size if log.is_file() else None
+    if size is not None and size >= metrics_bytes:
+        return None
+    what = "missing" if size is None else \
+        f"cut short ({size} bytes; {Path(checkpoint_path).name} saw {metrics_bytes})"
+    if not (copy.is_file() and copy.stat().st_size == metrics_bytes):
+        raise ValueError(f"{log} is {what}, and the checkpoint holds no copy of it: the resumed run's log would lack "
+                         "the steps before it. Put the whole file back, or start a new run in another --output-dir")
+    tmp = log.with_name(f"{TMP_PREFIX}{os.getpid()}_{log.name}")
+    shutil.copyfile(copy, tmp)
+    os.replace(tmp, log)
+    return f"{log} was {what}: restored from {copy}"
 
 
 def append_metrics(log, record):
@@ -229,6 +251,10 @@ def save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep
     state = dict(trainer_state, step=step, optimizer=optimizer.state_dict(), rng=rng_states())
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    log = Path(run_dir) / METRICS_FILE
+    if "metrics_bytes" in trainer_state and log.is_file():  # the log as this checkpoint saw it (check_metrics_log)
+        with open(log, "rb") as source, open(tmp / METRICS_FILE, "wb") as target:
+            target.write(source.read(trainer_state["metrics_bytes"]))
     return publish(tmp, step, keep_last)
 
 

@@ -285,6 +285,9 @@ def resume(run_dir, model, optimizer, args, processes):
     if processes.is_main:
         for passed, why in skipped:
             print(f"passed over {passed}: {why}", file=sys.stderr)
+        restored = checkpoint.check_metrics_log(run_dir, path, state.metrics_bytes)  # cut or deleted: restored
+        if restored:
+            print(restored, file=sys.stderr)
         print(f"resumed {path} (step {state.step}, {state.elapsed_s:.0f} s of training)")
         if state.sampler_fallback and args.backend is None:
             print(f"generating with {sampling.BACKEND_NAMES[state.sampler_fallback[0]]}, as before the checkpoint: "

@@ -151,6 +151,34 @@ def test_a_full_disk_at_the_first_checkpoint_says_to_start_over_and_that_works(t
     assert_equals_uninterrupted(tmp_path / "run", uninterrupted)
 
 
+@pytest.mark.parametrize("damage", ["cut", "deleted"])
+def test_a_log_cut_or_deleted_is_restored_from_the_checkpoint_or_refused(tiny_model_dir, tmp_path, uninterrupted,
+                                                                       damage, capsys):
+    """metrics.jsonl shorter than its checkpoint saw, or gone: the resume restores it from the checkpoint's copy and
+    says so in one line (the resumed run's log equals the uninterrupted one); a checkpoint without a copy refuses."""
+    run_dir = tmp_path / "run"
+    argv = tiny_argv(tiny_model_dir, run_dir, *EXTRA)
+    train.main(argv)
+    metrics, copy = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "step_000002" / "metrics.jsonl"
+    whole = metrics.read_bytes()
+    assert copy.read_bytes() == whole  # the step-2 checkpoint saw the whole log
+    for missing_copy in (True, False):
+        metrics.write_bytes(whole[:len(whole) // 2]) if damage == "cut" else metrics.unlink(missing_ok=True)
+        if missing_copy:
+            copy.rename(copy.with_suffix(".away"))
+            with pytest.raises(ValueError, match=f"{metrics} is {'cut short' if damage == 'cut' else 'missing'}.*"
+                                                 "the checkpoint holds no copy of it"):
+                train.main(argv + ["--resume"])
+            copy.with_suffix(".away").rename(copy)
+            continue
+        capsys.readouterr()
+        train.main(argv + ["--resume"])
+        said = [line for line in capsys.readouterr().err.splitlines() if "restored from" in line]
+        assert len(said) == 1 and said[0].startswith(f"{metrics} was {'cut short' if damage == 'cut' else 'missing'}")
+        assert said[0].endswith(f": restored from {copy}")
+    assert_equals_uninterrupted(run_dir, uninterrupted)
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_by_eval_and_resumed_from_the_one_before(tmp_path, uninterrupted,
                                                                                        capsys):
     run_dir = tmp_path / "run"
