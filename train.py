@@ -341,15 +341,16 @@ def run(args, run_dir, processes):
 
     with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
                              first_step=state.step + 1 if args.resume else 0, run_config=run_config,
-                             enabled=processes.is_main) as (log, write), stop_on_signal() as signalled:
+                             enabled=processes.is_main) as (log, write), stop_on_signal() as signalled, \
+            contextlib.ExitStack() as closing:
         if changed_now:
             write(dict(type="resume", **changed_now))
         if eval_set and state.step == 0 and state.evaluated_step != 0:  # a stop after it saved it already
             if processes.is_main:
                 print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
-        bar = tqdm(total=args.max_steps or None, initial=state.step, disable=not (args.progress and processes.is_main),
-                   desc=label)
+        bar = closing.enter_context(tqdm(total=args.max_steps or None, initial=state.step, desc=label,
+                                         disable=not (args.progress and processes.is_main)))  # closed before an error
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
                 not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):

@@ -189,6 +189,29 @@ def test_three_non_finite_steps_in_a_row_stop_the_run(tiny_model_dir, tmp_path, 
     assert (tmp_path / "run/checkpoints/latest.txt").read_text().strip() == "step_000003"  # finite weights only
 
 
+def test_a_run_stopped_by_an_error_closes_its_progress_bar_before_the_error_is_printed(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """The error is the last line a run prints: the bar's closing redraw comes before train.main's caller (train.py's
+    __main__) prints it, not when the bar is collected later."""
+    events = []
+
+    class Bar(train.tqdm):
+        def close(self):
+            if "bar closed" not in events:
+                events.append("bar closed")
+            super().close()
+
+    monkeypatch.setattr(train, "tqdm", Bar)
+    nan_loss_on({1, 2, 3}, monkeypatch)
+    with pytest.raises(update.TrainingError, match="3 steps in a row"):
+        try:
+            train.main(tiny_argv(tiny_model_dir, tmp_path / "run", "--max-steps", "5", "--eval-samples", "0",
+                                 "--progress"))
+        finally:
+            events.append("error printed")
+    assert events == ["bar closed", "error printed"]
+
+
 def test_impossible_lengths_and_sizes_fail_before_anything_is_allocated(tiny_model_dir, tmp_path, monkeypatch):
     """Prompt + completion beyond the model's positions: refused while parsing the flags (the config is local);
     a generation whose KV cache and logits exceed the memory left: refused after loading, before generating."""
