@@ -22,11 +22,12 @@ renamed into place (a rename within one file system is atomic), and only then is
 (write temp file + os.replace). A crash at any point leaves the previous checkpoint and latest.txt intact;
 a half-written temporary folder is removed by the next save.
 
-What a resume restores besides weights and optimizer is a `TrainerState` (step, training seconds, data
-position, counters, the size metrics.jsonl had at save time: `open_metrics_log` cuts the lines written after
-the checkpoint; the sampler fallback, so that a resumed run does not go back to a decode engine it left). A checkpoint is never written from non-finite weights. Opening one never runs code from it: its
-.pt files are read with torch.load(weights_only=True) (`load_state_file`), so a run folder someone shared is safe to
-evaluate or resume.
+What a resume restores besides weights and optimizer is a `TrainerState` (step, training seconds, the last step's
+duration, data position, counters, the size metrics.jsonl had at save time: `open_metrics_log` cuts the lines
+written after the checkpoint; the sampler fallback, so that a resumed run does not go back to a decode engine it
+left). A checkpoint is never written from non-finite weights. Opening one never runs code from it: its .pt files are
+read with torch.load(weights_only=True) (`load_state_file`), so a run folder someone shared is safe to evaluate or
+resume.
 
 Exact resume also needs the same prompts and the same random draws after the restart: the prompt order
 is a pure function of (seed, data position) (`next_prompt_indices`), and the RNG streams that shape the

@@ -47,8 +47,9 @@ POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
                 "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
-# Others may change: RECORDED_AT_RESUME (optimizer settings, the budget) into config.json "changes" and the metrics;
-# intervals, logging, memory and speed silently.
+# Others may change: RECORDED_AT_RESUME (optimizer settings, the budget, bf16) into config.json "changes" and the
+# metrics; intervals, logging, memory and speed silently. A key the run's config.json lacks (a run older than the
+# option) is compared as the option's default, what the run ran with.
 RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha", "lora_target_modules",
                 "dataset", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
                 "rule", "num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
@@ -56,7 +57,7 @@ RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha"
                 "reward_options", "dynamic_sampling", "dynamic_sampling_metric", "max_generation_rounds", "optimizer",
                 "temperature", "top_p", "max_completion_tokens", "eval_samples", "eval_temperature", "load_in_4bit") + \
     tuple(_dest(option) for option in LOSS_FLAGS)  # every loss option
-# bf16 changes the numerics of the policy, not the method: a run moved to other hardware may need to change it.
+# bf16 changes the policy's numerics, not the method: a run moved to other hardware may need to change it.
 RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm", "max_steps", "max_time_s", "bf16")
 
 
