@@ -192,8 +192,8 @@ def disk_full_said(run_dir, needed_bytes):
 
 def start_over(run_dir):
     """What to do with a run folder that holds no checkpoint yet (a run stopped before its first one)."""
-    return (f"delete {Path(run_dir) / checkpoint.METRICS_FILE} to start it over (the same command, without --resume), "
-            "or pass another --output-dir")
+    metrics = Path(str(run_dir)) / checkpoint.METRICS_FILE  # str: a --resume without --output-dir is refused after
+    return f"delete {metrics} to start it over (the same command, without --resume), or pass another --output-dir"
 
 
 def check_output_dir(path):
