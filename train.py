@@ -162,8 +162,8 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
     report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
     log-probs check the sampler's before the optimizer step (rollout_check.check: off-policy engine rollouts are not
-    trained on, and generation switches to HF). With
-    --dynamic-sampling, `draw(count)` gives the next `count` examples of the prompt order for the refills."""
+    trained on, and generation switches to HF). With --dynamic-sampling, `draw(count)` gives the next `count`
+    examples of the prompt order for the refills."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
