@@ -188,7 +188,7 @@ def parse_args(argv=None, restarted=False):
     given = any(arg == "--preset" or arg.startswith("--preset=") for arg in argv)
     preset = first.preset if given or saved.get("preset") not in PRESETS else saved["preset"]
     defaults = dict(PRESETS[preset], preset=preset)
-    if first.baseline:
+    if first.baseline or saved.get("baseline") is True:  # a resumed baseline's keys its config.json lacks: too
         defaults.update(BASELINES[preset], rule="none")
     dests = {action.dest for action in parser._actions}
     parser.set_defaults(**defaults)

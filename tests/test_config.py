@@ -295,6 +295,11 @@ def test_a_flag_the_runs_config_lacks_had_its_default_and_a_resume_changes_it_as
     args = config.parse_args(resume + ["--max-grad-norm", "0.5"])
     assert args.changes == [{"step": None, "max_grad_norm": [1.0, 0.5]}]
     assert config.parse_args(resume).changes == []  # nothing given: the defaults it ran with
+    baseline = vars(config.parse_args(["--preset", "e", "--baseline"]))  # GRPO-GA: 16 rollout batches per step
+    resume = a_checkpointed_run(tmp_path / "ga", {k: v for k, v in baseline.items() if k != "grad_accum_steps"})
+    assert config.parse_args(resume).grad_accum_steps == 16  # the baseline's, not the preset's 4
+    with pytest.raises(ValueError, match=r"would change what it is: --grad-accum-steps 16 -> 4"):
+        config.parse_args(resume + ["--grad-accum-steps", "4"])
 
 
 def test_precision_flags_on_resume_are_refused_or_recorded(tmp_path, monkeypatch):
