@@ -185,11 +185,15 @@ def write_text_atomic(path, text):
     """Replace `path` with `text` at once (temp file, flushed, renamed): a crash leaves the old or the new file."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}_{path.name}")  # open(), not mkstemp: the umask's permissions
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: no partial temp file left beside `path`
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _is_peft(model):

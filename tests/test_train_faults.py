@@ -179,6 +179,31 @@ def test_a_log_cut_or_deleted_is_restored_from_the_checkpoint_or_refused(tiny_mo
     assert_equals_uninterrupted(run_dir, uninterrupted)
 
 
+def test_a_new_run_on_a_full_disk_leaves_nothing_that_blocks_the_next_run(tiny_model_dir, tmp_path, monkeypatch):
+    """The disk is full when the run writes its lock: one line, and no empty train.lock (which would refuse the next
+    run as "being taken") nor temporary file left; the same command runs once there is space."""
+    argv = tiny_argv(tiny_model_dir, tmp_path / "run", "--eval-samples", "0", "--max-steps", "1")
+    real_fdopen, real_fsync = os.fdopen, os.fsync
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fdopen", lambda fd, *args, **kwargs: type("Full", (), dict(
+            __enter__=lambda self: self, __exit__=lambda self, *exc: os.close(fd), write=full))())
+        with pytest.raises(OSError, match="No space left on device"):
+            train.main(argv)
+    assert os.listdir(tmp_path / "run") == []
+    with monkeypatch.context() as patch:  # the lock fits, config.json does not
+        patch.setattr(os, "fsync", full)
+        with pytest.raises(OSError, match="No space left on device"):
+            train.main(argv)
+    assert os.listdir(tmp_path / "run") == []
+    assert os.fdopen is real_fdopen and os.fsync is real_fsync
+    train.main(argv)
+    assert [line["step"] for line in read_lines(tmp_path / "run", "train")] == [1]
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_by_eval_and_resumed_from_the_one_before(tmp_path, uninterrupted,
                                                                                        capsys):
     run_dir = tmp_path / "run"
