@@ -10,6 +10,8 @@ seconds as well as the step. One checkpoint is a folder
         trainer_state.pt    optimizer state, python/numpy/torch RNG states, data position, step, elapsed_s,
                             cumulative counters, metrics.jsonl size at save time
         config.json         copy of the run's config
+        metrics.jsonl       copy of the run's log up to this checkpoint (`check_metrics_log`: a resume restores a
+                            log cut short or deleted from it)
 
 and <out>/checkpoints/latest.txt names the newest complete one. A multi-process run (torchrun) writes the same
 folder with dcp/ (sharded weights and optimizer) and rng/ instead of adapter/ or model/
@@ -20,11 +22,12 @@ renamed into place (a rename within one file system is atomic), and only then is
 (write temp file + os.replace). A crash at any point leaves the previous checkpoint and latest.txt intact;
 a half-written temporary folder is removed by the next save.
 
-What a resume restores besides weights and optimizer is a `TrainerState` (step, training seconds, data
-position, counters, the size metrics.jsonl had at save time: `open_metrics_log` cuts the lines written after
-the checkpoint). A checkpoint is never written from non-finite weights. Opening one never runs code from it: its
-.pt files are read with torch.load(weights_only=True) (`load_state_file`), so a run folder someone shared is safe to
-evaluate or resume.
+What a resume restores besides weights and optimizer is a `TrainerState` (step, training seconds, the last step's
+duration, data position, counters, the size metrics.jsonl had at save time: `open_metrics_log` cuts the lines
+written after the checkpoint; the sampler fallback, so that a resumed run does not go back to a decode engine it
+left). A checkpoint is never written from non-finite weights. Opening one never runs code from it: its .pt files are
+read with torch.load(weights_only=True) (`load_state_file`), so a run folder someone shared is safe to evaluate or
+resume.
 
 Exact resume also needs the same prompts and the same random draws after the restart: the prompt order
 is a pure function of (seed, data position) (`next_prompt_indices`), and the RNG streams that shape the
@@ -58,12 +61,14 @@ class TrainerState:
     """Everything besides weights, optimizer and RNG states that a resumed run must continue from."""
     step: int = 0                    # training steps done
     elapsed_s: float = 0.0           # training wall-clock seconds (evaluation excluded)
+    last_step_s: float = 0.0         # the last step's duration: --max-time-s starts no step it would likely end past
     position: tuple = (0, 0)         # (epoch, cursor) in the prompt order (next_prompt_indices)
     num_tokens: int = 0              # prompt + completion tokens generated so far
     metrics_bytes: int = 0           # size of metrics.jsonl when this state was saved
     skipped_steps: int = 0           # optimizer steps skipped for a non-finite loss or gradient norm
     nonfinite_streak: int = 0        # consecutive training steps with a skipped optimizer step
     evaluated_step: int = -1         # step of the last held-out evaluation in the log
+    sampler_fallback: tuple | None = None  # (backend, why) when the run left the decode engine (sampling.fall_back)
 
     @classmethod
     def from_saved(cls, saved):
@@ -81,6 +86,26 @@ def open_metrics_log(run_dir, keep_bytes=0):
         handle.seek(0)
         handle.truncate(handle.read(keep_bytes).rfind(b"\n") + 1)
     return open(path, "a")
+
+
+def check_metrics_log(run_dir, checkpoint_path, metrics_bytes):
+    """Before a resume from `checkpoint_path`: the run's metrics.jsonl must hold the `metrics_bytes` the checkpoint
+    saw (the resume cuts away what follows). A log cut short or deleted would lose steps' lines silently: it is
+    restored from the checkpoint's copy (returns the one line that says so; None: the log is whole), or, where the
+    checkpoint holds none (multi-process checkpoints, older ones), refused in one ValueError line."""
+    log, copy = Path(run_dir) / METRICS_FILE, Path(checkpoint_path) / METRICS_FILE
+    size = log.stat().st_size if log.is_file() else None
+    if size is not None and size >= metrics_bytes:
+        return None
+    what = "missing" if size is None else \
+        f"cut short ({size} bytes; {Path(checkpoint_path).name} saw {metrics_bytes})"
+    if not (copy.is_file() and copy.stat().st_size == metrics_bytes):
+        raise ValueError(f"{log} is {what}, and the checkpoint holds no copy of it: the resumed run's log would lack "
+                         "the steps before it. Put the whole file back, or start a new run in another --output-dir")
+    tmp = log.with_name(f"{TMP_PREFIX}{os.getpid()}_{log.name}")
+    shutil.copyfile(copy, tmp)
+    os.replace(tmp, log)
+    return f"{log} was {what}: restored from {copy}"
 
 
 def append_metrics(log, record):
@@ -160,11 +185,15 @@ def write_text_atomic(path, text):
     """Replace `path` with `text` at once (temp file, flushed, renamed): a crash leaves the old or the new file."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}_{path.name}")  # open(), not mkstemp: the umask's permissions
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: no partial temp file left beside `path`
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _is_peft(model):
@@ -227,6 +256,10 @@ def save_checkpoint(run_dir, step, model, optimizer, trainer_state, config, keep
     state = dict(trainer_state, step=step, optimizer=optimizer.state_dict(), rng=rng_states())
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    log = Path(run_dir) / METRICS_FILE
+    if "metrics_bytes" in trainer_state and log.is_file():  # the log as this checkpoint saw it (check_metrics_log)
+        with open(log, "rb") as source, open(tmp / METRICS_FILE, "wb") as target:
+            target.write(source.read(trainer_state["metrics_bytes"]))
     return publish(tmp, step, keep_last)
 
 

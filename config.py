@@ -48,16 +48,18 @@ POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
                 "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
-# Others may change: RECORDED_AT_RESUME (optimizer settings, the budget) into config.json "changes" and the metrics;
-# intervals, logging, memory and speed silently.
+# Others may change: RECORDED_AT_RESUME (optimizer settings, the budget, bf16) into config.json "changes" and the
+# metrics; intervals, logging, memory and speed silently. A key the run's config.json lacks (a run older than the
+# option) is compared as the option's default, what the run ran with.
 RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha", "lora_target_modules",
                 "dataset", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
                 "rule", "num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                 "advantage_normalization", "scale_rewards", "selection_scope", "drop_zero_variance", "reward_weights",
                 "reward_options", "dynamic_sampling", "dynamic_sampling_metric", "max_generation_rounds", "optimizer",
-                "temperature", "top_p", "max_completion_tokens", "eval_samples", "eval_temperature") + \
+                "temperature", "top_p", "max_completion_tokens", "eval_samples", "eval_temperature", "load_in_4bit") + \
     tuple(_dest(option) for option in LOSS_FLAGS)  # every loss option
-RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm", "max_steps", "max_time_s")
+# bf16 changes the policy's numerics, not the method: a run moved to other hardware may need to change it.
+RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm", "max_steps", "max_time_s", "bf16")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -196,9 +198,11 @@ def parse_args(argv=None, restarted=False):
     given = any(arg == "--preset" or arg.startswith("--preset=") for arg in argv)
     preset = first.preset if given or saved.get("preset") not in PRESETS else saved["preset"]
     defaults = dict(PRESETS[preset], preset=preset)
-    if first.baseline:
+    if first.baseline or saved.get("baseline") is True:  # a resumed baseline's keys its config.json lacks: too
         defaults.update(BASELINES[preset], rule="none")
     dests = {action.dest for action in parser._actions}
+    parser.set_defaults(**defaults)
+    unrecorded = vars(parser.parse_args([]))  # a flag the run's config.json lacks (older than it) had its default
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
@@ -207,20 +211,67 @@ def parse_args(argv=None, restarted=False):
         print(json.dumps(vars(args), indent=1))
         parser.exit()
     check_args(args, restarted)
-    if args.resume:  # the weights compared as parsed (older runs saved the flag's text)
-        saved["reward_weights"] = rewards.parse_reward_weights(saved.get("reward_weights", DEFAULT_REWARD_WEIGHTS))
+    if args.resume:
+        saved = dict({key: unrecorded[key] for key in RUN_IDENTITY + RECORDED_AT_RESUME}, **saved)
+        _check_reward_terms(args, saved)
+        weights = saved["reward_weights"]  # older runs saved the flag's text: the terms then unknown, parsed now
+        saved["reward_weights"] = rewards.parse_reward_weights(weights) if isinstance(weights, str) else \
+            {**{name: 0.0 for name in args.reward_weights}, **weights}  # a term the run did not record weighed 0
+        if isinstance(saved["reward_options"], str):
+            saved["reward_options"] = rewards.parse_reward_options(saved["reward_options"])
     args.changes = runfolder.resume_changes(args, saved, RUN_IDENTITY, RECORDED_AT_RESUME) if args.resume else []
     return args
 
 
+def reward_terms(weights, options):
+    """{term: {"weight", "options"}} of every registered reward term, resolved (its options' defaults included):
+    what config.json records, so that a resume sees a term registered, or an option's default changed, since."""
+    return {name: {"weight": weights[name], "options": {**term.options, **options.get(name, {})}}
+            for name, term in rewards.REWARD_TERMS.items()}
+
+
+def _check_reward_terms(args, saved):
+    """A resume's reward terms against those its run recorded (config.json "reward_terms"; older runs: the terms of
+    their resolved "reward_weights"): a term registered since, with a weight, or a recorded term's option whose value
+    is now another (a changed default), is refused in one ValueError line naming the flag that keeps the run as it
+    was. Weights given anew are refused with the other flags (runfolder.resume_changes)."""
+    recorded = saved.get("reward_terms")
+    if recorded is None and isinstance(saved.get("reward_weights"), dict):
+        recorded = {name: {"weight": weight} for name, weight in saved["reward_weights"].items()}
+    if not isinstance(recorded, dict):
+        return  # the run's terms are unknown: its weights are compared as parsed now
+    unknown = [name for name, term in recorded.items() if name not in args.reward_terms and term.get("weight")]
+    if unknown:
+        raise ValueError(f"--resume: the run in {args.output_dir} trained on reward terms {unknown}, which are no "
+                         "longer registered (rewards.REWARD_TERMS); it cannot continue as it is")
+    new = [name for name, term in args.reward_terms.items() if name not in recorded and term["weight"] != 0]
+    if new:
+        zero = ",".join(f"{name}=0" for name in new)
+        raise ValueError(f"--resume: reward terms {new} did not exist when the run in {args.output_dir} started; "
+                         f"continue it without them (--reward-weights {zero}) or start a new run in another "
+                         "--output-dir")
+    changed = [(name, option, value, args.reward_terms[name]["options"].get(option))
+               for name, term in recorded.items() if name in args.reward_terms
+               for option, value in term.get("options", {}).items()
+               if args.reward_terms[name]["options"].get(option) != value]
+    if changed:
+        given = ",".join(f"{name}.{option}={value}" for name, option, value, _ in changed)
+        now = ", ".join(f"{name}.{option} {value!r} -> {current!r}" for name, option, value, current in changed)
+        raise ValueError(f"--resume: reward options differ from those the run in {args.output_dir} started with "
+                         f"({now}); continue it with --reward-options {given} or start a new run in another "
+                         "--output-dir")
+
+
 def resolve_defaults(args):
     """The values whose default depends on other flags, resolved as the run uses them (and config.json holds them):
-    --log-completions-interval (default: --eval-interval), and the reward weights and options parsed, once, into
-    dicts (every registered term's weight). --print-config prints them so too."""
+    --log-completions-interval (default: --eval-interval), the reward weights and options parsed, once, into dicts
+    (every registered term's weight), and every term's resolved weight and options (`reward_terms`). --print-config
+    prints them so too."""
     if args.log_completions_interval is None:
         args.log_completions_interval = args.eval_interval
     args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
     args.reward_options = rewards.parse_reward_options(args.reward_options)
+    args.reward_terms = reward_terms(args.reward_weights, args.reward_options)  # recorded in config.json
 
 
 def check_args(args, restarted=False):

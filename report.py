@@ -122,6 +122,7 @@ def record_step(state, metrics, step_s):
     skipped = metrics.pop("step_skipped")
     state.step += 1
     state.elapsed_s += step_s
+    state.last_step_s = step_s
     state.num_tokens += metrics.pop("step_tokens")
     state.skipped_steps += skipped
     state.nonfinite_streak = state.nonfinite_streak + 1 if skipped else 0

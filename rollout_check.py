@@ -6,8 +6,9 @@ If anything in it drifts from the policy being trained (a stale copy, a wrong po
 addresses), GRPO quietly trains on off-policy data. So every generated token carries its log-prob under the sampler
 (`sampling.Rollouts.sampler_logprobs`), and the update's own forward pass (the policy before its optimizer step)
 gives the trainer's log-prob of the same token: no extra pass. `SamplerGap` sums their difference; its metrics go to
-metrics.jsonl every step; `check` falls back to Hugging Face generate() when the mean gap exceeds
-`LOGPROB_GAP_LIMIT`, a bound no correct sampler reaches (docs/generation.md: the measurements it comes from).
+metrics.jsonl every step; when the mean gap exceeds `LOGPROB_GAP_LIMIT`, a bound no correct sampler reaches
+(docs/generation.md: the measurements it comes from), the step is not applied (the gap is known before the
+optimizer step: update.update_policy's max_sampler_gap) and `check` falls back to Hugging Face generate().
 `measure` does the same check for evaluation (eval.py), which has no update pass: one forward pass over a chunk.
 
 Metrics, per token t of a kept completion, delta_t = log pi_trainer(t) - log pi_sampler(t):
@@ -88,15 +89,16 @@ def total(gaps):
     return result
 
 
-def check(model, gap, backend, requested, where):
+def check(model, gap, backend, requested, where, rejected=False):
     """After a step (or an evaluation chunk) whose rollouts came from `backend`: None if the sampler can be
     trusted, else the fallback's one-line reason (the model generates with Hugging Face generate() from now on,
     sampling.fall_back). Raises sampling.SamplerError when `requested` is "engine" (no fallback allowed).
+    rejected: the step's update was not applied (update.update_policy's max_sampler_gap), which the line says.
     The gap of rollouts Hugging Face generated is logged but never acted on: there is nothing to fall back to."""
     if backend == "hf" or not math.isfinite(gap.mean) or gap.mean <= LOGPROB_GAP_LIMIT:
         return None
     reason = f"{sampling.BACKEND_NAMES[backend]} samples from another policy than the one trained ({where}: " \
-             f"{gap.describe()})"
+             f"{gap.describe()}" + ("; the step's update is not applied" if rejected else "") + ")"
     if requested == "engine":
         raise sampling.SamplerError(f"{reason}; --backend engine allows no fallback: leave --backend unset to fall "
                                     "back to Hugging Face generate(), or --backend hf")

@@ -1,14 +1,17 @@
 """What a run folder must survive besides a crash (checkpoint.py): a second run on it, a checkpoint cut short, a
 full disk, a folder that cannot be written.
 
-- One writer: train.py holds <out>/train.lock (the host and process id) while it runs; a second run on the folder is
-  refused with one line. A lock whose process is gone (killed, even with SIGKILL) is stale and taken over; one
-  written on another host cannot be checked from here: the message says to delete it if that run is over.
+- One writer: train.py holds <out>/train.lock (the host, process id and the process's start time) while it runs; a
+  second run on the folder is refused with one line. A lock whose process is gone (killed, even with SIGKILL), or
+  whose process id now names a process started at another time, is stale and taken over; one written on another
+  host cannot be checked from here: the message says to delete it if that run is over. A lock that could not be
+  written (a full disk) is removed at once.
 - The newest readable checkpoint (`newest_checkpoint`): latest.txt names it; when latest.txt is missing or garbage,
   or the checkpoint it names has an empty or cut file (a disk failing, a copy interrupted), the newest earlier one
   that is whole is used instead, and the passed-over ones are named. Saves are atomic, so an earlier one is intact.
 - A full disk during a save (`disk_full_said`): the partial copy is removed at once (it would keep the disk full)
-  and the run stops with one line giving the space needed; the previous checkpoint is intact.
+  and the run stops with one line giving the space needed and what to do: resume from the previous checkpoint, which
+  is intact, or, at the first checkpoint, start over.
 - `check_output_dir`, `read_config`: a file in the way, a folder that cannot be written, a config.json that is not
   JSON: one line each, before any model loads.
 Simplification: a lock file, not an OS lock (fcntl locks are unreliable on the network file systems of clusters).
@@ -21,6 +24,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -30,6 +34,9 @@ import torch
 import checkpoint
 
 LOCK_FILE = "train.lock"
+
+
+EMPTY_LOCK_STALE_S = 60.0  # a run writes its lock the moment it creates it: one empty for longer was left behind
 
 
 def _alive(pid):
@@ -42,22 +49,40 @@ def _alive(pid):
     return True
 
 
+def process_start(pid):
+    """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat field 22), as text; "-" where it
+    cannot be read (no /proc: macOS; the process gone). With the pid it names one process: pids are reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2:].split()[19]  # fields 3.. follow the command name in parentheses
+    except (OSError, ValueError, IndexError):
+        return "-"
+
+
+def lock_text():
+    """What this process writes into a run's lock: host, process id, and the process's start time."""
+    return f"{socket.gethostname()} {os.getpid()} {process_start(os.getpid())}\n"
+
+
 def check_not_in_use(run_dir):
     """Refuse (ValueError, one line) a folder whose lock a live process on this host, or any on another host, holds;
-    True when a lock is there but stale (its process is gone, or the file is garbage)."""
+    True when a lock is there but stale: its process is gone (or its pid now names a process started at another
+    time), the file is garbage, or it was left empty for EMPTY_LOCK_STALE_S."""
     lock = Path(run_dir) / LOCK_FILE
     try:
-        text = lock.read_text()
+        text, written = lock.read_text(), lock.stat().st_mtime
     except FileNotFoundError:
         return False
-    if not text:  # created, not yet written: a run starting this very moment
+    if not text:  # created, not yet written: a run starting this very moment, unless it was left so long ago
+        if time.time() - written > EMPTY_LOCK_STALE_S:
+            return True
         raise ValueError(f"{run_dir} is being taken by another train.py run ({lock} is empty: delete it if none is)")
     try:
-        host, pid = text.split()
+        host, pid, *started = text.split()  # older locks: no start time
         pid = int(pid)
     except ValueError:
         return True  # garbage: stale
-    if host == socket.gethostname() and not _alive(pid):
+    if host == socket.gethostname() and (not _alive(pid) or started[:1] not in ([], ["-"], [process_start(pid)])):
         return True
     where = "" if host == socket.gethostname() else f" on {host} (delete {lock} if that run is over)"
     raise ValueError(f"{run_dir} is in use by another train.py run (process {pid}{where}); wait for it to end or "
@@ -68,7 +93,7 @@ def check_not_in_use(run_dir):
 def folder_lock(run_dir):
     """Hold run_dir's lock (created exclusively, so two runs starting at once cannot both get it) until the block
     ends; a live holder on this host, or any holder on another host, refuses the run (ValueError, one line)."""
-    lock, me = Path(run_dir) / LOCK_FILE, f"{socket.gethostname()} {os.getpid()}\n"
+    lock, me = Path(run_dir) / LOCK_FILE, lock_text()
     for _ in range(2):  # a stale lock is removed once, then created again
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -76,8 +101,12 @@ def folder_lock(run_dir):
             if check_not_in_use(run_dir):  # stale: its process is gone
                 lock.unlink(missing_ok=True)
             continue
-        with os.fdopen(fd, "w") as handle:
-            handle.write(me)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(me)
+        except BaseException:  # e.g. a full disk: an empty lock left behind would refuse the next run
+            lock.unlink(missing_ok=True)
+            raise
         break
     else:
         raise ValueError(f"{run_dir}: could not take {lock} (another run took it at the same time)")
@@ -154,10 +183,17 @@ def disk_full_said(run_dir, needed_bytes):
             raise
         for partial in root.glob(checkpoint.TMP_PREFIX + "*"):  # we hold the lock: nobody else is writing here
             shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
+        then = (f"the previous checkpoint is intact. Free some space, then continue with --output-dir {run_dir} "
+                "--resume") if newest_checkpoint(run_dir)[0] is not None else \
+            f"there is no checkpoint to resume. Free some space; {start_over(run_dir)}"
         raise OSError(f"disk full: a checkpoint needs ~{_size(needed_bytes)} in {root} "
-                      f"({_size(shutil.disk_usage(root).free)} free); the partial copy is removed and the "
-                      f"previous checkpoint is intact. Free some space, then continue with --output-dir {run_dir} "
-                      "--resume") from None
+                      f"({_size(shutil.disk_usage(root).free)} free); the partial copy is removed and {then}") from None
+
+
+def start_over(run_dir):
+    """What to do with a run folder that holds no checkpoint yet (a run stopped before its first one)."""
+    metrics = Path(str(run_dir)) / checkpoint.METRICS_FILE  # str: a --resume without --output-dir is refused after
+    return f"delete {metrics} to start it over (the same command, without --resume), or pass another --output-dir"
 
 
 def check_output_dir(path):
@@ -196,18 +232,17 @@ def check_run_dir(args, restarted=False):
         return  # restarted before the first checkpoint: the run starts over
     has_checkpoint = args.output_dir is not None and newest_checkpoint(args.output_dir, readable=False)[0] is not None
     metrics = Path(str(args.output_dir)) / checkpoint.METRICS_FILE
-    start_over = (f"it stopped before its first checkpoint: delete {metrics} to start it over (the same command, "
-                  "without --resume), or pass another --output-dir")
+    stopped_early = f"it stopped before its first checkpoint: {start_over(args.output_dir)}"
     if args.resume:
         if args.output_dir is None:
             raise ValueError("--resume needs --output-dir")
         if not has_checkpoint:
             raise ValueError(f"--resume: no complete checkpoint in {checkpoint.checkpoint_root(args.output_dir)}; "
-                             + start_over)
+                             + stopped_early)
     elif args.output_dir is not None:
         if metrics.exists() and metrics.stat().st_size > 0:
             raise ValueError(f"{args.output_dir} already holds a run: " + (
-                "pass --resume to continue it or another --output-dir" if has_checkpoint else start_over))
+                "pass --resume to continue it or another --output-dir" if has_checkpoint else stopped_early))
 
 
 def resume_changes(args, saved, identity, recorded):

@@ -132,6 +132,11 @@ def fallback_reason(model):
     return _FALLBACKS.get(model, (None, None))[1]
 
 
+def fallback_of(model):
+    """(the backend `model` fell back to, why) or None: what a checkpoint keeps, for `fall_back` on resume."""
+    return _FALLBACKS.get(model)
+
+
 def after_engine_error(model, backend, error, requested):
     """The backend to retry a chunk with after `error` inside the engine: "eager" after "engine" (CUDA-graph
     recording or compilation failed), then "hf". requested "engine": SamplerError instead."""

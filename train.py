@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -182,8 +183,9 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
     report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
-    log-probs check the sampler's (rollout_check.check: off-policy engine rollouts switch generation to HF). With
-    --dynamic-sampling, `draw(count)` gives the next `count` examples of the prompt order for the refills."""
+    log-probs check the sampler's before the optimizer step (rollout_check.check: off-policy engine rollouts are not
+    trained on, and generation switches to HF). With --dynamic-sampling, `draw(count)` gives the next `count`
+    examples of the prompt order for the refills."""
     costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(args.device)
@@ -229,9 +231,12 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
                                                               part.filtered, part.set_aside))
                 dropped = 0  # counted once per rollout batch
             scored += batch_rounds[-1]
+    # Rollouts of the decode engine are checked before the optimizer step: off-policy ones are not trained on.
+    engine_made = processes.total(int(any(backend != "hf" for backend in backends))) > 0
     with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
         update.fill_logprobs(model, batches, settings)
-        result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total)
+        result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total,
+                                      max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT if engine_made else None)
     for rounds_of_batch, ratios in zip(batch_rounds, result.sampler_ratios or []):  # for the completions log
         for scored_round, part in zip(rounds_of_batch, ratios.split([len(s.kept_rows) for s in rounds_of_batch])):
             scored_round.sampler_ratios[scored_round.kept_rows] = part
@@ -247,7 +252,8 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     metrics["sampler/engine"] = float("hf" not in backends)
     fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
     if result.sampler_gap is not None and (fallback := rollout_check.check(model, result.sampler_gap, fast,
-                                                                           args.backend, f"step {step}")):
+                                                                           args.backend, f"step {step}",
+                                                                           result.sampler_rejected)):
         metrics["sampler/fallback"] = fallback
     return metrics, scored
 
@@ -314,10 +320,21 @@ def resume(run_dir, model, optimizer, args, processes):
         raise ValueError(f"--resume: no readable checkpoint in {run_dir}: " + "; ".join(why for _, why in skipped))
     state = checkpoint.TrainerState.from_saved(processes.load_checkpoint(path, model, optimizer))
     update.set_hyperparameters(optimizer, args.learning_rate, args.weight_decay)  # this run's flags win
+    if state.sampler_fallback and args.backend is None:  # the engine the run left stays left (--backend: as asked)
+        backend, why = state.sampler_fallback
+        with warnings.catch_warnings():  # one line, below, instead of fall_back's warning
+            warnings.simplefilter("ignore")
+            sampling.fall_back(model, backend, why)
     if processes.is_main:
         for passed, why in skipped:
             print(f"passed over {passed}: {why}", file=sys.stderr)
+        restored = checkpoint.check_metrics_log(run_dir, path, state.metrics_bytes)  # cut or deleted: restored
+        if restored:
+            print(restored, file=sys.stderr)
         print(f"resumed {path} (step {state.step}, {state.elapsed_s:.0f} s of training)")
+        if state.sampler_fallback and args.backend is None:
+            print(f"generating with {sampling.BACKEND_NAMES[state.sampler_fallback[0]]}, as before the checkpoint: "
+                  f"{state.sampler_fallback[1]}")
     return state
 
 
@@ -346,7 +363,7 @@ def run(args, run_dir, processes):
         checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
     start_step = state.step  # evaluations check the sampler until this process's own steps do (evaluate_heldout)
-    step_s, accuracy, stop = 0.0, None, None
+    step_s, accuracy, stop = state.last_step_s, None, None  # a resume foresees its next step as the uninterrupted run
     last_checkpoint_s = state.elapsed_s
 
     def draw(count):
@@ -357,6 +374,7 @@ def run(args, run_dir, processes):
     def save():
         nonlocal saved, last_checkpoint_s
         state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
+        state.sampler_fallback = sampling.fallback_of(model)  # a resume does not go back to an engine it left
         with runfolder.disk_full_said(run_dir, runfolder.checkpoint_bytes(model, optimizer)):
             processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
         saved, last_checkpoint_s = (state.step, state.evaluated_step), state.elapsed_s
@@ -366,15 +384,16 @@ def run(args, run_dir, processes):
 
     with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
                              first_step=state.step + 1 if args.resume else 0, run_config=run_config,
-                             enabled=processes.is_main) as (log, write), stop_on_signal() as signalled:
+                             enabled=processes.is_main) as (log, write), stop_on_signal() as signalled, \
+            contextlib.ExitStack() as closing:
         if changed_now:
             write(dict(type="resume", **changed_now))
         if eval_set and state.step == 0 and state.evaluated_step != 0:  # a stop after it saved it already
             if processes.is_main:
                 print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
-        bar = tqdm(total=args.max_steps or None, initial=state.step, disable=not (args.progress and processes.is_main),
-                   desc=label)
+        bar = closing.enter_context(tqdm(total=args.max_steps or None, initial=state.step, desc=label,
+                                         disable=not (args.progress and processes.is_main)))  # closed before an error
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
                 not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):

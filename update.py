@@ -80,6 +80,7 @@ class UpdateMetrics:
     tokens: int = 0             # kept tokens the token means are over (this process; merged across processes)
     sampler_gap: rollout_check.SamplerGap | None = None  # the sampler's log-probs vs this update's (first pass)
     sampler_ratios: list | None = None  # per batch, [B] each kept row's mean pi / pi_sampler (NaN: no tokens)
+    sampler_rejected: bool = False  # the gap exceeded max_sampler_gap: no optimizer step taken (off-policy rollouts)
 
 
 @dataclass
@@ -211,12 +212,14 @@ def loss_denominator(batches, settings):
     return grpo_loss.loss_denominator(masks, settings.loss.aggregation, settings.loss.max_completion_tokens)
 
 
-def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
+def update_policy(model, optimizer, batches, settings, sum_over_processes=None, max_sampler_gap=None):
     """mu = settings.updates_per_batch optimizer steps on `batches` (fill_logprobs first when mu > 1 or
     kl_coef > 0) -> UpdateMetrics. A step whose loss or gradient norm is not finite is skipped (no optimizer step,
     gradients dropped). Gradients of the last step stay on the parameters. No rows (every prompt dropped): nothing
     to train on, no optimizer step (optimizer_steps = 0, loss 0). sum_over_processes: a number summed over the
-    processes of a multi-process run (multigpu/); None: this process alone."""
+    processes of a multi-process run (multigpu/); None: this process alone. max_sampler_gap: a mean sampler gap
+    (over every process) above which the rollouts are off-policy (rollout_check): known after the first forward
+    pass, so that step is rejected before its optimizer step (sampler_rejected; gradients dropped, nothing taken)."""
     total = sum_over_processes or (lambda value: value)
     rows = sum(len(batch.advantages) for batch in batches)
     denominator = total(loss_denominator(batches, settings))
@@ -235,7 +238,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
     normaliser = max(denominator, 1)  # no kept token: the numerators are 0 too
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
-    losses, grad_norms, token_sums, token_count, skipped = [], [], {}, 0, 0
+    losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
     with models.dropout_off(model, keep_checkpointing=True):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
@@ -257,6 +260,13 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
                         token_sums[key] = token_sums.get(key, 0.0) + value * count
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
             loss = total(loss)  # the global batch's loss: not finite if any process's is
+            if max_sampler_gap is not None and not losses:  # every process decides on the global gap alike
+                rejected = total(gap.abs_sum) / max(total(gap.tokens), 1) > max_sampler_gap
+            if rejected:  # trained on, these rollouts would move the policy by another policy's samples
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss)
+                grad_norms.append(grad_norm)
+                break
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 optimizer.step()
             else:  # one bad batch must not write NaN into the weights (and every later checkpoint)
@@ -264,11 +274,12 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None):
                 skipped += 1
             losses.append(loss)
             grad_norms.append(grad_norm)
-    mu = settings.updates_per_batch
-    return UpdateMetrics(loss=sum(losses) / mu, grad_norm=sum(grad_norms) / mu,
+    passes = len(losses)
+    return UpdateMetrics(loss=sum(losses) / passes, grad_norm=sum(grad_norms) / passes,
                          token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
-                         rows=rows, optimizer_steps=mu - skipped, skipped_steps=skipped, tokens=token_count // mu,
-                         sampler_gap=gap if checked else None, sampler_ratios=ratios if checked else None)
+                         rows=rows, optimizer_steps=0 if rejected else passes - skipped, skipped_steps=skipped,
+                         tokens=token_count // passes, sampler_gap=gap if checked else None,
+                         sampler_ratios=ratios if checked else None, sampler_rejected=rejected)
 
 
 def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw"):

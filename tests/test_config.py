@@ -362,6 +362,73 @@ def test_a_resume_refuses_to_change_what_the_run_is_and_records_an_optimizer_cha
     assert (args.max_steps, args.eval_interval) == (9, 3)
 
 
+def a_checkpointed_run(tmp_path, saved):
+    """A run folder with config.json `saved` and a checkpoint (parse_args checks only that trainer_state.pt exists)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
+    (run / "config.json").write_text(json.dumps(saved))
+    return ["--output-dir", str(run), "--resume"]
+
+
+def test_a_flag_the_runs_config_lacks_had_its_default_and_a_resume_changes_it_as_any_other(tmp_path):
+    """A run started before an option existed has no key for it: it ran with the option's default, so a new value is
+    refused (an identity flag) or recorded (an optimizer flag), never taken as the run's own."""
+    older = {key: value for key, value in vars(config.parse_args([])).items()
+             if key not in ("importance_sampling_correction", "is_clip", "max_grad_norm", "bf16", "reward_terms")}
+    resume = a_checkpointed_run(tmp_path, older)
+    with pytest.raises(ValueError, match=r"would change what it is: --importance-sampling-correction 'none' -> 'tis'"):
+        config.parse_args(resume + ["--importance-sampling-correction", "tis"])
+    args = config.parse_args(resume + ["--max-grad-norm", "0.5"])
+    assert args.changes == [{"step": None, "max_grad_norm": [1.0, 0.5]}]
+    assert config.parse_args(resume).changes == []  # nothing given: the defaults it ran with
+    baseline = vars(config.parse_args(["--preset", "e", "--baseline"]))  # GRPO-GA: 16 rollout batches per step
+    resume = a_checkpointed_run(tmp_path / "ga", {k: v for k, v in baseline.items() if k != "grad_accum_steps"})
+    assert config.parse_args(resume).grad_accum_steps == 16  # the baseline's, not the preset's 4
+    with pytest.raises(ValueError, match=r"would change what it is: --grad-accum-steps 16 -> 4"):
+        config.parse_args(resume + ["--grad-accum-steps", "4"])
+
+
+def test_precision_flags_on_resume_are_refused_or_recorded(tmp_path, monkeypatch):
+    """--load-in-4bit quantises the base the adapter was trained on: refused. --bf16 changes the numerics (a run moved
+    to other hardware may need it): recorded."""
+    resume = a_checkpointed_run(tmp_path, vars(config.parse_args([])))
+    assert config.parse_args(resume + ["--bf16"]).changes == [{"step": None, "bf16": [False, True]}]
+    monkeypatch.setattr(config, "_check_device_flags", lambda args: None)  # --load-in-4bit needs CUDA otherwise
+    with pytest.raises(ValueError, match=r"would change what it is: --load-in-4bit False -> True"):
+        config.parse_args(resume + ["--load-in-4bit"])
+
+
+def test_a_reward_term_registered_after_the_run_started_does_not_join_it(tmp_path, monkeypatch):
+    """config.json records every term's resolved weight and options: a term registered since is refused unless
+    weighted 0, and so is a recorded option whose default changed; a run older than that record is checked by the
+    terms of its resolved weights."""
+    started = vars(config.parse_args([]))
+    assert started["reward_terms"] == {name: {"weight": 1.0, "options": {}} for name in rewards.REWARD_TERMS}
+    resume = a_checkpointed_run(tmp_path, started)
+    term = rewards.RewardTerm("length_bonus", lambda completions, **kwargs: [0.0] * len(completions), 1.0,
+                              {"scale": 1.0}, "added later")
+    monkeypatch.setitem(rewards.REWARD_TERMS, "length_bonus", term)
+    monkeypatch.setitem(rewards.REWARD_FUNCS, "length_bonus", term.func)
+    monkeypatch.setitem(rewards.DEFAULT_REWARD_WEIGHTS, "length_bonus", 1.0)
+    for saved in (started, {key: value for key, value in started.items() if key != "reward_terms"}):
+        (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+        with pytest.raises(ValueError, match=r"reward terms \['length_bonus'\] did not exist when the run .* "
+                                             r"started; continue it without them \(--reward-weights length_bonus=0\)"):
+            config.parse_args(resume)
+        args = config.parse_args(resume + ["--reward-weights", "length_bonus=0"])
+        assert args.changes == [] and args.reward_weights["length_bonus"] == 0
+        with pytest.raises(ValueError, match=r"reward terms \['length_bonus'\] did not exist"):
+            config.parse_args(resume + ["--reward-weights", "length_bonus=0.5"])
+        with pytest.raises(ValueError, match=r"would change what it is: --reward-weights"):
+            config.parse_args(resume + ["--reward-weights", "length_bonus=0,format=0.5"])
+    recorded = dict(started["reward_terms"], length_bonus={"weight": 0.0, "options": {"scale": 2.0}})
+    (tmp_path / "run" / "config.json").write_text(json.dumps(dict(started, reward_terms=recorded)))
+    with pytest.raises(ValueError, match=r"length_bonus.scale 2.0 -> 1.0\); continue it with --reward-options "
+                                         r"length_bonus.scale=2.0"):
+        config.parse_args(resume + ["--reward-weights", "length_bonus=0"])
+
+
 # ------------------------------------------- every selection flag arrives: command line -> train_step -> the update
 
 SELECT_BASE = ["--model", models.SMOLLM2_ALIAS, "--device", "cpu", "--lora-rank", "4", "-n", "4", "-m", "2",

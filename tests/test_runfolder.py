@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def test_a_live_holder_refuses_the_folder_and_a_dead_ones_lock_is_taken_over(tmp
         holder.kill()
         holder.wait()
     with runfolder.folder_lock(tmp_path):  # its process is gone: stale, taken over
-        assert lock.read_text() == f"{socket.gethostname()} {os.getpid()}\n"
+        assert lock.read_text() == runfolder.lock_text()
         with pytest.raises(ValueError, match=f"process {os.getpid()}"):  # a second run of this very process too
             with runfolder.folder_lock(tmp_path):
                 pass
@@ -43,6 +44,62 @@ def test_a_live_holder_refuses_the_folder_and_a_dead_ones_lock_is_taken_over(tmp
     with pytest.raises(ValueError, match="is being taken by another train.py run"):
         with runfolder.folder_lock(tmp_path):
             pass
+
+
+def test_a_lock_names_its_process_by_id_and_start_time_so_a_reused_id_is_stale(tmp_path):
+    """A pid names another process once the run's process is gone and the id reused: the start time (/proc/<pid>/stat
+    field 22) in the lock tells them apart. Where it cannot be read ("-", or a lock written before it was recorded),
+    the pid alone decides."""
+    lock, host = tmp_path / runfolder.LOCK_FILE, socket.gethostname()
+    started = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    with runfolder.folder_lock(tmp_path):
+        assert lock.read_text() == f"{host} {os.getpid()} {started}\n"
+    lock.write_text(f"{host} {os.getpid()} {int(started) - 1}\n")  # this pid, once another process's
+    with runfolder.folder_lock(tmp_path):
+        assert lock.read_text() == runfolder.lock_text()
+    for unknown in (f"{host} {os.getpid()} -\n", f"{host} {os.getpid()}\n"):  # no start time: the pid decides
+        lock.write_text(unknown)
+        with pytest.raises(ValueError, match=f"in use by another train.py run \\(process {os.getpid()}\\)"):
+            with runfolder.folder_lock(tmp_path):
+                pass
+    lock.write_text(f"{host} {os.getpid()} {started}\n")  # the very process: live
+    with pytest.raises(ValueError, match="in use by another train.py run"):
+        with runfolder.folder_lock(tmp_path):
+            pass
+
+
+def test_a_lock_that_cannot_be_written_is_removed_and_an_old_empty_one_is_stale(tmp_path, monkeypatch):
+    """A full disk when the lock is written: the empty file would refuse the next run; it is removed. An empty lock
+    left for longer than a run takes to write its id (a kill at that instant) is stale too."""
+    lock = tmp_path / runfolder.LOCK_FILE
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, fd, mode):
+            self.handle = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runfolder.os, "fdopen", FullDisk)
+        with pytest.raises(OSError, match="No space left"):
+            with runfolder.folder_lock(tmp_path):
+                pass
+    assert not lock.exists()
+    with runfolder.folder_lock(tmp_path):  # the next run takes the folder
+        pass
+    lock.write_text("")
+    old = lock.stat().st_mtime - runfolder.EMPTY_LOCK_STALE_S - 1
+    os.utime(lock, (old, old))
+    with runfolder.folder_lock(tmp_path):
+        assert lock.read_text() == runfolder.lock_text()
 
 
 @pytest.fixture

@@ -127,6 +127,83 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_the_resume_is_exact(tin
     assert_equals_uninterrupted(run_dir, uninterrupted)
 
 
+def test_a_full_disk_at_the_first_checkpoint_says_to_start_over_and_that_works(tiny_model_dir, tmp_path, monkeypatch,
+                                                                               uninterrupted):
+    """No checkpoint to resume: the line does not advise --resume (which would be refused) but what works; doing
+    what it says gives the full run, with no lock left in the way."""
+    argv = tiny_argv(tiny_model_dir, tmp_path / "run", *EXTRA)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", full)
+        with pytest.raises(OSError) as error:
+            train.main(argv)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert str(error.value).startswith("disk full: a checkpoint needs ") and "\n" not in str(error.value)
+    assert "--resume" not in str(error.value).replace("without --resume", "")
+    assert str(error.value).endswith(f"there is no checkpoint to resume. Free some space; delete {metrics} to start "
+                                     "it over (the same command, without --resume), or pass another --output-dir")
+    assert not (tmp_path / "run" / runfolder.LOCK_FILE).exists()
+    metrics.unlink()
+    train.main(argv)
+    assert_equals_uninterrupted(tmp_path / "run", uninterrupted)
+
+
+@pytest.mark.parametrize("damage", ["cut", "deleted"])
+def test_a_log_cut_or_deleted_is_restored_from_the_checkpoint_or_refused(tiny_model_dir, tmp_path, uninterrupted,
+                                                                       damage, capsys):
+    """metrics.jsonl shorter than its checkpoint saw, or gone: the resume restores it from the checkpoint's copy and
+    says so in one line (the resumed run's log equals the uninterrupted one); a checkpoint without a copy refuses."""
+    run_dir = tmp_path / "run"
+    argv = tiny_argv(tiny_model_dir, run_dir, *EXTRA)
+    train.main(argv)
+    metrics, copy = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "step_000002" / "metrics.jsonl"
+    whole = metrics.read_bytes()
+    assert copy.read_bytes() == whole  # the step-2 checkpoint saw the whole log
+    for missing_copy in (True, False):
+        metrics.write_bytes(whole[:len(whole) // 2]) if damage == "cut" else metrics.unlink(missing_ok=True)
+        if missing_copy:
+            copy.rename(copy.with_suffix(".away"))
+            with pytest.raises(ValueError, match=f"{metrics} is {'cut short' if damage == 'cut' else 'missing'}.*"
+                                                 "the checkpoint holds no copy of it"):
+                train.main(argv + ["--resume"])
+            copy.with_suffix(".away").rename(copy)
+            continue
+        capsys.readouterr()
+        train.main(argv + ["--resume"])
+        said = [line for line in capsys.readouterr().err.splitlines() if "restored from" in line]
+        assert len(said) == 1 and said[0].startswith(f"{metrics} was {'cut short' if damage == 'cut' else 'missing'}")
+        assert said[0].endswith(f": restored from {copy}")
+    assert_equals_uninterrupted(run_dir, uninterrupted)
+
+
+def test_a_new_run_on_a_full_disk_leaves_nothing_that_blocks_the_next_run(tiny_model_dir, tmp_path, monkeypatch):
+    """The disk is full when the run writes its lock: one line, and no empty train.lock (which would refuse the next
+    run as "being taken") nor temporary file left; the same command runs once there is space."""
+    argv = tiny_argv(tiny_model_dir, tmp_path / "run", "--eval-samples", "0", "--max-steps", "1")
+    real_fdopen, real_fsync = os.fdopen, os.fsync
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fdopen", lambda fd, *args, **kwargs: type("Full", (), dict(
+            __enter__=lambda self: self, __exit__=lambda self, *exc: os.close(fd), write=full))())
+        with pytest.raises(OSError, match="No space left on device"):
+            train.main(argv)
+    assert os.listdir(tmp_path / "run") == []
+    with monkeypatch.context() as patch:  # the lock fits, config.json does not
+        patch.setattr(os, "fsync", full)
+        with pytest.raises(OSError, match="No space left on device"):
+            train.main(argv)
+    assert os.listdir(tmp_path / "run") == []
+    assert os.fdopen is real_fdopen and os.fsync is real_fsync
+    train.main(argv)
+    assert [line["step"] for line in read_lines(tmp_path / "run", "train")] == [1]
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_by_eval_and_resumed_from_the_one_before(tmp_path, uninterrupted,
                                                                                        capsys):
     run_dir = tmp_path / "run"

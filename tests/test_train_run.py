@@ -129,6 +129,29 @@ def test_resume_applies_the_new_learning_rate_and_weight_decay(tiny_model_dir, t
     assert saved["changes"] == [change] and read_lines(run_dir, "resume") == [dict(type="resume", **change)]
 
 
+def test_a_resumed_run_starts_no_step_past_its_budget(tiny_model_dir, tmp_path, monkeypatch):
+    """The last step's duration is saved with the checkpoint: near --max-time-s a resumed run foresees its next step
+    as the uninterrupted run would (no step starts that would likely end past the budget), and a reader that cuts
+    runs to that budget (bootstrap.within_budget) keeps the same steps and evaluations. Each step takes 1 s of a
+    fake clock, so the uninterrupted run's stop is known: after step 2, as 2 s + 1 s > 2.25 s."""
+    import itertools
+    import types
+
+    import bootstrap
+    import compare
+
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=itertools.count(0.0, 1.0).__next__))
+    argv = tiny_argv(tiny_model_dir, tmp_path / "run")
+    train.main(argv)
+    last = read_lines(tmp_path / "run", "train")[-1]
+    assert (last["elapsed_s"], last["step_s"]) == (2.0, 1.0)
+    budget = last["elapsed_s"] + 0.25 * last["step_s"]
+    train.main(argv + ["--max-steps", "0", "--max-time-s", str(budget), "--resume"])
+    assert [line["step"] for line in read_lines(tmp_path / "run", "train")] == [1, 2]
+    run = bootstrap.within_budget(compare.read_run(tmp_path / "run"), budget)
+    assert len(run.step_durations_s) == 2 and run.eval_steps.tolist() == [0, 2]
+
+
 def nan_loss_on(steps, monkeypatch):
     """grpo_loss_sum returns NaN during the training steps in `steps` (1-based)."""
     current, real_loss, real_step = {"step": 0}, grpo_loss.grpo_loss_sum, train.train_step
@@ -164,6 +187,29 @@ def test_three_non_finite_steps_in_a_row_stop_the_run(tiny_model_dir, tmp_path, 
     steps = read_lines(tmp_path / "run", "train")
     assert [s["skipped_steps"] for s in steps] == [0, 1, 2, 3]
     assert (tmp_path / "run/checkpoints/latest.txt").read_text().strip() == "step_000003"  # finite weights only
+
+
+def test_a_run_stopped_by_an_error_closes_its_progress_bar_before_the_error_is_printed(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """The error is the last line a run prints: the bar's closing redraw comes before train.main's caller (train.py's
+    __main__) prints it, not when the bar is collected later."""
+    events = []
+
+    class Bar(train.tqdm):
+        def close(self):
+            if "bar closed" not in events:
+                events.append("bar closed")
+            super().close()
+
+    monkeypatch.setattr(train, "tqdm", Bar)
+    nan_loss_on({1, 2, 3}, monkeypatch)
+    with pytest.raises(update.TrainingError, match="3 steps in a row"):
+        try:
+            train.main(tiny_argv(tiny_model_dir, tmp_path / "run", "--max-steps", "5", "--eval-samples", "0",
+                                 "--progress"))
+        finally:
+            events.append("error printed")
+    assert events == ["bar closed", "error printed"]
 
 
 def test_impossible_lengths_and_sizes_fail_before_anything_is_allocated(tiny_model_dir, tmp_path, monkeypatch):

@@ -88,12 +88,50 @@ def test_a_planted_fault_falls_back_to_hf_and_the_run_finishes(fault, step, peak
     fired = [line["step"] for line in steps if "sampler/fallback" in line]
     assert fired == [step] and "samples from another policy" in steps[step - 1]["sampler/fallback"]
     assert steps[step - 1]["sampler/logprob_diff_mean"] > rollout_check.LOGPROB_GAP_LIMIT
+    assert "the step's update is not applied" in steps[step - 1]["sampler/fallback"]
+    assert [line["optimizer_steps"] for line in steps] == [0 if line["step"] == step else 1 for line in steps]
     for line in steps[:step]:
         assert line["sampler/engine"] == 1
     for line in steps[step:]:   # Hugging Face generate() from then on: on-policy again
         assert line["sampler/engine"] == 0 and line["sampler/logprob_diff_mean"] < 1e-5
     assert f"note: the decode engine was left: the decode engine samples from another policy than the one trained " \
            f"(step {step}:" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_the_step_that_detects_a_faulty_sampler_leaves_the_weights_as_they_were(peaked_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """The gap is known after the update's first forward pass, before its optimizer step: the detecting step's
+    off-policy rollouts are not trained on. LoRA's B matrices start at zero, so its checkpoint shows any step taken."""
+    from safetensors.torch import load_file
+
+    plant("wrong temperature", monkeypatch)
+    with pytest.warns(UserWarning, match=r"\(step 1: mean .*; the step's update is not applied\)"):
+        run_dir = train.main(tiny_argv(peaked_model_dir, tmp_path / "run", "--eval-samples", "0", "--max-steps", "1",
+                                       "--learning-rate", "5e-2"))
+    line = read_lines(run_dir, "train")[0]
+    assert line["sampler/logprob_diff_mean"] > rollout_check.LOGPROB_GAP_LIMIT and "sampler/fallback" in line
+    assert line["optimizer_steps"] == 0 and line["skipped_steps"] == 0 and line["update_rows"] == 4
+    weights = load_file(run_dir / "checkpoints" / "step_000001" / "adapter" / "adapter_model.safetensors")
+    lora_b = [value for key, value in weights.items() if "lora_B" in key]
+    assert lora_b and all(int(value.count_nonzero()) == 0 for value in lora_b)
+
+
+def test_a_resume_keeps_generating_with_what_the_run_fell_back_to(peaked_model_dir, tmp_path, monkeypatch, capsys):
+    """The fallback is saved with the checkpoint: a resumed run (a new process, after a preemption) does not train
+    another step on the faulty engine, and says in one line why it generates with generate()."""
+    plant("wrong temperature", monkeypatch)
+    argv = tiny_argv(peaked_model_dir, tmp_path / "run", "--eval-samples", "0", "--learning-rate", "5e-2")
+    train.main(argv + ["--max-steps", "2"])
+    monkeypatch.setattr(sampling, "_FALLBACKS", type(sampling._FALLBACKS)())  # what a new process starts with
+    capsys.readouterr()
+    run_dir = train.main(argv + ["--max-steps", "4", "--resume"])
+    lines = read_lines(run_dir, "train")
+    assert [(line["step"], line["sampler/engine"]) for line in lines] == [(1, 1), (2, 0), (3, 0), (4, 0)]
+    assert [line["step"] for line in lines if "sampler/fallback" in line] == [1]
+    out = capsys.readouterr().out.splitlines()
+    said = [line for line in out if line.startswith("generating with Hugging Face generate(), as before the ")]
+    assert len(said) == 1 and "(step 1: mean |log-prob difference|" in said[0]
+    assert "note: the decode engine was left: the decode engine samples from another policy" in out[-1]
 
 
 def test_backend_engine_stops_the_run_with_a_one_line_error(peaked_model_dir, tmp_path, monkeypatch):
