@@ -80,6 +80,7 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     runs, _ = study.study_plan([0])
     plans = [(flags, study.STUDY_TRAIN_ARGS) for flags in [*runs.values(), *study.variants_plan([0])[0].values()]]
     plans += [(flags, study.GA_TRAIN_ARGS) for flags in study.ga_plan([0]).values()]
+    plans += [(flags, study.PODS_TRAIN_ARGS) for flags in study.pods_plan(seeds=[0]).values()]
     for flags, settings in plans:
         args = parser.parse_args(study.train_flags("runs/x", flags, 120, settings=settings))
         unpinned = {name for name, value in vars(args).items() if value is unset}
@@ -246,3 +247,78 @@ def test_ga_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
         study.GA_BASELINE, "PODS max_variance 16/4", "PODS random 16/4"))
     figures = json.loads((tmp_path / "out" / "ga.json").read_text())
     assert set(figures) == {"time", "steps"} and figures["steps"][study.GA_BASELINE]["seeds"] == 1
+
+
+@pytest.mark.filterwarnings("ignore:--clip-eps-high 0.2 cannot act")  # the study's pinned default, inert at mu = 1
+def test_pods_plan_arms_train_m_4_rows_of_the_same_prompts_with_the_same_settings(tmp_path):
+    """GRPO 4/4, max-variance 16/4, random 16/4, max-variance 8/4 and 32/4: 8 seeds for the first two, 5 for the
+    others, seed-major; every setting but the method and seed the same, evaluated on 256 greedy held-out prompts
+    every 100 s of training and never by step."""
+    import config
+
+    runs = study.pods_plan()
+    assert len(runs) == 8 + 8 + 5 + 5 + 5
+    assert list(runs)[:5] == ["grpo-n4-m4-s0", "max_variance-n16-m4-s0", "random-n16-m4-s0", "max_variance-n8-m4-s0",
+                              "max_variance-n32-m4-s0"]
+    assert list(runs)[-6:] == ["grpo-n4-m4-s5", "max_variance-n16-m4-s5", "grpo-n4-m4-s6", "max_variance-n16-m4-s6",
+                               "grpo-n4-m4-s7", "max_variance-n16-m4-s7"]
+    parsed = {name: config.parse_args(study.train_flags(tmp_path / name, flags, 900, 2, (), study.PODS_TRAIN_ARGS))
+              for name, flags in runs.items()}
+    labels = {config.method_label(args) for args in parsed.values()}
+    assert labels == {study.PODS_BASELINE, *study.PODS_CONTROL, "PODS max_variance 8/4", "PODS max_variance 32/4"}
+    per_run = {"rule", "num_rollouts", "seed", "output_dir"}
+    settings = [{k: v for k, v in vars(args).items() if k not in per_run} for args in parsed.values()]
+    assert all(s == settings[0] for s in settings)
+    first = parsed["grpo-n4-m4-s0"]
+    assert (first.update_size, first.prompts_per_step, first.grad_accum_steps) == (4, 4, 1)
+    assert (first.eval_samples, first.eval_temperature, first.eval_interval, first.eval_interval_s) == (256, 0, 0, 100)
+    assert first.learning_rate == float(study.PODS_TASK["--learning-rate"]) and first.dataset == "arithmetic"
+    assert list(study.pods_plan(["random", "grpo"], [3])) == ["random-n16-m4-s3", "grpo-n4-m4-s3"]
+    with pytest.raises(ValueError, match="unknown arm"):
+        study.pods_plan(["grpo", "ppo"])
+
+
+def test_run_pods_reports_exports_data_and_recomputes_from_it(tmp_path, capsys):
+    """With the fake train.py (accuracy n/m times faster per second): the report against GRPO 4/4, the control table,
+    the pilot line, a data file per run and study.json; the report recomputed from the data files is the same."""
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    out, data_dir = tmp_path / "pods", tmp_path / "results" / "pods"
+    table = study.run_pods(out, ("grpo", "pods", "random"), [0, 1], 100, ["--eval-samples", "7"], data_dir=data_dir,
+                           resamples=50, train_script=script)
+    calls = (out / "calls.txt").read_text().splitlines()
+    assert len(calls) == 6 and all(c.endswith("'--eval-samples', '7']") for c in calls)
+    assert "failed runs: random-n16-m4-s1" in capsys.readouterr().out
+    assert (out / "pods.png").read_bytes()[:4] == b"\x89PNG" and (out / "pods.md").read_text().strip() == table
+    assert "## Every arm against GRPO 4/4" in table and "Baseline: GRPO 4/4" in table
+    assert "## PODS random 16/4 against PODS max_variance 16/4" in table and "Baseline: PODS max_variance 16/4" in table
+    pods_rows = [line for line in table.splitlines() if line.startswith("| PODS max_variance 16/4 | 2 |")]
+    assert len(pods_rows) >= 2 and all("| 4.0x [4.0, 4.0] |" in row for row in pods_rows[:2])  # per step and clock
+    assert "- GRPO 4/4: not recorded" in table  # the fake logs no per-step phases
+    # The fake's GRPO reaches 0.5 at 100 s, its plateau: at a third of the budget (33 s) it is still rising.
+    assert "Pilot: GRPO 4/4 (2 seeds): mean accuracy 0.17 at a third of the budget (33 s)" in table
+    assert "still rising" in table
+    assert sorted(p.name for p in data_dir.glob("*.json")) == sorted(
+        ["grpo-n4-m4-s0.json", "grpo-n4-m4-s1.json", "max_variance-n16-m4-s0.json", "max_variance-n16-m4-s1.json",
+         "random-n16-m4-s0.json", "study.json"])
+    recorded = __import__("json").loads((data_dir / "study.json").read_text())
+    assert recorded["budget_s"] == 100 and recorded["command"].startswith("python study.py pods --out ")
+    assert (data_dir / "pods.md").read_text().strip() == table
+    capsys.readouterr()
+    assert study.main(["pods", "--from-data", str(data_dir), "--resamples", "50"]) == table
+    assert capsys.readouterr().out.strip() == table
+
+
+def test_pods_command_dry_run_pilot_and_refusals(tmp_path, capsys):
+    study.main(["pods", "--out", str(tmp_path), "--dry-run"])
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(commands) == 31 and commands[0].startswith("[1/31]") and "grpo-n4-m4-s0" in commands[0]
+    assert all("--max-time-s 900.0" in c and "--num-threads 2" in c and "--eval-interval-s 100" in c for c in commands)
+    assert not (tmp_path / "logs").exists()
+    study.main(["pods", "--out", str(tmp_path), "--arms", "grpo", "--seeds", "0", "1", "--dry-run"])  # the pilot
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["[1/2]", "[2/2]"]
+    with pytest.raises(SystemExit):
+        study.main(["pods", "--from-data", str(tmp_path), "--out", str(tmp_path)])
+    assert "--from-data reports committed data" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no GRPO 4/4 run"):
+        study.pods_report([], 900)
