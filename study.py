@@ -346,8 +346,10 @@ def clock_lines(runs, baseline_label=PODS_BASELINE):
         line = f"- {label}: generate {m['generate_s']:.1f} s, update {m['update_s']:.1f} s, step {m['step_s']:.1f} s"
         if base and all(math.isfinite(v) for v in base.values()) and label != baseline_label:
             step, generate = m["step_s"] - base["step_s"], m["generate_s"] - base["generate_s"]
-            share = f"{100 * generate / step:.0f}%" if math.isfinite(step) and abs(step) > 1e-9 else "-"
-            line += f"; {step:+.1f} s per step against {baseline_label}, of which generation {generate:+.1f} s ({share})"
+            # a share of a difference within the steps' own spread says nothing
+            share = f"{100 * generate / step:.0f}%" if abs(step) >= 0.05 * base["step_s"] else "step times within 5%"
+            line += (f"; {step:+.1f} s per step against {baseline_label}, of which generation {generate:+.1f} s "
+                     f"({share})")
         lines.append(line)
     return lines
 
@@ -367,10 +369,11 @@ def rising_line(runs, budget_s, baseline_label=PODS_BASELINE, margin=PODS_RISING
     at_third = float(np.interp(third, curve.times_s, curve.mean))
     later = bootstrap.mean_accuracy(curve.times_s, curve.mean, third, end)
     rising = later - at_third > margin
+    advice = "" if rising else ": make the task harder or the learning rate lower (PODS_TASK)"
     return (f"Pilot: {baseline_label} ({len(base)} seed{'s' if len(base) > 1 else ''}): mean accuracy "
             f"{at_third:.2f} at a third of the budget ({third:.0f} s), {later:.2f} on average over the rest, peak "
             f"{float(np.max(curve.mean)):.2f}: {'still rising' if rising else 'NOT rising'} at a third of the budget "
-            f"(margin {margin:.2f}){'' if rising else ': make the task harder or the learning rate lower (PODS_TASK)'}.")
+            f"(margin {margin:.2f}){advice}.")
 
 
 def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES):

@@ -322,3 +322,68 @@ def test_pods_command_dry_run_pilot_and_refusals(tmp_path, capsys):
     assert "--from-data reports committed data" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no GRPO 4/4 run"):
         study.pods_report([], 900)
+
+
+@pytest.mark.slow  # four train.py processes: ~20 s on a quiet machine, a minute on a busy one
+def test_pods_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
+    """The real train.py, 2 arms x 2 seeds of 3 steps: each seed's arms train on the same prompts (the completions
+    logs), every run evaluates at step 0, after each step whose training seconds cross a multiple of
+    --eval-interval-s, and at the end, and the report and the data files are written."""
+    import json
+
+    import completions
+    from run_helpers import read_lines
+
+    interval_s = 0.2
+    tiny = ["--model", str(tiny_model_dir), "--max-steps", "3", "--max-completion-tokens", "4", "--eval-samples", "2",
+            "--eval-interval-s", str(interval_s), "--checkpoint-interval-s", "0", "--prompts-per-step", "1",
+            "--log-completions-interval", "1"]
+    out, data_dir = tmp_path / "out", tmp_path / "data"
+    table = study.run_pods(out, ("grpo", "pods"), [0, 1], 0, tiny, num_threads=1, data_dir=data_dir, resamples=20)
+    names = ["grpo-n4-m4-s0", "max_variance-n16-m4-s0", "grpo-n4-m4-s1", "max_variance-n16-m4-s1"]
+    assert all((out / name / "study_done.json").is_file() for name in names)
+
+    def prompts(name):
+        return [[row["prompt"] for row in completions.read_completions(out / name, step)[1] if row["type"] == "prompt"]
+                for step in (1, 2, 3)]
+
+    assert prompts(names[0]) == prompts(names[1]) and prompts(names[2]) == prompts(names[3])
+    assert prompts(names[0]) != prompts(names[2])
+    for name in names:
+        clock = [0.0] + [line["elapsed_s"] for line in read_lines(out / name, "train")]
+        crossed = [step for step in (1, 2) if clock[step] // interval_s > clock[step - 1] // interval_s]
+        evaluations = read_lines(out / name, "eval")
+        assert [line["step"] for line in evaluations] == [0, *crossed, 3]
+        assert [line["elapsed_s"] for line in evaluations] == [clock[step] for step in (0, *crossed, 3)]
+    assert (out / "pods.png").is_file() and (out / "pods.md").read_text().strip() == table
+    assert f"| {study.PODS_BASELINE} | 2 | 3,3 |" in table and "| PODS max_variance 16/4 | 2 | 3,3 |" in table
+    assert "- PODS max_variance 16/4: generate" in table and "of which generation" in table
+    assert sorted(p.name for p in data_dir.glob("*.json")) == sorted([f"{name}.json" for name in names]
+                                                                      + ["study.json"])
+    record = json.loads((data_dir / "max_variance-n16-m4-s1.json").read_text())
+    assert record["label"] == "PODS max_variance 16/4" and len(record["generate_s"]) == 3
+    assert study.report_pods_data(data_dir, resamples=20) == table
+
+
+def test_pods_clock_lines_say_how_much_of_the_clock_difference_is_generation_and_the_pilot_line_a_plateau():
+    import numpy as np
+
+    from compare import RunData
+
+    def run(label, seed, generate_s, update_s, accuracy):
+        steps = 10
+        phases = {"generate_s": np.full(steps, generate_s), "update_s": np.full(steps, update_s)}
+        times = np.arange(0, 1000, 100.0)
+        return RunData(f"r{label}{seed}", label, seed, times, np.asarray(accuracy, dtype=float),
+                       np.full(steps, generate_s + update_s + 0.5), phases, eval_steps=times / 100)
+
+    flat = [0.3] + [0.6] * 9  # on its plateau from the first evaluation after step 0
+    runs = [run("GRPO 4/4", seed, 2.0, 7.5, flat) for seed in (0, 1)]
+    runs += [run("PODS max_variance 16/4", seed, 8.0, 7.6, flat) for seed in (0, 1)]
+    lines = study.clock_lines(runs)
+    assert lines[2] == "- GRPO 4/4: generate 2.0 s, update 7.5 s, step 10.0 s"
+    assert lines[3].endswith("step 16.1 s; +6.1 s per step against GRPO 4/4, of which generation +6.0 s (98%)")
+    assert "NOT rising at a third of the budget" in study.rising_line(runs, 900)
+    rising = [run("GRPO 4/4", 0, 2.0, 7.5, np.linspace(0.3, 0.7, 10))]
+    assert "0.43 at a third of the budget (300 s), 0.57 on average over the rest" in study.rising_line(rising, 900)
+    assert "still rising" in study.rising_line(rising, 900)
