@@ -417,6 +417,22 @@ def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RES
     return pods_report([bootstrap.within_budget(r, budget_s) for r in runs], budget_s, plot, resamples)
 
 
+def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):
+    """A finished run (study_done.json) is skipped, so one trained with other flags (a pilot before PODS_TASK
+    changed, another budget) would enter the report as if it were this study's: refused, naming the run."""
+    for name, flags in runs.items():
+        done = Path(out_dir) / name / "study_done.json"
+        if not done.is_file():
+            continue
+        recorded = [arg for arg in json.loads(done.read_text()).get("command", [])[2:] if arg != "--resume"]
+        expected = train_flags(Path(out_dir) / name, flags, max_time_s, num_threads, train_args, PODS_TRAIN_ARGS)
+        if recorded != expected:
+            changed = [(f"{expected[i - 1]} " if i and expected[i - 1].startswith("--") else "") + f"{a} (now {b})"
+                       for i, (a, b) in enumerate(zip(recorded, expected)) if a != b] or ["flags added or left out"]
+            raise ValueError(f"{done.parent} was trained with other flags than this study's ({', '.join(changed[:3])})"
+                             ": give another --out, or delete the run to train it again")
+
+
 def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIME_S, train_args=(), dry_run=False,
              num_threads=GA_NUM_THREADS, data_dir=PODS_DATA, plot=None, resamples=bootstrap.RESAMPLES,
              train_script=Path(__file__).with_name("train.py")):
@@ -447,6 +463,7 @@ def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIM
     command = ["python", "study.py", "pods", "--out", str(out_dir), "--arms", *arms] + \
         (["--seeds", *map(str, seeds)] if seeds is not None else []) + ["--max-time-s", f"{max_time_s:g}"] + \
         (["--", *train_args] if train_args else [])
+    check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads)
     failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, PODS_TRAIN_ARGS)
     if dry_run:
         return None
