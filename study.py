@@ -14,10 +14,17 @@ each of 4 prompts per step; GRPO-GA (GRPO 16/16) trains on all 64, accumulating 
 PODS max_variance 16/4 on 16 of them, and a random 16/4 control on 16 random ones (does max-variance matter, or
 only fewer rows?). A 256-prompt held-out set every 5 steps; peak and final accuracy and the speed-up on the time
 and the step axis with 95% bootstrap intervals over seeds (bootstrap.py): <out>/ga.md, ga.json, the plot.
+`pods`: does PODS help? The paper's single-device comparison: every arm trains m = 4 rows of each of the same 4
+prompts per step; GRPO 4/4 (the baseline) against PODS max_variance 16/4, random 16/4 (the control) and
+max_variance 8/4 and 32/4 (n scaling), 8 or 5 seeds, 256 held-out prompts every 100 s of training in every arm;
+the report per step and on the clock (how much of the clock difference is generation), the runs' data files in
+results/pods (`python study.py pods --help`: the pilot, the study, the report recomputed from the data).
 
     python study.py run --out runs/study --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
     python study.py variants --out runs/variants --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
     python study.py ga --out runs/ga --seeds 0 1 2 3 4 [--max-time-s 900] [-- extra train.py flags]
+    python study.py pods --out runs/pods [--arms grpo ...] [--seeds ...] [-- extra train.py flags]
+    python study.py pods --from-data results/pods   (the report recomputed from the committed data files)
     python study.py compare RUN_DIR...            (an alias of python compare.py)
 
 Every setting the recorded tables depend on is passed explicitly (`STUDY_TRAIN_ARGS`), evaluation

@@ -172,7 +172,7 @@ def test_help_describes_the_commands_with_their_flags(capsys):
     study.main(["--help"])
     out = capsys.readouterr().out
     for command in ("python study.py run --out", "python study.py variants --out", "python study.py ga --out",
-                    "python study.py compare"):
+                    "python study.py pods --out", "python study.py pods --from-data", "python study.py compare"):
         assert command in out
 
 
