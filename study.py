@@ -433,6 +433,8 @@ def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):
             continue
         recorded = [arg for arg in json.loads(done.read_text()).get("command", [])[2:] if arg != "--resume"]
         expected = train_flags(Path(out_dir) / name, flags, max_time_s, num_threads, train_args, PODS_TRAIN_ARGS)
+        if "--output-dir" in recorded:  # the same folder, however --out was spelled
+            recorded[recorded.index("--output-dir") + 1] = expected[expected.index("--output-dir") + 1]
         if recorded != expected:
             changed = [(f"{expected[i - 1]} " if i and expected[i - 1].startswith("--") else "") + f"{a} (now {b})"
                        for i, (a, b) in enumerate(zip(recorded, expected)) if a != b] or ["flags added or left out"]

@@ -389,14 +389,16 @@ def test_pods_clock_lines_say_how_much_of_the_clock_difference_is_generation_and
     assert "still rising" in study.rising_line(rising, 900)
 
 
-def test_a_finished_pods_run_trained_with_other_flags_is_refused_not_reported(tmp_path):
+def test_a_finished_pods_run_trained_with_other_flags_is_refused_not_reported(tmp_path, monkeypatch):
     """A pilot trained before PODS_TASK changed would otherwise be skipped as done and reported as this study's."""
     script = tmp_path / "fake_train.py"
     script.write_text(FAKE_TRAIN)
     out, data_dir = tmp_path / "pods", tmp_path / "data"
     study.run_pods(out, ("grpo",), [0], 100, data_dir=data_dir, resamples=20, train_script=script)  # the pilot
     assert "Pilot: GRPO 4/4 (1 seed)" in (data_dir / "pods.md").read_text()
-    study.run_pods(out, ("grpo",), [0], 100, data_dir=data_dir, resamples=20, train_script=script)  # same: skipped
+    monkeypatch.chdir(tmp_path)
+    study.run_pods("pods", ("grpo",), [0], 100, data_dir=data_dir, resamples=20,
+                   train_script=script)  # the same study (its folder spelled otherwise): the finished run skipped
     assert len((out / "calls.txt").read_text().splitlines()) == 1
     with pytest.raises(ValueError, match=r"grpo-n4-m4-s0 was trained with other flags than this study's "
                                          r"\(--max-time-s 100 \(now 200\)\)"):
