@@ -307,7 +307,8 @@ def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=Fals
     return table
 
 
-PODS_TRAIN_ARGS = with_settings(STUDY_TRAIN_ARGS, PODS_SETTINGS)
+# ... and every 10th step's rollouts (what each rule kept) in <run>/completions/, for reading why an arm learned or not
+PODS_TRAIN_ARGS = with_settings(STUDY_TRAIN_ARGS, PODS_SETTINGS) + ("--log-completions-interval", "10")
 
 
 def pods_plan(arms=tuple(PODS_ARMS), seeds=None):

@@ -273,6 +273,7 @@ def test_pods_plan_arms_train_m_4_rows_of_the_same_prompts_with_the_same_setting
     assert (first.update_size, first.prompts_per_step, first.grad_accum_steps) == (4, 4, 1)
     assert (first.eval_samples, first.eval_temperature, first.eval_interval, first.eval_interval_s) == (256, 0, 0, 100)
     assert first.learning_rate == float(study.PODS_TASK["--learning-rate"]) and first.dataset == "arithmetic"
+    assert first.log_completions_interval == 10
     assert list(study.pods_plan(["random", "grpo"], [3])) == ["random-n16-m4-s3", "grpo-n4-m4-s3"]
     with pytest.raises(ValueError, match="unknown arm"):
         study.pods_plan(["grpo", "ppo"])
