@@ -178,7 +178,7 @@ PODS_SETTINGS = {**PODS_TASK, "--prompts-per-step": "4", "--eval-samples": "256"
                  "--eval-interval-s": f"{PODS_EVAL_INTERVAL_S:g}", "--checkpoint-interval-s": "600"}
 PODS_MAX_TIME_S = 900.0
 PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
-PODS_RISING_MARGIN = 2 * 0.5 / 256 ** 0.5  # two standard errors of one 256-prompt evaluation, at most
+PODS_RISING_MARGIN = 2 * 0.5 / int(PODS_SETTINGS["--eval-samples"]) ** 0.5  # two SEs of one evaluation, at most
 
 
 def registry_pins():
