@@ -45,8 +45,8 @@ def _dest(option):
 POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                  "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size",
                  "max_generation_rounds")
-NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_samples", "eval_temperature",
-                "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
+NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_interval_s", "eval_samples",
+                "eval_temperature", "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
 # Others may change: RECORDED_AT_RESUME (optimizer settings, the budget, bf16) into config.json "changes" and the
 # metrics; intervals, logging, memory and speed silently. A key the run's config.json lacks (a run older than the
@@ -158,6 +158,10 @@ def build_parser():
     add("--checkpoint-interval-s", type=float, help="seconds of training between checkpoints; <0 = never")
     add("--keep-checkpoints", type=int, default=0, help="keep only the newest K (0 = all)")
     add("--eval-interval", type=int, help="held-out evaluation every K steps (also at step 0 and the end)")
+    add("--eval-interval-s", type=float, default=0.0,
+        help="also a held-out evaluation after the step whose training seconds (evaluation excluded) cross each "
+             "multiple of S: the same cadence on the clock for methods of different step times (0 = off; give "
+             "--eval-interval 0 for this cadence alone). Follows from the run's training seconds: a resume keeps it")
     add("--eval-samples", type=int, help="held-out prompts (fixed sample of the test split); 0 = no eval")
     add("--eval-temperature", type=float, help="0 = greedy")
     add("--log-completions-interval", type=int,

@@ -226,7 +226,10 @@ def start_line(label, args, run_dir):
     """The run's first line: the method, the model, the dataset, the budget and the run folder."""
     budget = " or ".join(text for text in (f"{args.max_time_s:g} s of training" if args.max_time_s else "",
                                            f"{args.max_steps} steps" if args.max_steps else "") if text)
-    schedule = f"step 0, every {args.eval_interval} steps and the end" if args.eval_interval else "step 0 and the end"
+    every = [f"every {args.eval_interval} steps" if args.eval_interval else "",
+             f"every {args.eval_interval_s:g} s of training" if getattr(args, "eval_interval_s", 0) else ""]
+    schedule = f"step 0, {' and '.join(text for text in every if text)} and the end" if any(every) else \
+        "step 0 and the end"
     evaluation = (f"held-out evaluation of {args.eval_samples} prompts at {schedule} (not counted in the budget)"
                   if args.eval_samples else "no held-out evaluation")
     return f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation} -> {run_dir}"

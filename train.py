@@ -313,6 +313,15 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, 
     return result.accuracy
 
 
+def evaluation_due(args, step, before_s, after_s):
+    """Whether the step that took the training seconds from before_s to after_s ends with an evaluation: every
+    --eval-interval steps, or (--eval-interval-s S) when it crossed a multiple of S. Both come from the run's state,
+    so a resumed run keeps the cadence of the run it continues."""
+    by_step = args.eval_interval and step % args.eval_interval == 0
+    by_time = args.eval_interval_s and after_s // args.eval_interval_s > before_s // args.eval_interval_s
+    return bool(by_step or by_time)
+
+
 def resume(run_dir, model, optimizer, args, processes):
     """The TrainerState of the run's newest readable checkpoint, with model, optimizer and RNG restored."""
     path, skipped = runfolder.newest_checkpoint(run_dir)
@@ -400,7 +409,7 @@ def run(args, run_dir, processes):
             stop = signalled_stop()
             if stop is not None:
                 break
-            step_start = time.perf_counter()
+            step_start, before_s = time.perf_counter(), state.elapsed_s
             rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
             metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes, draw)
             step_s = processes.agree(time.perf_counter() - step_start)
@@ -411,7 +420,7 @@ def run(args, run_dir, processes):
                 raise update.TrainingError(
                     f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
                     "norm; none of them changed the weights. Stopping: lower --learning-rate or --max-grad-norm.")
-            if eval_set and args.eval_interval and state.step % args.eval_interval == 0:
+            if eval_set and evaluation_due(args, state.step, before_s, state.elapsed_s):
                 accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes,
                                             check_sampler=False)  # this step's update checked the sampler
             if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:

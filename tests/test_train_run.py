@@ -342,3 +342,31 @@ def test_demo_preset_two_steps(tmp_path, monkeypatch):
     assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps)
     assert all(0 <= s["rewards/accuracy/mean"] <= 1 for s in steps)
     assert len(read_lines(run_dir, "eval")) == 2
+
+
+class OneSecondSteps(train.OneProcess):
+    """Every step counts as 1 s of training (train.py takes the step time from `agree`): a clock a test can read."""
+
+    def agree(self, value):
+        return 1.0
+
+
+def test_eval_interval_s_evaluates_where_the_training_seconds_cross_each_multiple_and_a_resume_keeps_it(
+        tiny_model_dir, tmp_path, capsys):
+    """--eval-interval-s 3 with 1 s steps: evaluations at step 0, after the steps that cross 3 s and 6 s, and at the
+    end. A run stopped at step 4 (its end evaluation) and resumed evaluates next at 6 s, as the run that was not
+    stopped did: not at 5 s (3 s after the last evaluation) nor at 7 s (3 s after the resume)."""
+    def run(out, steps, *extra):
+        argv = tiny_argv(tiny_model_dir, out, "--eval-interval", "0", "--eval-interval-s", "3", "--max-steps",
+                         str(steps), "--log-completions-interval", "0", *extra)
+        return train.train(config.parse_args(argv), OneSecondSteps())
+
+    whole = run(tmp_path / "whole", 8)
+    assert [(e["step"], e["elapsed_s"]) for e in read_lines(whole, "eval")] == [(0, 0), (3, 3), (6, 6), (8, 8)]
+    assert "held-out evaluation of 2 prompts at step 0, every 3 s of training and the end" in capsys.readouterr().out
+    resumed = run(tmp_path / "resumed", 4)
+    assert [e["step"] for e in read_lines(resumed, "eval")] == [0, 3, 4]
+    run(resumed, 8, "--resume")
+    assert [e["step"] for e in read_lines(resumed, "eval")] == [0, 3, 4, 6, 8]
+    with pytest.raises(ValueError, match="--eval-interval-s must be >= 0"):
+        config.parse_args(tiny_argv(tiny_model_dir, tmp_path / "bad", "--eval-interval-s", "-1"))
