@@ -155,3 +155,21 @@ def test_unsupported_models_are_named_and_no_grad_passes_still_share():
                                        max_window_layers=0)
     assert "DynamicSlidingWindowLayer" in prefix.unsupported_reason(sliding)
     assert "not a transformers causal LM" in prefix.unsupported_reason(torch.nn.Linear(2, 2))
+
+
+def test_several_processes_make_the_same_calls_whatever_their_prompts(monkeypatch):
+    """Under FSDP every rank must run the same forward calls: with several processes the prefix level (used or not
+    by each rank's own prompts) is off, and every call is one prompt pass + one completion pass, still exact."""
+    model = small_model("llama")
+    ids, mask, width = grouped_rows()
+    calls = []
+    models.hf_model(model).get_input_embeddings().register_forward_hook(
+        lambda module, args, out: calls.append(tuple(args[0].shape)))
+    monkeypatch.setattr(prefix, "several_processes", lambda: True)
+    with torch.no_grad():
+        got = prefix.completion_logprobs(model, ids, mask, width, shared_prefix=True)
+        assert calls == [(3, 9), (6, 4)]
+        want = grpo_loss.token_logprobs(model, ids, mask, width)
+    torch.testing.assert_close(got * mask[:, -width:], want * mask[:, -width:], rtol=1e-5, atol=5e-5)
+    monkeypatch.undo()
+    assert not prefix.several_processes()  # this test process: one process, no process group
