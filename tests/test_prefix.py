@@ -1,7 +1,8 @@
 """prefix.py: groups of identical prompts and the prefix every prompt shares, found from the token ids; the completion
 log-probs and their gradient with each distinct prompt run once (and the shared prefix once) equal
 grpo_loss.token_logprobs' per-row computation for Llama and Qwen2, LoRA included; the forward calls really see fewer
-tokens; where it cannot run (gradient checkpointing with gradients, a cache that is not plain tensors) it says why."""
+tokens; gradient checkpointing replays the cache writes exactly; where it cannot run (reentrant checkpointing, a cache
+that is not plain tensors) it says why."""
 
 import pytest
 import torch
@@ -142,15 +143,54 @@ def test_each_distinct_prompt_token_goes_through_the_model_once():
     assert calls == [(1, 5), (3, 4), (6, 4)]     # the 5-token prefix once, suffixes of <= 4 tokens, completions
 
 
-def test_unsupported_models_are_named_and_no_grad_passes_still_share():
+def checkpointed_model(arch="llama", reentrant=False):
+    torch.manual_seed(0)
+    model = models.tiny_random_model(arch, vocab_size=VOCAB, seed=0, initializer_range=0.5)
+    if reentrant:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+        return models.prepare_for_training(model, lora_rank=4).train()
+    return models.prepare_for_training(model, lora_rank=4, gradient_checkpointing=True).train()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gradient_checkpointing_replays_the_cache_writes_and_stays_exact(arch):
+    """Checkpointed layers keep the cache (prefix._PastLayer: writing the same keys twice gives the same), and the
+    backward really replays them: every layer's cache write happens again in the backward."""
+    model = checkpointed_model(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids, mask, width = grouped_rows()
+    weights = torch.randn(ids.shape[0], width, generator=torch.Generator().manual_seed(1))
+    writes = []
+    real = prefix._PastLayer.update
+
+    def counted(self, *args, **kwargs):
+        writes.append(torch.is_grad_enabled())
+        return real(self, *args, **kwargs)
+
+    with models.dropout_off(model, keep_checkpointing=True):
+        assert prefix.unsupported_reason(model) is None
+        want, want_grads = logprobs_and_grads(grpo_loss.token_logprobs, model, ids, mask, width, weights)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(prefix._PastLayer, "update", counted)
+            got, got_grads = logprobs_and_grads(prefix.completion_logprobs, model, ids, mask, width, weights)
+    assert len(writes) == 2 * 3 * 2   # 2 layers x 3 forward calls (prefix, suffixes, completions), each replayed
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-4 * float(grad.abs().max()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_unsupported_models_are_named():
     model = small_model("llama", lora=True)
     assert prefix.unsupported_reason(model) is None
-    checkpointed = models.prepare_for_training(models.tiny_random_model("llama", vocab_size=VOCAB), lora_rank=4,
-                                               gradient_checkpointing=True)
-    checkpointed.train()
-    assert "gradient checkpointing" in prefix.unsupported_reason(checkpointed)
-    with torch.no_grad():  # no backward to replay: the cache works (fill_logprobs' passes)
-        assert prefix.unsupported_reason(checkpointed) is None
+    reentrant = checkpointed_model(reentrant=True)
+    assert "reentrant" in prefix.unsupported_reason(reentrant)
+    with torch.no_grad():  # no backward to replay: nothing is checkpointed (fill_logprobs' passes)
+        assert prefix.unsupported_reason(reentrant) is None
     sliding = models.tiny_random_model("qwen2", vocab_size=VOCAB, use_sliding_window=True, sliding_window=4,
                                        max_window_layers=0)
     assert "DynamicSlidingWindowLayer" in prefix.unsupported_reason(sliding)

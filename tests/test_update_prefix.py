@@ -3,7 +3,8 @@ trainable parameter, weights after the step and metrics (token means, sampler ga
 way the prompts are computed: LoRA and full fine-tuning, Llama and Qwen2, mu > 1 (old log-probs from fill_logprobs),
 KL (the reference pass with the adapter off), every loss option, micro-batches that split a prompt's rows, rows of
 several prompts mixed (--selection-scope batch), several rollout batches (--dynamic-sampling); --prefix-sharing
-reaches the update; gradient checkpointing falls back to every row in full, said once."""
+reaches the update; gradient checkpointing shares too; reentrant checkpointing falls back to every row in full, said
+once."""
 
 import dataclasses
 import warnings
@@ -161,8 +162,24 @@ def test_every_loss_option_gives_the_same_update_with_prefix_sharing(option):
     assert_same_update(on, off)
 
 
-def test_gradient_checkpointing_falls_back_to_every_row_in_full_said_once():
-    model = policy(checkpointing=True)
+def test_gradient_checkpointing_shares_too():
+    settings = update.UpdateSettings(micro_batch_size=16, updates_per_batch=2,
+                                     loss=update.grpo_loss.LossSettings(kl_coef=0.1))
+    on, off = on_and_off(policy(checkpointing=True), lambda: [grouped_batch(FOUR_PROMPTS)], settings)
+    assert on[3] == 2 + 2   # fill_logprobs (reference, old log-probs) and the 2 optimizer steps, one micro-batch
+    assert_same_update(on, off)
+
+
+def test_reentrant_checkpointing_falls_back_to_every_row_in_full_said_once():
+    torch.manual_seed(0)
+    model = models.tiny_random_model("llama", vocab_size=VOCAB, initializer_range=0.2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model = models.prepare_for_training(model, lora_rank=4, lora_alpha=8).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
     settings = update.UpdateSettings(micro_batch_size=5, updates_per_batch=2,
                                      loss=update.grpo_loss.LossSettings(kl_coef=0.1))
     update._SAID.clear()
@@ -170,7 +187,7 @@ def test_gradient_checkpointing_falls_back_to_every_row_in_full_said_once():
         warnings.simplefilter("always")
         on, off = on_and_off(model, lambda: [grouped_batch(FOUR_PROMPTS)], settings)
     said = [str(w.message) for w in caught if "prefix sharing" in str(w.message)]
-    assert len(said) == 1 and "gradient checkpointing" in said[0]
-    # fill_logprobs' no-grad passes share (the cache works without a backward); the update's passes do not
+    assert len(said) == 1 and "reentrant gradient checkpointing" in said[0]
+    # fill_logprobs' no-grad passes share (nothing is checkpointed without gradients); the update's passes do not
     assert on[3] == 4 * 2 and off[3] == 0   # fill_logprobs only: 4 micro-batches x (reference, old log-probs)
     assert_same_update(on, off)
