@@ -384,3 +384,16 @@ def test_print_config_shows_the_preset_resolved_values_before_any_check(tmp_path
         config.parse_args(["--print-config"])
     assert json.loads(capsys.readouterr().out)["weight_decay"] == 0.0  # the demo's: no weight decay
     assert not hasattr(config.parse_args([]), "print_config")  # a run's config.json holds no such flag
+
+
+def test_a_resume_may_switch_prefix_sharing_which_does_not_change_what_is_trained(tmp_path):
+    """--prefix-sharing changes how the update computes the same loss (prefix.py, exact), not what the run is: a
+    resume may switch it, silently (no "changes" record), and it reaches the update settings."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
+    (run / "config.json").write_text(json.dumps(vars(config.parse_args([]))))   # saved with the default: on
+    assert "prefix_sharing" not in config.RUN_IDENTITY + config.RECORDED_AT_RESUME
+    args = config.parse_args(["--output-dir", str(run), "--resume", "--prefix-sharing", "off"])
+    assert args.changes == [] and args.prefix_sharing == "off" and not config.update_settings(args).prefix_sharing
+    assert config.update_settings(config.parse_args([])).prefix_sharing
