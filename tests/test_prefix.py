@@ -213,3 +213,17 @@ def test_several_processes_make_the_same_calls_whatever_their_prompts(monkeypatc
     torch.testing.assert_close(got * mask[:, -width:], want * mask[:, -width:], rtol=1e-5, atol=5e-5)
     monkeypatch.undo()
     assert not prefix.several_processes()  # this test process: one process, no process group
+
+
+def test_absolute_position_models_see_the_positions_of_the_full_rows():
+    """GPT-2 adds absolute position embeddings: a prefix, suffix or completion at a wrong position changes the
+    numbers visibly (RoPE models would hide a constant shift), so this checks the positions of every call."""
+    from test_grpo_loss_logprobs import tiny_gpt2
+
+    model = tiny_gpt2().eval()
+    ids, mask, width = grouped_rows(seed=2)
+    with torch.no_grad():
+        want = grpo_loss.token_logprobs(model, ids, mask, width) * mask[:, -width:]
+        for shared_prefix in (False, True):
+            got = prefix.completion_logprobs(model, ids, mask, width, shared_prefix=shared_prefix)
+            torch.testing.assert_close(got * mask[:, -width:], want, rtol=1e-5, atol=5e-5)
