@@ -215,10 +215,13 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     first, group = prompt_groups(prompt_ids, prompt_mask)
     last_logits, cache, cache_mask = _distinct_prompts(model, prompt_ids[first], prompt_mask[first],
                                                        shared_prefix and not several_processes())
-    mask = torch.cat([cache_mask.index_select(0, group), completion_mask], 1)
-    positions = grpo_loss.position_ids_from_mask(mask)[:, -c:]
-    # All C completion tokens go in (the last one's logits are not used), so that the calls do not depend on C.
-    logits, _ = _forward(model, completion_ids, mask, positions, repeat_cache(model, cache, group), c)
+    # The last completion token only predicts past the row: the first C - 1 go in (1 when C = 1, its logits unused,
+    # so that the calls never depend on C).
+    inputs = max(c - 1, 1)
+    mask = torch.cat([cache_mask.index_select(0, group), completion_mask[:, :inputs]], 1)
+    positions = grpo_loss.position_ids_from_mask(mask)[:, -inputs:]
+    logits, _ = _forward(model, completion_ids[:, :inputs], mask, positions, repeat_cache(model, cache, group),
+                         inputs)
     return torch.cat([grpo_loss.picked_logprobs(last_logits.index_select(0, group), completion_ids[:, :1],
                                                 temperature),
-                      grpo_loss.picked_logprobs(logits[:, :-1], completion_ids[:, 1:], temperature)], 1)
+                      grpo_loss.picked_logprobs(logits[:, :c - 1], completion_ids[:, 1:], temperature)], 1)

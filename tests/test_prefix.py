@@ -126,7 +126,8 @@ def test_edge_layouts_equal_the_per_row_computation(case):
 
 def test_each_distinct_prompt_token_goes_through_the_model_once():
     """Tokens per forward call (the embedding's input): per row, every row's prompt; groups: each distinct prompt
-    once; with the shared prefix: the prefix once, then each prompt's own suffix. Completions always once per row."""
+    once; with the shared prefix: the prefix once, then each prompt's own suffix. Completions once per row, without
+    their last token (it predicts nothing scored)."""
     model = small_model("llama")
     ids, mask, width = grouped_rows(prefix_tokens=5, suffix_tokens=(2, 4, 1), rows=(0, 0, 1, 2, 1, 0))
     calls = []
@@ -139,8 +140,8 @@ def test_each_distinct_prompt_token_goes_through_the_model_once():
         groups, calls[:] = list(calls), []
         prefix.completion_logprobs(model, ids, mask, width, shared_prefix=True)
     assert per_row == [(6, 9 + 4)]
-    assert groups == [(3, 9), (6, 4)]            # 3 distinct prompts of <= 9 tokens, then 6 completions
-    assert calls == [(1, 5), (3, 4), (6, 4)]     # the 5-token prefix once, suffixes of <= 4 tokens, completions
+    assert groups == [(3, 9), (6, 3)]         # 3 distinct prompts of <= 9 tokens, then 6 completions less the last
+    assert calls == [(1, 5), (3, 4), (6, 3)]  # the 5-token prefix once, suffixes of <= 4 tokens, completions
 
 
 def checkpointed_model(arch="llama", reentrant=False):
@@ -208,7 +209,7 @@ def test_several_processes_make_the_same_calls_whatever_their_prompts(monkeypatc
     monkeypatch.setattr(prefix, "several_processes", lambda: True)
     with torch.no_grad():
         got = prefix.completion_logprobs(model, ids, mask, width, shared_prefix=True)
-        assert calls == [(3, 9), (6, 4)]
+        assert calls == [(3, 9), (6, 3)]
         want = grpo_loss.token_logprobs(model, ids, mask, width)
     torch.testing.assert_close(got * mask[:, -width:], want * mask[:, -width:], rtol=1e-5, atol=5e-5)
     monkeypatch.undo()
