@@ -182,8 +182,8 @@ def _distinct_prompts(model, ids, mask, shared_prefix):
         return (*_forward(model, ids, mask, grpo_loss.position_ids_from_mask(mask), _cache(model), 1), mask)
     width, lengths = ids.shape[1], mask.sum(1)
     start = int(width - lengths[0])
-    prefix = ids[:1, start:start + length]
-    _, cache = _forward(model, prefix, torch.ones_like(prefix), None, _cache(model), 1)
+    shared = ids[:1, start:start + length]
+    _, cache = _forward(model, shared, torch.ones_like(shared), None, _cache(model), 1)
     # Suffixes (each prompt without the prefix) stay right-aligned: drop the columns every suffix pads.
     suffix_width = int((lengths - length).max())
     suffix_ids, suffix_mask = ids[:, -suffix_width:], mask[:, -suffix_width:].clone()
