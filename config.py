@@ -49,8 +49,9 @@ NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", 
                 "eval_temperature", "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
 # Others may change: RECORDED_AT_RESUME (optimizer settings, the budget, bf16) into config.json "changes" and the
-# metrics; intervals, logging, memory and speed silently. A key the run's config.json lacks (a run older than the
-# option) is compared as the option's default, what the run ran with.
+# metrics; intervals, logging, memory and speed silently (--prefix-sharing too: the same update, computed once per
+# prompt). A key the run's config.json lacks (a run older than the option) is compared as the option's default,
+# what the run ran with.
 RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha", "lora_target_modules",
                 "dataset", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
                 "rule", "num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
@@ -92,6 +93,9 @@ def build_parser():
     add("--bf16", action=argparse.BooleanOptionalAction, default=False,
         help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast)")
     add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    add("--prefix-sharing", choices=("on", "off"), default="on",
+        help="the update runs each distinct prompt once for all its rollouts, and the prefix every prompt shares once "
+             "(same loss and gradients, fewer tokens; off: every row runs its prompt in full)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add = parser.add_argument_group("data").add_argument
     add("--dataset", choices=data.DATASETS)
@@ -479,4 +483,4 @@ def update_settings(args):
     return update.UpdateSettings(
         micro_batch_size=args.micro_batch_size, temperature=args.temperature, updates_per_batch=args.updates_per_batch,
         max_grad_norm=args.max_grad_norm, autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1],
-        loss=loss_settings(args))
+        loss=loss_settings(args), prefix_sharing=args.prefix_sharing == "on")

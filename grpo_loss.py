@@ -116,17 +116,9 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_logprobs(
-    model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int, temperature: float = 1.0
-) -> Tensor:
-    """float32 log p(input_ids[:, -C:]) under `model` at sampling temperature, shape [B, C].
-
-    Rows are prompt + completion, left padded; C = num_completion_tokens is the (right-aligned)
-    completion width. Only the last C+1 positions are projected on the vocabulary
-    (`logits_to_keep`); the logits at position t predict token t+1, so the last C tokens are scored
-    by logits[:, :-1]. log p = logit[token] / T - logsumexp(logits / T), in float32, chunked over rows.
-    Gradients flow into `model` unless the caller wraps the call in torch.no_grad().
-    """
+def check_logprob_inputs(input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
+                         temperature: float) -> None:
+    """The checks of `token_logprobs`' arguments (ValueError naming the bad one)."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, T]; got {tuple(input_ids.shape)} "
@@ -142,6 +134,34 @@ def token_logprobs(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def picked_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """float32 log-softmax(logits / temperature) at `targets`: logits [B, C, V], targets [B, C] -> [B, C].
+    In float32, chunked over rows (`_LOGSUMEXP_CHUNK_ELEMENTS`)."""
+    c = max(1, logits.shape[1])
+    rows_per_chunk = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // (c * logits.shape[-1]))
+    chunks = []
+    for start in range(0, logits.shape[0], rows_per_chunk):
+        scaled = logits[start : start + rows_per_chunk].float() / temperature
+        picked = scaled.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1)
+        chunks.append(picked - torch.logsumexp(scaled, dim=-1))
+    return torch.cat(chunks, dim=0)
+
+
+def token_logprobs(
+    model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int, temperature: float = 1.0
+) -> Tensor:
+    """float32 log p(input_ids[:, -C:]) under `model` at sampling temperature, shape [B, C].
+
+    Rows are prompt + completion, left padded; C = num_completion_tokens is the (right-aligned)
+    completion width. Only the last C+1 positions are projected on the vocabulary
+    (`logits_to_keep`); the logits at position t predict token t+1, so the last C tokens are scored
+    by logits[:, :-1]. log p = logit[token] / T - logsumexp(logits / T), in float32, chunked over rows
+    (`picked_logprobs`). Gradients flow into `model` unless the caller wraps the call in torch.no_grad().
+    prefix.completion_logprobs gives the same with each distinct prompt run once.
+    """
+    check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
     c = num_completion_tokens
     logits = model(
         input_ids=input_ids,
@@ -152,15 +172,7 @@ def token_logprobs(
     ).logits
     # Drop the last position (it predicts past the row); slicing from -(c+1) also covers a model that
     # ignores logits_to_keep and returns all T positions.
-    logits = logits[:, -(c + 1) : -1, :]
-    targets = input_ids[:, -c:]
-    rows_per_chunk = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // (c * logits.shape[-1]))
-    chunks = []
-    for start in range(0, logits.shape[0], rows_per_chunk):
-        scaled = logits[start : start + rows_per_chunk].float() / temperature
-        picked = scaled.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1)
-        chunks.append(picked - torch.logsumexp(scaled, dim=-1))
-    return torch.cat(chunks, dim=0)
+    return picked_logprobs(logits[:, -(c + 1) : -1, :], input_ids[:, -c:], temperature)
 
 
 def mask_truncated(completion_mask: Tensor, truncated: Tensor) -> Tensor:

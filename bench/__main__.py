@@ -10,6 +10,7 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   decode     decode step time vs the memory-bandwidth bound and generate() (§1)                 bench/decode.py
   step       the real train_step, GRPO-PODS 64/16 vs GRPO 16/16 (Algorithm 1, Fig. 1)          bench/step.py
   sampler    sampler vs trainer log-prob gap: correct paths, planted faults (the fallback limit) bench/sampler.py
+  prefix     the demo's update with prefix sharing off / on (each distinct token once), ratios  bench/prefix.py
   save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine  bench/step.py
 
 --tiny (every benchmark, not save-tokenizer; always on for the model-shape ones without CUDA) runs the code path
@@ -36,7 +37,7 @@ import sys
 COMMANDS = {"selector": ("selector", "bench_selector"), "rewards": ("grading", "bench_rewards"),
             "asymmetry": ("phases", "bench_asymmetry"), "memory": ("phases", "bench_memory"),
             "decode": ("decode", "bench_decode"), "step": ("step", "bench_step"),
-            "sampler": ("sampler", "bench_sampler"),
+            "sampler": ("sampler", "bench_sampler"), "prefix": ("prefix", "bench_prefix"),
             "save-tokenizer": ("step", "save_tokenizer")}
 USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]   (python -m bench --help: the list)"
 

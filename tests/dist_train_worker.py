@@ -9,7 +9,8 @@ a reward without a spread for every third answer: the ranks refill unevenly) and
 SIGKILLs itself when step 3 starts, after the step-2 checkpoint). The launcher restarts both ranks; attempt 1:
 "killed" again with the same argv, which resumes from its latest checkpoint (restart count > 0), then "preempted"
 (as "lora"; rank 1 alone gets SIGTERM in step 2: both ranks stop after it with a checkpoint), then "fail", where
-rank 1 raises in step 1 while rank 0 waits in a collective, which ends the launch.
+rank 1 raises in step 1 while rank 0 waits in a collective, which ends the launch. Each rank writes how many of its
+update passes ran each distinct prompt once (prefix.completion_logprobs) to OUT_DIR/prefix_calls_<run>_rank<r>.txt.
 """
 
 import os
@@ -24,11 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from multigpu import distributed, run  # noqa: E402
+import prefix  # noqa: E402
 import rewards  # noqa: E402
 from run_helpers import every_third_constant, fake_compute_rewards  # noqa: E402
 import train  # noqa: E402
 
 CURRENT = {}  # the run this rank is in
+PREFIX_CALLS = []  # this rank's update passes that ran each distinct prompt once (prefix.completion_logprobs)
 
 
 def run_argv(model_dir, out_dir, name):
@@ -66,6 +69,13 @@ def faulty_step(real_step):
     return step
 
 
+def counted(real):
+    def completion_logprobs(*args, **kwargs):
+        PREFIX_CALLS.append(1)
+        return real(*args, **kwargs)
+    return completion_logprobs
+
+
 def scenario(out, model_dir):
     names = ("full", "lora", "dynamic", "killed") if distributed.restart_count() == 0 else ("killed", "preempted",
                                                                                            "fail")
@@ -75,6 +85,9 @@ def scenario(out, model_dir):
             run.main(run_argv(model_dir, out, name))
         except train.Stopped:  # "preempted": every rank stops after the same step; the next scenario follows
             pass
+        rank = os.environ["RANK"]
+        (Path(out) / f"prefix_calls_{name}_rank{rank}.txt").write_text(str(len(PREFIX_CALLS)))
+        PREFIX_CALLS.clear()
     distributed.shutdown()
 
 
@@ -92,6 +105,7 @@ def launch(out, model_dir):
     torch.set_num_threads(1)
     rewards.compute_rewards = worker_rewards
     train.train_step = faulty_step(train.train_step)
+    prefix.completion_logprobs = counted(prefix.completion_logprobs)
     import peft  # noqa: F401 (the imports a rank needs, done once before forking)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=1, start_method="fork")

@@ -27,6 +27,7 @@ import checkpoint  # noqa: E402
 from multigpu import distributed, sharded_checkpoint  # noqa: E402
 import grpo_loss  # noqa: E402
 import models  # noqa: E402
+import update  # noqa: E402
 
 VOCAB = 512
 ROWS = 8  # kept rows of the global batch (4 per rank)
@@ -49,11 +50,18 @@ def assert_states_close(actual, expected, where=""):
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
-def global_batch(step, rows=ROWS, prompt_len=6, completion_len=5):
-    """Random kept rollouts of one step: left-padded prompts, completions of 1..C tokens, advantages."""
+def global_batch(step, rows=ROWS, prompt_len=6, completion_len=5, shared_prompts=False):
+    """Random kept rollouts of one step: left-padded prompts, completions of 1..C tokens, advantages.
+    shared_prompts: rows come in pairs of one prompt, and every prompt starts with the same 2 tokens."""
     g = torch.Generator().manual_seed(1000 + step)
     prompt_ids = torch.randint(3, VOCAB, (rows, prompt_len), generator=g)
     prompt_mask = (torch.arange(prompt_len) >= (torch.arange(rows) % 3)[:, None]).long()
+    if shared_prompts:
+        pairs = torch.arange(rows) // 2 * 2
+        prompt_ids, prompt_mask = prompt_ids[pairs], prompt_mask[pairs]
+        first = prompt_mask.long().argmax(1)   # each prompt's first real token
+        for offset in range(2):
+            prompt_ids[torch.arange(rows), first + offset] = 7 + offset
     prompt_ids = torch.where(prompt_mask.bool(), prompt_ids, 2)
     lengths = torch.randint(1, completion_len + 1, (rows,), generator=g)
     completion_mask = (torch.arange(completion_len) < lengths[:, None]).long()
@@ -104,6 +112,25 @@ def train_step(model, optimizer, batch, ctx, micro_batch_size=2, kl_coef=0.0):
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
     optimizer.step()
     return distributed.all_reduce_metrics({"loss": loss_sum, "grad_norm": grad_norm}, sum_keys=("loss",))
+
+
+def update_step(ctx, prefix_sharing=True):
+    """update.update_policy, as train.py calls it on several processes (the loss summed over ranks), on this rank's
+    rows of a batch whose prompts repeat and share a prefix, with gradient checkpointing: prefix sharing on (each
+    distinct prompt once; one process: the shared prefix once too) or off. -> loss, gradient norm, the state after."""
+    model, _ = build(ctx)
+    # plain SGD: the weights move by the gradient itself (AdamW's first step, g / |g|, would blow up the rounding of
+    # near-zero gradient entries into differences of the whole learning rate)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    batch = global_batch(3, shared_prompts=True)
+    rows = distributed.rank_slice(range(ROWS), ctx.rank, ctx.world_size)
+    prompt_len = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
+    kept = update.UpdateBatch(batch["input_ids"][rows, :prompt_len], batch["attention_mask"][rows, :prompt_len],
+                              batch["input_ids"][rows, prompt_len:], batch["completion_mask"][rows],
+                              batch["advantages"][rows], torch.zeros(len(rows), dtype=torch.bool))
+    settings = update.UpdateSettings(micro_batch_size=4, prefix_sharing=prefix_sharing)
+    metrics = update.update_policy(model, optimizer, [kept], settings, distributed.global_count)
+    return {"loss": metrics.loss, "grad_norm": metrics.grad_norm, "state": full_state(model, optimizer)}
 
 
 def full_state(model, optimizer):
@@ -182,6 +209,7 @@ def run_train(ctx, out):
     results["lora_generated"] = generate_rows(lora_model, ctx, 3)[0]  # peft's generate skips FSDP's hooks
     results["lora_state1"] = full_state(lora_model, lora_optimizer)
     results["mixed_precision"] = mixed_precision_step(ctx)
+    results["update_step"] = update_step(ctx)
     if ctx.is_main:
         torch.save(results, out / "train.pt")
         (out / "run" / "checkpoints" / ".tmp_step_000002_crashed").mkdir()  # a save cut short by the kill

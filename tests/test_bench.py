@@ -14,6 +14,7 @@ import bench.__main__ as cli
 import models
 import pods
 from bench import common, decode, grading, phases, sampler, selector
+from bench import prefix as prefix_bench
 
 SMALL = ["--prompt-tokens", "4", "--completion-tokens", "4", "--device", "cpu"]
 
@@ -222,3 +223,25 @@ def test_generation_runs_every_completion_to_full_length():
         assert completions.shape == (6, 5)
     batch = common.synthetic_batch(3, 4, 5, common.TINY_VOCAB, seed=0)
     assert batch.completion_mask.all() and batch.truncated.all() and batch.prompt_ids.shape == (3, 4)
+
+
+def test_prefix_tiny_times_the_update_off_and_on_with_the_same_loss(tmp_path, smollm2_tokenizer, monkeypatch,
+                                                                     capsys):
+    """`python -m bench prefix --tiny`: every mode of each shape trains on the same rows (the same loss); the modes
+    that share feed the model fewer tokens (groups: each distinct prompt once; on: also the shared prefix once)."""
+    monkeypatch.setattr(models, "load_tokenizer", lambda name: smollm2_tokenizer)  # the session's copy
+    result = cli.main(["prefix", "--tiny", "--repeats", "1", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| shape | mode |" in out and out.count("losses agree: PASS") == 2
+    part = result["update"]
+    assert part["shared_prefix_tokens"] > 50   # the demo's system prompt and worked example
+    rows = part["rows"]
+    assert [(row["shape"], row["mode"]) for row in rows[:6]] == [(shape, mode) for shape in prefix_bench.TINY_SHAPES
+                                                                 for mode in prefix_bench.MODES]
+    assert len(rows) == 2 * 2 * 3   # a warm-up and a timed repeat, 2 shapes, 3 modes
+    for shape in prefix_bench.TINY_SHAPES:
+        tokens = {row["mode"]: row["tokens"] for row in rows if row["shape"] == shape}
+        assert tokens["on"] < tokens["groups"] < tokens["off"]
+        assert set(part["ratios"][shape]) == {"groups", "on"} and all(r > 0 for r in part["ratios"][shape].values())
+    assert json.loads((tmp_path / "bench_prefix.json").read_text())["update"]["shared_prefix_tokens"] == \
+        part["shared_prefix_tokens"]

@@ -551,3 +551,16 @@ def test_print_config_prints_the_values_the_run_uses(argv, capsys):
     assert printed == {key: value for key, value in resolved.items() if key != "changes"}
     assert set(printed["reward_weights"]) == set(rewards.REWARD_TERMS)
     assert isinstance(printed["log_completions_interval"], int)
+
+
+def test_a_resume_may_switch_prefix_sharing_which_does_not_change_what_is_trained(tmp_path):
+    """--prefix-sharing changes how the update computes the same loss (prefix.py, exact), not what the run is: a
+    resume may switch it, silently (no "changes" record), and it reaches the update settings."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.pt").write_bytes(b"x")
+    (run / "config.json").write_text(json.dumps(vars(config.parse_args([]))))   # saved with the default: on
+    assert "prefix_sharing" not in config.RUN_IDENTITY + config.RECORDED_AT_RESUME
+    args = config.parse_args(["--output-dir", str(run), "--resume", "--prefix-sharing", "off"])
+    assert args.changes == [] and args.prefix_sharing == "off" and not config.update_settings(args).prefix_sharing
+    assert config.update_settings(config.parse_args([])).prefix_sharing

@@ -41,6 +41,8 @@ def single_process_reference():
     result["lora_step1"] = dist_worker.train_step(model, optimizer, dist_worker.global_batch(1), SINGLE, kl_coef=0.1)
     result["lora_state1"] = dist_worker.full_state(model, optimizer)
     result["lora_model"] = model
+    result["update_step"] = dist_worker.update_step(SINGLE)
+    result["update_step_off"] = dist_worker.update_step(SINGLE, prefix_sharing=False)
     return result
 
 
@@ -98,6 +100,18 @@ def test_lora_two_processes_take_the_single_process_step(runs, reference):
     assert_metrics_close(train["lora_step1"], reference["lora_step1"])
     dist_worker.assert_states_close(train["lora_state1"], reference["lora_state1"])
     assert any("lora_A" in k for k in train["lora_state1"]["optimizer"]["state"])
+
+
+def test_update_policy_with_prefix_sharing_on_two_processes_takes_the_single_process_step(runs, reference):
+    """update.update_policy as train.py runs it under FSDP (gradient checkpointing, rows of repeated prompts, prefix
+    sharing on: each rank runs each distinct prompt once) equals one process's step, which equals the step with
+    prefix sharing off."""
+    two, one, off = runs["train"]["update_step"], reference["update_step"], reference["update_step_off"]
+    for result in (two, one):
+        assert result["loss"] == pytest.approx(off["loss"], rel=1e-4, abs=1e-6)
+        assert result["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-4)
+        dist_worker.assert_states_close(result["state"], off["state"])
+    assert off["grad_norm"] > 0
 
 
 def test_generation_gathers_the_weights_once_and_matches_one_process(runs, reference):

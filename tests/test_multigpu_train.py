@@ -108,6 +108,8 @@ def test_train_py_on_two_processes_logs_and_trains_what_one_process_does(train_r
     assert [None if r is None else round(r, 4) for r in ratios_two] == \
         [None if r is None else round(r, 4) for r in ratios_one]   # pi / pi_sampler up to rounding
     assert all(line["grad_norm"] > 0 for line in two if line["type"] == "train")  # a real update, every step
+    for rank in (0, 1):  # the update ran each distinct prompt once on every rank (--prefix-sharing on, FSDP)
+        assert int((train_runs["two"] / f"prefix_calls_{name}_rank{rank}.txt").read_text()) >= steps
     weights_two, weights_one = final_weights(train_runs["two"] / name, steps), final_weights(train_runs["one"] / name,
                                                                                            steps)
     initial = models.tiny_random_model("llama").state_dict()

@@ -1,0 +1,227 @@
+"""Each distinct prompt token computed once in the update (paper Algorithm 1's policy update, made cheaper, same
+result): the m kept rollouts of a prompt all repeat that prompt, and every prompt of a batch repeats the same chat
+template, system prompt and worked example.
+
+`completion_logprobs` gives what grpo_loss.token_logprobs gives (float32 log p of each completion token, [B, C]),
+from the same [prompt | completion] rows, but runs each distinct prompt of the rows once:
+1. groups: rows with identical prompt tokens (and mask) are one group (`prompt_groups`, from the token ids);
+2. the shared prefix (optional): the longest run of real tokens every distinct prompt starts with
+   (`common_prefix_length`, from the ids, never from knowledge of the template) runs once, [1, L], and its keys and
+   values are repeated for the G distinct prompts, whose suffixes run on them ([prefix][suffix, left padded]: pads
+   in the middle are masked out, positions come from the mask, grpo_loss.position_ids_from_mask);
+3. the distinct prompts' keys and values (the model's KV cache) are repeated for the B rows with index_select and
+   the completions [B, C] run on them; the first completion token is scored by the prompt forward's last logits.
+Repeating keys and values is differentiable (index_select's backward sums), so every row's gradient flows back
+through the one shared prompt forward: loss and gradients equal the per-row computation up to float rounding
+(tests/test_prefix.py). Only the last prompt position is projected on the vocabulary (`logits_to_keep`).
+
+Gradient checkpointing replays each layer's forward in the backward, cache writes included: the cache's layers
+(`_PastLayer`) hold a fixed past and return past + new keys/values, so a replayed write gives the same tensors, and
+the checkpointed layers are allowed to keep the cache during these calls. With several processes (FSDP: every rank
+must make the same forward calls) the prefix level, whose use depends on each rank's prompts, is off.
+`unsupported_reason` says when this cannot run, and the caller (update.py) then runs every row in full: reentrant
+checkpointing (its forward runs without autograd: no gradient through the cache), a transformers release whose
+checkpointed layers always drop the cache, a cache whose layers are not plain key/value tensors (sliding windows),
+a model that is not a transformers causal LM.
+Simplification: groups and the shared prefix are found per call (a micro-batch); a prompt whose rows fall into two
+micro-batches runs once in each.
+"""
+
+import contextlib
+import inspect
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+try:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # older transformers: checkpointed layers always drop the cache
+    GradientCheckpointingLayer = None
+
+import grpo_loss
+import models
+
+
+def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(first [G]: a row of each distinct prompt, in order of first appearance; group [B]: each row's group index)
+    for prompts [B, Tp] with their mask (pad tokens do not count: only ids where the mask is set, and the mask)."""
+    key = torch.where(prompt_mask.bool(), prompt_ids, -1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = torch.full((int(inverse.max()) + 1 if len(inverse) else 0,), len(inverse), device=inverse.device)
+    first = first.scatter_reduce(0, inverse, rows, "amin")
+    order = torch.argsort(first)  # groups in order of first appearance
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    return first[order], rank[inverse]
+
+
+def is_left_padded(mask: Tensor) -> bool:
+    """Every row of `mask` [B, T] is 0...0 1...1 (the layout of prompts in sampling.Rollouts)."""
+    lengths = mask.sum(1, keepdim=True)
+    return bool((mask.long() == (torch.arange(mask.shape[1], device=mask.device) >= mask.shape[1] - lengths)).all())
+
+
+def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
+    """The number of leading real tokens every left-padded prompt [G, Tp] shares, at most the shortest prompt's
+    length - 1 (each prompt keeps one token of its own: its last position scores the first completion token)."""
+    lengths = prompt_mask.sum(1)
+    shortest = int(lengths.min()) if len(lengths) else 0
+    if len(lengths) < 2 or shortest < 2:
+        return 0
+    width = prompt_ids.shape[1]
+    starts = width - lengths
+    real = prompt_ids.gather(1, starts[:, None] + torch.arange(shortest - 1, device=prompt_ids.device))
+    same = (real == real[:1]).all(0)
+    return int(same.long().cumprod(0).sum())
+
+
+def _cache_argument(model):
+    """The name of the KV-cache argument of the transformers model inside `model` ("cache" in transformers >= 5.x
+    releases that renamed it, else "past_key_values")."""
+    parameters = inspect.signature(models.hf_model(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _checkpointed_layers(model):
+    """The modules of `model` that gradient checkpointing replays in the backward (transformers' flag, in training
+    mode: models.dropout_off keeps them so in the update)."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
+
+
+def unsupported_reason(model) -> str | None:
+    """None when `completion_logprobs` can run on `model` in the current grad mode, else why not (one line)."""
+    hf = models.hf_model(model)
+    if not hasattr(hf, "config") or "logits_to_keep" not in inspect.signature(hf.forward).parameters:
+        return f"{type(hf).__name__} is not a transformers causal LM with logits_to_keep"
+    layers = getattr(DynamicCache(config=hf.config), "layers", None)
+    if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers or []}) or ["no layers"]
+        return f"the model's KV cache ({', '.join(kinds)}) is not plain key/value tensors that can be repeated"
+    checkpointed = _checkpointed_layers(model) if torch.is_grad_enabled() else []
+    if checkpointed and not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        return "gradient checkpointing drops the KV cache in this transformers release"
+    reentrant = [m for m in checkpointed if getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords",
+                                                    {}).get("use_reentrant") is not False]
+    if reentrant:  # its forward runs under no_grad: keys and values written to the cache would carry no gradient
+        return "reentrant gradient checkpointing (use_reentrant=True) cuts the gradient through the cache"
+    return None
+
+
+class _PastLayer(DynamicLayer):
+    """A cache layer with a fixed past (keys/values [b, heads, T, d] given at construction, or none): update(k, v)
+    holds and returns past + (k, v). The same call twice gives the same, so gradient checkpointing may replay a layer
+    (its backward recomputes the forward, update included) where a growing DynamicLayer would append twice."""
+
+    def __init__(self, keys=None, values=None):
+        super().__init__()
+        self.past = (keys, values)
+        if keys is not None:
+            self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        past_keys, past_values = self.past
+        self.keys = key_states if past_keys is None else torch.cat([past_keys, key_states], -2)
+        self.values = value_states if past_values is None else torch.cat([past_values, value_states], -2)
+        self.device, self.is_initialized = key_states.device, True
+        return self.keys, self.values
+
+
+def _cache(model, past=None):
+    """A DynamicCache of `_PastLayer`s: empty, or with past [(keys, values)] per layer."""
+    cache = DynamicCache()
+    layers = models.hf_model(model).config.get_text_config(decoder=True).num_hidden_layers
+    cache.layers = [_PastLayer(*kv) for kv in past] if past is not None else [_PastLayer() for _ in range(layers)]
+    return cache
+
+
+@contextlib.contextmanager
+def _cache_under_checkpointing(model):
+    """transformers drops the cache of a checkpointed layer (a replay would write it twice); `_PastLayer` writes are
+    idempotent, so the layers may keep it for the block. Yields whether layers are checkpointed."""
+    layers = _checkpointed_layers(model) if torch.is_grad_enabled() else []
+    before = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in layers]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield bool(layers)
+    finally:
+        for layer, value in zip(layers, before):
+            if value is None:
+                del layer._can_checkpoint_with_cache  # the class's value again
+            else:
+                layer._can_checkpoint_with_cache = value
+
+
+def _forward(model, ids, mask, positions, cache, logits_to_keep):
+    """(logits [b, logits_to_keep, V], `cache` holding its past and ids' keys and values) of one forward pass."""
+    with _cache_under_checkpointing(model) as checkpointing:
+        # The layers read and write `cache` whenever one is passed; use_cache=True under checkpointing would only
+        # make transformers warn that it turns use_cache off.
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=not checkpointing,
+                    logits_to_keep=logits_to_keep, **{_cache_argument(model): cache})
+    if cache.get_seq_length() != mask.shape[1]:
+        raise RuntimeError(f"the model left a KV cache of {cache.get_seq_length()} positions, not {mask.shape[1]} "
+                           "(prefix sharing needs the cache in the update: --prefix-sharing off)")
+    return out.logits[:, -logits_to_keep:], cache
+
+
+def repeat_cache(model, cache, index: Tensor):
+    """A new cache whose row i holds `cache`'s row index[i] (every layer's keys and values index_selected:
+    differentiable, the gradients of repeated rows sum back)."""
+    return _cache(model, [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                          for layer in cache.layers])
+
+
+def _distinct_prompts(model, ids, mask, shared_prefix):
+    """The forward of G distinct left-padded prompts [G, Tp] -> (last-position logits [G, 1, V], their KV cache,
+    its attention mask [G, Tk]); with shared_prefix their common prefix runs once first (when they have one)."""
+    length = common_prefix_length(ids, mask) if shared_prefix and is_left_padded(mask) else 0
+    if length == 0:
+        return (*_forward(model, ids, mask, grpo_loss.position_ids_from_mask(mask), _cache(model), 1), mask)
+    width, lengths = ids.shape[1], mask.sum(1)
+    start = int(width - lengths[0])
+    shared = ids[:1, start:start + length]
+    _, cache = _forward(model, shared, torch.ones_like(shared), None, _cache(model), 1)
+    # Suffixes (each prompt without the prefix) stay right-aligned: drop the columns every suffix pads.
+    suffix_width = int((lengths - length).max())
+    suffix_ids, suffix_mask = ids[:, -suffix_width:], mask[:, -suffix_width:].clone()
+    suffix_mask[torch.arange(suffix_width, device=ids.device) < suffix_width - (lengths - length)[:, None]] = 0
+    full_mask = torch.cat([torch.ones(len(ids), length, dtype=mask.dtype, device=mask.device), suffix_mask], 1)
+    cache = repeat_cache(model, cache, torch.zeros(len(ids), dtype=torch.long, device=ids.device))
+    positions = grpo_loss.position_ids_from_mask(full_mask)[:, -suffix_width:]
+    logits, cache = _forward(model, suffix_ids, full_mask, positions, cache, 1)
+    return logits, cache, full_mask
+
+
+def several_processes() -> bool:
+    """A multi-process run (multigpu/): FSDP runs the same collectives on every rank, so every rank must make the
+    same forward calls, and the prefix level (used or not by each rank's own prompts) stays off."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+
+
+def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
+                        temperature: float = 1.0, shared_prefix: bool = True) -> Tensor:
+    """grpo_loss.token_logprobs (same arguments: rows [left-padded prompt | completion], C = num_completion_tokens)
+    with each distinct prompt run once (its keys and values repeated for its rows), and with shared_prefix the
+    prefix every prompt shares run once (not with several processes: `several_processes`). float32 [B, C];
+    gradients flow into `model` unless under no_grad. Always two forward calls (three with a shared prefix)."""
+    grpo_loss.check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
+    c = num_completion_tokens
+    prompt_ids, prompt_mask = input_ids[:, :-c], attention_mask[:, :-c]
+    completion_ids, completion_mask = input_ids[:, -c:], attention_mask[:, -c:]
+    first, group = prompt_groups(prompt_ids, prompt_mask)
+    last_logits, cache, cache_mask = _distinct_prompts(model, prompt_ids[first], prompt_mask[first],
+                                                       shared_prefix and not several_processes())
+    # The last completion token only predicts past the row: the first C - 1 go in (1 when C = 1, its logits unused,
+    # so that the calls never depend on C).
+    inputs = max(c - 1, 1)
+    mask = torch.cat([cache_mask.index_select(0, group), completion_mask[:, :inputs]], 1)
+    positions = grpo_loss.position_ids_from_mask(mask)[:, -inputs:]
+    logits, _ = _forward(model, completion_ids[:, :inputs], mask, positions, repeat_cache(model, cache, group),
+                         inputs)
+    return torch.cat([grpo_loss.picked_logprobs(last_logits.index_select(0, group), completion_ids[:, :1],
+                                                temperature),
+                      grpo_loss.picked_logprobs(logits[:, :c - 1], completion_ids[:, 1:], temperature)], 1)
