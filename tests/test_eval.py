@@ -2,6 +2,7 @@
 folder (checkpoint.py's "Reading a run folder", which eval.py uses)."""
 
 import json
+import os
 import re
 import runpy
 import statistics
@@ -285,3 +286,26 @@ def test_preset_supplies_the_runs_settings_and_flags_still_win(monkeypatch, caps
             runpy.run_path(str(Path(eval_module.__file__)), run_name="__main__")
         error = capsys.readouterr().err
         assert exit_info.value.code == 2 and error.count("\n") == 1 and message in error
+
+
+def test_prefix_sharing_flag_reaches_generation_and_changes_no_result(tiny_model_dir, tmp_path, monkeypatch):
+    """--prefix-sharing on (the default) / off reaches GenerationSettings; the demo's one-shot prompts share a long
+    prefix, and both give the same completions, hence the same results."""
+    real, seen = eval_module.evaluate_repeats, []
+
+    def recording(*args, **kwargs):
+        seen.append((args[4].prefix_sharing, samples := []))
+        return real(*args, **dict(kwargs, samples_out=samples))
+
+    monkeypatch.setattr(eval_module, "evaluate_repeats", recording)
+    results = []
+    for flags in ([], ["--prefix-sharing", "off"], ["--prefix-sharing", "on"]):
+        out = tmp_path / f"eval{len(results)}.json"
+        eval_module.main(["--preset", "demo", "--model", str(tiny_model_dir), "--num-prompts", "5", "--repeats", "1",
+                          "--temperature", "0", "--max-completion-tokens", "6", "--batch-size", "4", "--out", str(out),
+                          "--no-progress", *flags])
+        results.append({k: v for k, v in json.loads(out.read_text())["results"]["base"].items() if k != "eval_s"})
+    assert [sharing for sharing, _ in seen] == [True, False, True]
+    assert results[0] == results[1] == results[2] and seen[0][1] == seen[1][1] and len(seen[0][1]) == 5
+    prompts = [sample["prompt"] for sample in seen[0][1]]
+    assert len(os.path.commonprefix(prompts)) > 100   # the one-shot example and system prompt: a prefix to share
