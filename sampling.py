@@ -8,10 +8,11 @@ the completion mask cut after the first EOS.
 Two backends. "hf": Hugging Face `generate`, the reference, readable in `_hf_chunk`. "engine" (the default where it
 applies): the optional fast path in engine/ for Llama-family models (prefill once per distinct prompt, a bucketed
 static KV cache, a decode step recorded as a CUDA graph, finished rows dropped); every other architecture falls back
-to "hf" with a warning. Only our settings shape the distribution on both: the model's own generation_config is
-never consulted. Both return, for every generated token, its log-probability under the sampler (`sampler_logprobs`),
-which the update compares with the trainer's (rollout_check.py); an exception inside the engine falls back to eager
-decoding, then to "hf", one warning line each (`--backend engine`: an error instead).
+to "hf" with a warning. On both, the prefix every prompt of a chunk starts with is computed once (prefix_sharing).
+Only our settings shape the distribution on both: the model's own generation_config is never consulted. Both
+return, for every generated token, its log-probability under the sampler (`sampler_logprobs`), which the update
+compares with the trainer's (rollout_check.py); an exception inside the engine falls back to eager decoding, then to
+"hf", one warning line each (`--backend engine`: an error instead).
 Simplifications: no vLLM / paged attention, no continuous batching across chunks.
 """
 
