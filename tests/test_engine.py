@@ -171,6 +171,45 @@ def test_prefix_sharing_with_no_common_prefix_is_the_plain_prefill(arch):
         torch.testing.assert_close(on[1], off[1], rtol=0, atol=1e-5)   # (an all-pad column is dropped)
 
 
+@pytest.mark.parametrize("fault", ["prefix only in the first row", "prefix tokens reversed"])
+def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatch):
+    """The run-time guard covers prefix sharing: rollout_check.measure scores the rollouts with the plain forward
+    pass over the whole prompts, so a shared prefix whose K/V reach only one prompt, or were computed from its tokens
+    in reverse order, raises the gap above the fallback limit (a tiny Llama with peaked logits, as a trained model's)."""
+    import rollout_check
+    import sampling
+
+    model = models.tiny_random_model("llama", seed=0, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    model.eval()
+    ids, mask = prompts_with_prefix(12, (3, 5, 2), seed=2)
+    settings = GenerationSettings(max_new_tokens=8, temperature=1.0, rollout_batch_size=12)
+
+    def gap():
+        cids, cmask, truncated, logprobs, backend = sample_completions(model, ids, mask, 4, [EOS], EOS, settings, 0)
+        rollouts = sampling.Rollouts(ids, mask, cids, cmask, [], cmask.sum(1), truncated,
+                                     torch.arange(3).repeat_interleave(4), logprobs, backend)
+        return rollout_check.measure(model, rollouts, 1.0)
+
+    healthy, prefill, run_layers = gap(), engine.step.prefill, engine.step.run_layers
+
+    def first_row_only(dec, prompt_ids, prompt_mask, shared=0):
+        keys, values = prefill(dec, prompt_ids, prompt_mask, shared)
+        for cache in keys + values:
+            cache[1:, :, :shared] = 0
+        return keys, values
+
+    def reversed_prefix(dec, hidden, *args):   # the prefix: the one call of one row and several tokens
+        return run_layers(dec, hidden.flip(1) if hidden.shape[0] == 1 < hidden.shape[1] else hidden, *args)
+
+    if fault == "prefix only in the first row":
+        monkeypatch.setattr(engine.step, "prefill", first_row_only)
+    else:
+        monkeypatch.setattr(engine.step, "run_layers", reversed_prefix)
+    assert healthy.mean < 1e-5 < rollout_check.LOGPROB_GAP_LIMIT < gap().mean
+
+
 def first_token_counts(model, temperature, top_p, draws=4096, **kw):
     ids, mask = torch.tensor([[5, 7, 9, 3]]), torch.ones(1, 4, dtype=torch.long)
     out = run(model, ids, mask, draws, 1, temperature=temperature, top_p=top_p, rollout_batch_size=512, seed=3, **kw)
