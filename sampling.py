@@ -261,9 +261,10 @@ def shared_prefix_cache(model, ids, mask):
     new_ids, new_mask, shared = engine.step.shared_prefix_layout(ids, mask)
     if shared == 0:
         return ids, mask, None
-    hf = models.hf_model(model)
-    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # transformers 5.x
-    output = model(input_ids=new_ids[:1, :shared], attention_mask=new_mask[:1, :shared], use_cache=True)
+    parameters = inspect.signature(models.hf_model(model).forward).parameters
+    name = "cache" if "cache" in parameters else "past_key_values"   # transformers 5.x: cache
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}   # no [prefix, vocab] logits
+    output = model(input_ids=new_ids[:1, :shared], attention_mask=new_mask[:1, :shared], use_cache=True, **keep)
     cache = getattr(output, "cache", None)
     cache = getattr(output, "past_key_values", None) if cache is None else cache
     if cache is None or not hasattr(cache, "batch_repeat_interleave") or cache.get_seq_length() != shared:

@@ -228,3 +228,17 @@ def test_prefix_sharing_changes_no_rollout_and_computes_the_prefix_once(smollm2_
             shared = min(len(os.path.commonprefix([tokens[i] for i in rows])), *(len(tokens[i]) - 1 for i in rows))
             saved += (len(rows if backend == "hf" else set(rows)) - 1) * shared
         assert work[1] - work[0] == saved > 0
+
+
+def test_prefix_sharing_keeps_absolute_positions_on_hf(smollm2_tokenizer):
+    """GPT-2 (absolute position embeddings, HF backend only): the pads between prefix and suffix must shift no
+    position, or the tokens would change: the same rollouts on and off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(smollm2_tokenizer),
+                                       n_positions=128, eos_token_id=EOS, bos_token_id=EOS)).eval()
+    runs = [generate_rollouts(model, smollm2_tokenizer, PREFIXED, 2, seed=1, max_new_tokens=6, temperature=1.0,
+                              backend="hf", prefix_sharing=sharing) for sharing in (True, False)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    torch.testing.assert_close(runs[0].sampler_logprobs, runs[1].sampler_logprobs, rtol=0, atol=1e-5)
