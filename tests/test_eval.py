@@ -309,3 +309,18 @@ def test_prefix_sharing_flag_reaches_generation_and_changes_no_result(tiny_model
     assert results[0] == results[1] == results[2] and seen[0][1] == seen[1][1] and len(seen[0][1]) == 5
     prompts = [sample["prompt"] for sample in seen[0][1]]
     assert len(os.path.commonprefix(prompts)) > 100   # the one-shot example and system prompt: a prefix to share
+
+
+def test_evaluate_shares_the_prefix_by_default(tiny_model, smollm2_tokenizer):
+    """evaluate() with GenerationSettings' default (what train.py's held-out evaluation builds) prefills the prompts'
+    common prefix once: fewer prefilled positions than with prefix_sharing=False, the same results."""
+    import engine
+
+    prompts = ["You are a careful assistant; answer with a number. " + p for p in PROMPTS]
+    work, results = [], []
+    for settings in (GenerationSettings(4, 0.0, 1.0, 64), GenerationSettings(4, 0.0, 1.0, 64, prefix_sharing=False)):
+        before = engine.STATS.prefill_tokens
+        results.append(eval_module.evaluate(tiny_model, smollm2_tokenizer, prompts, ["5", "42", "6"], settings))
+        work.append(engine.STATS.prefill_tokens - before)
+    assert 0 < work[0] < work[1] - 10 and results[0].accuracy == results[1].accuracy
+    assert results[0].mean_completion_length == results[1].mean_completion_length
