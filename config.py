@@ -94,8 +94,9 @@ def build_parser():
         help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast)")
     add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     add("--prefix-sharing", choices=("on", "off"), default="on",
-        help="the update runs each distinct prompt once for all its rollouts, and the prefix every prompt shares once "
-             "(same loss and gradients, fewer tokens; off: every row runs its prompt in full)")
+        help="each distinct token computed once: generation and evaluation run the prefix every prompt shares once; "
+             "the update runs each distinct prompt once for all its rollouts, and the shared prefix once (the same "
+             "completions, loss and gradients, to float rounding; off: every row runs its prompt in full)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add = parser.add_argument_group("data").add_argument
     add("--dataset", choices=data.DATASETS)
@@ -467,7 +468,7 @@ def generation_settings(args, **overrides):
     cuda = str(args.device).startswith("cuda")
     settings = dict(max_new_tokens=args.max_completion_tokens, temperature=args.temperature, top_p=args.top_p,
                     rollout_batch_size=args.rollout_batch_size, generation_copy=args.generation_copy,
-                    backend=args.backend,
+                    backend=args.backend, prefix_sharing=args.prefix_sharing == "on",
                     cache_tokens=args.max_prompt_tokens + args.max_completion_tokens if cuda else 0)
     return sampling.GenerationSettings(**dict(settings, **overrides))
 

@@ -201,6 +201,9 @@ def parse_args(argv):
     parser.add_argument("--batch-size", type=int, default=64, help="rows (prompts x samples) per generate call")
     parser.add_argument("--backend", choices=("engine", "hf"), help="as train.py's: engine (no fallback) or hf; "
                         "default: the decode engine, falling back to generate() when it fails or samples off-policy")
+    parser.add_argument("--prefix-sharing", choices=("on", "off"), default="on",
+                        help="compute the tokens every prompt of a generation call starts with once (on, the default: "
+                             "the same completions, log-probs equal to rounding) or once per prompt (off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the model's own")
@@ -401,7 +404,8 @@ def main(argv=None, load_sharded=None):
 
                     model = PeftModel.from_pretrained(base, str(path / "adapter"))
         generation = sampling.GenerationSettings(settings["max_completion_tokens"], args.temperature, args.top_p,
-                                                 args.batch_size, backend=args.backend)
+                                                 args.batch_size, backend=args.backend,
+                                                 prefix_sharing=args.prefix_sharing == "on")
         sampling.check_generation_fits(model, args.batch_size, longest + generation.max_new_tokens,
                                        f"--batch-size (now {args.batch_size}) or --max-completion-tokens (now "
                                        f"{generation.max_new_tokens})")

@@ -8,13 +8,15 @@ the completion mask cut after the first EOS.
 Two backends. "hf": Hugging Face `generate`, the reference, readable in `_hf_chunk`. "engine" (the default where it
 applies): the optional fast path in engine/ for Llama-family models (prefill once per distinct prompt, a bucketed
 static KV cache, a decode step recorded as a CUDA graph, finished rows dropped); every other architecture falls back
-to "hf" with a warning. Only our settings shape the distribution on both: the model's own generation_config is
-never consulted. Both return, for every generated token, its log-probability under the sampler (`sampler_logprobs`),
-which the update compares with the trainer's (rollout_check.py); an exception inside the engine falls back to eager
-decoding, then to "hf", one warning line each (`--backend engine`: an error instead).
+to "hf" with a warning. On both, the prefix every prompt of a chunk starts with is computed once (prefix_sharing).
+Only our settings shape the distribution on both: the model's own generation_config is never consulted. Both
+return, for every generated token, its log-probability under the sampler (`sampler_logprobs`), which the update
+compares with the trainer's (rollout_check.py); an exception inside the engine falls back to eager decoding, then to
+"hf", one warning line each (`--backend engine`: an error instead).
 Simplifications: no vLLM / paged attention, no continuous batching across chunks.
 """
 
+import inspect
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -25,6 +27,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 import engine
+import engine.step
 import models
 
 BACKENDS = (None, "engine", "hf")
@@ -47,6 +50,8 @@ class GenerationSettings:
                                           # the model, falling back when it fails
     generation_copy: bool | None = None   # engine: decode from a merged 16-bit weight copy (None: unless 4-bit)
     cache_tokens: int = 0                 # engine: floor on the KV-cache length (a run's calls share CUDA graphs)
+    prefix_sharing: bool = True           # the tokens every prompt of a chunk starts with are computed once (both
+                                          # backends; same tokens, log-probs equal to rounding); False: per prompt
 
 
 @dataclass
@@ -159,6 +164,8 @@ def check_settings(settings, n=1):
         raise ValueError(f"top_p must be in (0, 1], got {settings.top_p!r}")
     if settings.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {settings.backend!r}")
+    if not isinstance(settings.prefix_sharing, bool):
+        raise ValueError(f"prefix_sharing must be True or False, got {settings.prefix_sharing!r}")
 
 
 def generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id):
@@ -250,14 +257,39 @@ def check_generation_fits(model, rows, tokens, flags):
                          f"{kv_bytes / 2**30:.1f} GiB) but {free / 2**30:.1f} GiB are free on {device}: lower {flags}")
 
 
+def shared_prefix_cache(model, ids, mask):
+    """(ids, mask, cache) for generate() with the prefix every row starts with computed once: the rows re-laid out
+    as [prefix][suffix, left padded] (engine.step.shared_prefix_layout) and the prefix's KV cache, run as one row and
+    repeated to every row; generate() then runs only the suffixes (it takes position ids from the mask, so the pads
+    between prefix and suffix shift nothing). cache None (ids, mask unchanged): no prefix, or a model whose cache
+    cannot be repeated over rows."""
+    new_ids, new_mask, shared = engine.step.shared_prefix_layout(ids, mask)
+    if shared == 0:
+        return ids, mask, None
+    parameters = inspect.signature(models.hf_model(model).forward).parameters
+    name = "cache" if "cache" in parameters else "past_key_values"   # transformers 5.x: cache
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}   # no [prefix, vocab] logits
+    output = model(input_ids=new_ids[:1, :shared], attention_mask=new_mask[:1, :shared], use_cache=True, **keep)
+    cache = getattr(output, "cache", None)
+    cache = getattr(output, "past_key_values", None) if cache is None else cache
+    if cache is None or not hasattr(cache, "batch_repeat_interleave") or cache.get_seq_length() != shared:
+        return ids, mask, None
+    cache.batch_repeat_interleave(len(ids))
+    return new_ids, new_mask, {name: cache}
+
+
 def _hf_chunk(model, ids, mask, config, settings, seed):
     """One chunk through Hugging Face generate (the reference backend): (completion ids [R, <= max_new_tokens],
-    their sampler log-probs)."""
-    device, recorder = ids.device, SamplerLogprobs()
+    their sampler log-probs). settings.prefix_sharing: the rows' common prefix is computed once
+    (shared_prefix_cache)."""
+    device, recorder, cache = ids.device, SamplerLogprobs(), {}
+    if settings.prefix_sharing:
+        ids, mask, cache = shared_prefix_cache(model, ids, mask)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), neutral_generation_config(model):
         torch.manual_seed(seed)
         output = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                logits_processor=logits_processors(settings.temperature, settings.top_p, recorder))
+                                logits_processor=logits_processors(settings.temperature, settings.top_p, recorder),
+                                **(cache or {}))
     completions = output[:, ids.shape[1]:]
     return completions, recorder.logprobs(completions)
 
@@ -320,7 +352,8 @@ def _chunk(model, prompt_ids, prompt_mask, rows, keep, backend, hf_config, s, eo
         model, prompt_ids[distinct, -keep:].to(device), prompt_mask[distinct, -keep:].to(device), row_prompt,
         s.max_new_tokens, eos_ids, pad_id, temperature=s.temperature, top_p=s.top_p, seed=seed,
         max_rows=s.rollout_batch_size, generation_copy=s.generation_copy, refresh_weights=first,
-        cache_tokens=s.cache_tokens, capture=False if backend == "eager" else None, return_logprobs=True)
+        cache_tokens=s.cache_tokens, capture=False if backend == "eager" else None, return_logprobs=True,
+        prefix_sharing=s.prefix_sharing)
 
 
 def generate_rollouts(model, tokenizer, prompts, n, settings, seed=0, first_chunk=0):

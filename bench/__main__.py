@@ -11,6 +11,7 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   step       the real train_step, GRPO-PODS 64/16 vs GRPO 16/16 (Algorithm 1, Fig. 1)          bench/step.py
   sampler    sampler vs trainer log-prob gap: correct paths, planted faults (the fallback limit) bench/sampler.py
   prefix     the demo's update with prefix sharing off / on (each distinct token once), ratios  bench/prefix.py
+  evalprefix held-out evaluation with prefix sharing off vs on: time ratio, same completions bench/eval_prefix.py
   save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine  bench/step.py
 
 --tiny (every benchmark, not save-tokenizer; always on for the model-shape ones without CUDA) runs the code path
@@ -38,6 +39,7 @@ COMMANDS = {"selector": ("selector", "bench_selector"), "rewards": ("grading", "
             "asymmetry": ("phases", "bench_asymmetry"), "memory": ("phases", "bench_memory"),
             "decode": ("decode", "bench_decode"), "step": ("step", "bench_step"),
             "sampler": ("sampler", "bench_sampler"), "prefix": ("prefix", "bench_prefix"),
+            "evalprefix": ("eval_prefix", "bench_evalprefix"),
             "save-tokenizer": ("step", "save_tokenizer")}
 USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]   (python -m bench --help: the list)"
 

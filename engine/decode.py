@@ -29,6 +29,7 @@ class DecodeStats:
     """Process totals in STATS (copy with dataclasses.replace before a call, subtract after). decode_s includes
     host checks and compaction; row_steps sums the bucket's rows over step launches (the work done)."""
     prefill_s: float = 0.0
+    prefill_tokens: int = 0     # token positions the prefill ran (a shared prefix counts once per call)
     decode_s: float = 0.0
     decode_steps: int = 0
     row_steps: int = 0
@@ -252,7 +253,8 @@ def record_graph(engine, state):
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids, pad_id, *, temperature=1.0,
              top_p=1.0, seed=0, max_rows=None, forced_lengths=None, check_every=CHECK_EVERY, generation_copy=None,
-             compile_backend=None, refresh_weights=True, cache_tokens=0, capture=None, return_logprobs=False):
+             compile_backend=None, refresh_weights=True, cache_tokens=0, capture=None, return_logprobs=False,
+             prefix_sharing=True):
     """Completions [R, max_new_tokens] (pad after the first EOS) of R rows; row r continues prompt row_prompt[r]
     of the D distinct left-padded prompts prompt_ids / prompt_mask [D, W] (each prefilled once). return_logprobs:
     (completions, the sampler's log-prob of every token [R, max_new_tokens] float32, 0 after the first EOS).
@@ -264,26 +266,32 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
     (benchmarks' synthetic lengths): row r emits eos_ids[0] as token number forced_lengths[r] unless it ended
     before. eos_ids=[]: no row ends. generation_copy, compile_backend, refresh_weights: see engine_for (a caller
     running several chunks of one policy refreshes once). capture: see engine_for (False: eager decoding, the
-    fallback when recording fails). The caller sets the model's mode (eval(): no dropout)."""
+    fallback when recording fails). prefix_sharing: the tokens every prompt starts with are prefilled once for all
+    (step.shared_prefix_layout: the cache holds [prefix][suffix, left padded]); False: once per distinct prompt.
+    The caller sets the model's mode (eval(): no dropout)."""
+    if not bool(prompt_mask[:, -1].all()):
+        raise ValueError("prompts must be left padded (the last column real for every prompt)")
+    shared = 0
+    if prefix_sharing:
+        prompt_ids, prompt_mask, shared = decode_step.shared_prefix_layout(prompt_ids, prompt_mask)
     rows, width = len(row_prompt), prompt_ids.shape[1]
     needed = max(width - 1 + max_new_tokens, cache_tokens)
     cache_len = -(-needed // CACHE_BUCKET_TOKENS) * CACHE_BUCKET_TOKENS
     if (reason := unsupported_reason(model, cache_len)) is not None:
         raise ValueError(f"the decode engine cannot run this model: {reason}")
-    if not bool(prompt_mask[:, -1].all()):
-        raise ValueError("prompts must be left padded (the last column real for every prompt)")
     if len(eos_ids) > EOS_SLOTS or (forced_lengths is not None and not eos_ids):
         raise ValueError(f"need 1..{EOS_SLOTS} EOS ids with forced_lengths, at most {EOS_SLOTS} otherwise")
     engine, device = engine_for(model, generation_copy, compile_backend, refresh_weights, capture), prompt_ids.device
     max_rows = max(max_rows or rows, rows)
     with report.timed(STATS, "prefill_s", device):
-        prefix_keys, prefix_values = decode_step.prefill(engine, prompt_ids, prompt_mask)
+        prompt_keys, prompt_values = decode_step.prefill(engine, prompt_ids, prompt_mask, shared)
+    STATS.prefill_tokens += shared + len(prompt_ids) * (width - 1 - shared)
     with report.timed(STATS, "decode_s", device):  # host checks and compaction included
         size, flags = bucket_for(rows, max_rows), (temperature > 0, top_p < 1)
         state, graph = state_for(engine, size, cache_len, max_rows, *flags)
         row_prompt = row_prompt.to(device)
-        for cache, prefix in zip(state.keys + state.values, prefix_keys + prefix_values):
-            cache[:rows, :, :width - 1] = prefix[row_prompt]
+        for cache, prompt in zip(state.keys + state.values, prompt_keys + prompt_values):
+            cache[:rows, :, :width - 1] = prompt[row_prompt]
         real = torch.arange(size, device=device) < rows   # rows past `rows` only pad the bucket
         state.valid.zero_()[:rows, :width - 1] = prompt_mask[row_prompt, :width - 1].bool()
         state.tokens.fill_(pad_id)[:rows] = prompt_ids[row_prompt, -1]

@@ -117,6 +117,22 @@ def test_sampler_tiny_measures_the_gap_of_every_path_and_fault(capsys):
         assert (row["logprob_diff_mean"] < 1e-5) == healthy and row["falls_back"] is False   # tiny: flat logits
 
 
+def test_evalprefix_tiny_times_sharing_off_and_on_interleaved(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
+    """The demo's held-out prompts through eval.evaluate, prefix sharing off / on alternating: the same completions,
+    fewer prefilled positions with sharing, a ratio printed and saved."""
+    monkeypatch.setattr(models, "load_tokenizer", lambda name: smollm2_tokenizer)   # reading the GGUF costs ~4 s
+    result = cli.main(["evalprefix", "--tiny", "--num-prompts", "5", "--rounds", "2", "--max-completion-tokens", "2",
+                       "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| run | prefix_sharing |" in out and "ratio on / off" in out and result["same_completions"] is True
+    assert [row["prefix_sharing"] for row in result["rows"]] == ["off", "on", "off", "on"]
+    off, on = result["rows"][:2]
+    # 5 prompts of equal length in chunks of 4 (tiny --batch-size): off prefills every prompt's tokens but the last
+    assert off["prefill_tokens"] == result["prompt_tokens"] - 5 > 2 * on["prefill_tokens"] > 0
+    assert result["ratio"] == result["median_s"]["on"] / result["median_s"]["off"]
+    assert json.loads((tmp_path / "bench_evalprefix.json").read_text())["num_prompts"] == 5
+
+
 def test_memory_tiny_reports_phases_and_analytic(tmp_path, capsys):
     result = cli.main(["memory", *SMALL, "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out

@@ -563,4 +563,6 @@ def test_a_resume_may_switch_prefix_sharing_which_does_not_change_what_is_traine
     assert "prefix_sharing" not in config.RUN_IDENTITY + config.RECORDED_AT_RESUME
     args = config.parse_args(["--output-dir", str(run), "--resume", "--prefix-sharing", "off"])
     assert args.changes == [] and args.prefix_sharing == "off" and not config.update_settings(args).prefix_sharing
+    assert not config.generation_settings(args).prefix_sharing  # generation and evaluation follow the flag too
     assert config.update_settings(config.parse_args([])).prefix_sharing
+    assert config.generation_settings(config.parse_args([])).prefix_sharing

@@ -11,6 +11,7 @@ import torch
 
 import engine
 import engine.decode
+import engine.step
 import models
 from sampling import GenerationSettings, completion_mask_after_eos, derived_seed, sample_completions
 
@@ -100,6 +101,113 @@ def test_one_prefill_per_distinct_prompt_changes_no_token(temperature):
     per_row = engine.generate(model, ids[rows], mask[rows], torch.arange(12), 10, [EOS], EOS,
                               temperature=temperature, seed=11)
     assert torch.equal(shared, per_row)
+
+
+def prompts_with_prefix(prefix_tokens, suffix_tokens, seed=0, pad_columns=1):
+    """Left-padded prompts [len(suffix_tokens), W]: a common random prefix of `prefix_tokens` then suffixes of the
+    given lengths (0: the prompt is the prefix), suffix i starting with token 3 + i (no two suffixes agree)."""
+    generator = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB, (prefix_tokens,), generator=generator)
+    prompts = [torch.cat([prefix, torch.tensor([3 + i] * min(k, 1), dtype=torch.long),
+                          torch.randint(3, VOCAB, (max(k - 1, 0),), generator=generator)])
+               for i, k in enumerate(suffix_tokens)]
+    width = max(len(p) for p in prompts) + pad_columns
+    ids, mask = torch.full((len(prompts), width), EOS), torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    return ids, mask
+
+
+def test_shared_prefix_layout_by_hand():
+    """[prefix][suffix, left padded], the prefix found from the ids, capped so every prompt keeps its last token."""
+    from engine.step import shared_prefix_layout
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 4, 3], [0, 0, 0, 5, 6, 7]])
+    mask = (ids != 0).long()
+    new_ids, new_mask, shared = shared_prefix_layout(ids, mask)
+    assert shared == 2   # 5 6 7 is common, but the third prompt (5 6 7) keeps its 7 after the prefix
+    assert new_mask.tolist() == [[1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 1]]
+    assert new_ids[new_mask == 1].tolist() == ids[mask == 1].tolist()   # the same tokens, in order, per row
+    no_prefix = torch.tensor([[0, 5, 6], [7, 5, 6]])
+    assert shared_prefix_layout(no_prefix, (no_prefix != 0).long())[2] == 0
+    assert torch.equal(shared_prefix_layout(no_prefix, (no_prefix != 0).long())[0], no_prefix)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("suffixes", [(0, 3, 7, 1), (5, 2, 6)], ids=["prompt-is-prefix", "different-lengths"])
+def test_prefix_sharing_changes_no_token_and_prefills_the_prefix_once(arch, suffixes):
+    """Prefix sharing on vs off: the same tokens and sampler log-probs to rounding, greedy and sampled (the per-row
+    noise keys make a fixed seed comparable), n = 3 rollouts per prompt; the prefill runs the prefix once."""
+    model = eos_model(arch, seed=3)
+    ids, mask = prompts_with_prefix(9, suffixes, seed=1)
+    rows, width = torch.arange(len(suffixes)).repeat_interleave(3), ids.shape[1]
+    for temperature in (0.0, 1.0):
+        outputs, tokens = [], []
+        for sharing in (True, False):
+            before = engine.STATS.prefill_tokens
+            outputs.append(engine.generate(model, ids, mask, rows, 20, [EOS], EOS, temperature=temperature, seed=3,
+                                           return_logprobs=True, prefix_sharing=sharing))
+            tokens.append(engine.STATS.prefill_tokens - before)
+        assert torch.equal(outputs[0][0], outputs[1][0])
+        torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=0, atol=1e-5)
+        truncated = completion_mask_after_eos(outputs[0][0], [EOS])[1]
+        assert truncated.any() and not truncated.all() and (outputs[0][1][:, 0] < 0).all()   # EOS mid-batch
+        longest_suffix = max(suffixes) if 0 not in suffixes else max(suffixes) + 1   # the prompt-is-prefix row
+        shared = 9 if 0 not in suffixes else 8                                          # keeps its last token
+        assert tokens == [shared + len(suffixes) * (longest_suffix - 1), len(suffixes) * (width - 1)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefix_sharing_with_no_common_prefix_is_the_plain_prefill(arch):
+    """Prompts that share no first token: prefix length 0, the prefill of every prompt as before, same tokens."""
+    model = eos_model(arch, seed=1)
+    ids, mask = prompts_with_prefix(0, (4, 6, 2))
+    assert engine.step.shared_prefix_layout(ids, mask)[2] == 0
+    for temperature in (0.0, 1.0):
+        on, off = (engine.generate(model, ids, mask, torch.arange(3).repeat_interleave(2), 16, [EOS], EOS,
+                                   temperature=temperature, seed=7, return_logprobs=True, prefix_sharing=sharing)
+                   for sharing in (True, False))
+        assert torch.equal(on[0], off[0])
+        torch.testing.assert_close(on[1], off[1], rtol=0, atol=1e-5)   # (an all-pad column is dropped)
+
+
+@pytest.mark.parametrize("fault", ["prefix only in the first row", "prefix tokens reversed"])
+def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatch):
+    """The run-time guard covers prefix sharing: rollout_check.measure scores the rollouts with the plain forward
+    pass over the whole prompts, so a shared prefix whose K/V reach only one prompt, or were computed from its tokens
+    in reverse order, raises the gap above the fallback limit (a tiny Llama with peaked logits, as a trained model's)."""
+    import rollout_check
+    import sampling
+
+    model = models.tiny_random_model("llama", seed=0, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    model.eval()
+    ids, mask = prompts_with_prefix(12, (3, 5, 2), seed=2)
+    settings = GenerationSettings(max_new_tokens=8, temperature=1.0, rollout_batch_size=12)
+
+    def gap():
+        cids, cmask, truncated, logprobs, backend = sample_completions(model, ids, mask, 4, [EOS], EOS, settings, 0)
+        rollouts = sampling.Rollouts(ids, mask, cids, cmask, [], cmask.sum(1), truncated,
+                                     torch.arange(3).repeat_interleave(4), logprobs, backend)
+        return rollout_check.measure(model, rollouts, 1.0)
+
+    healthy, prefill, run_layers = gap(), engine.step.prefill, engine.step.run_layers
+
+    def first_row_only(dec, prompt_ids, prompt_mask, shared=0):
+        keys, values = prefill(dec, prompt_ids, prompt_mask, shared)
+        for cache in keys + values:
+            cache[1:, :, :shared] = 0
+        return keys, values
+
+    def reversed_prefix(dec, hidden, *args):   # the prefix: the one call of one row and several tokens
+        return run_layers(dec, hidden.flip(1) if hidden.shape[0] == 1 < hidden.shape[1] else hidden, *args)
+
+    if fault == "prefix only in the first row":
+        monkeypatch.setattr(engine.step, "prefill", first_row_only)
+    else:
+        monkeypatch.setattr(engine.step, "run_layers", reversed_prefix)
+    assert healthy.mean < 1e-5 < rollout_check.LOGPROB_GAP_LIMIT < gap().mean
 
 
 def first_token_counts(model, temperature, top_p, draws=4096, **kw):

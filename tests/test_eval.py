@@ -2,6 +2,7 @@
 folder (checkpoint.py's "Reading a run folder", which eval.py uses)."""
 
 import json
+import os
 import re
 import runpy
 import statistics
@@ -378,3 +379,41 @@ def test_rollouts_errors_name_the_flag_to_fix(tmp_path, monkeypatch, capsys, fla
     assert code == 1 and error.startswith("eval.py: error: ") and re.search(message, error), error
     code, error = run_main_as_a_command(monkeypatch, capsys, ["rollouts", str(tmp_path / "missing")])
     assert code == 1 and "is not a run folder" in error
+
+
+def test_prefix_sharing_flag_reaches_generation_and_changes_no_result(tiny_model_dir, tmp_path, monkeypatch):
+    """--prefix-sharing on (the default) / off reaches GenerationSettings; the demo's one-shot prompts share a long
+    prefix, and both give the same completions, hence the same results."""
+    real, seen = eval_module.evaluate_repeats, []
+
+    def recording(*args, **kwargs):
+        seen.append((args[4].prefix_sharing, samples := []))
+        return real(*args, **dict(kwargs, samples_out=samples))
+
+    monkeypatch.setattr(eval_module, "evaluate_repeats", recording)
+    results = []
+    for flags in ([], ["--prefix-sharing", "off"], ["--prefix-sharing", "on"]):
+        out = tmp_path / f"eval{len(results)}.json"
+        eval_module.main(["--preset", "demo", "--model", str(tiny_model_dir), "--num-prompts", "5", "--repeats", "1",
+                          "--temperature", "0", "--max-completion-tokens", "6", "--batch-size", "4", "--out", str(out),
+                          "--no-progress", *flags])
+        results.append({k: v for k, v in json.loads(out.read_text())["results"]["base"].items() if k != "eval_s"})
+    assert [sharing for sharing, _ in seen] == [True, False, True]
+    assert results[0] == results[1] == results[2] and seen[0][1] == seen[1][1] and len(seen[0][1]) == 5
+    prompts = [sample["prompt"] for sample in seen[0][1]]
+    assert len(os.path.commonprefix(prompts)) > 100   # the one-shot example and system prompt: a prefix to share
+
+
+def test_evaluate_shares_the_prefix_by_default(tiny_model, smollm2_tokenizer):
+    """evaluate() with GenerationSettings' default (what train.py's held-out evaluation builds) prefills the prompts'
+    common prefix once: fewer prefilled positions than with prefix_sharing=False, the same results."""
+    import engine
+
+    prompts = ["You are a careful assistant; answer with a number. " + p for p in PROMPTS]
+    work, results = [], []
+    for settings in (GenerationSettings(4, 0.0, 1.0, 64), GenerationSettings(4, 0.0, 1.0, 64, prefix_sharing=False)):
+        before = engine.STATS.prefill_tokens
+        results.append(eval_module.evaluate(tiny_model, smollm2_tokenizer, prompts, ["5", "42", "6"], settings))
+        work.append(engine.STATS.prefill_tokens - before)
+    assert 0 < work[0] < work[1] - 10 and results[0].accuracy == results[1].accuracy
+    assert results[0].mean_completion_length == results[1].mean_completion_length

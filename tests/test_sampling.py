@@ -1,9 +1,12 @@
 """sampling.generate_rollouts: row layout, first-EOS masks (pad == EOS), seeding, chunking, mode/grad hygiene,
 the model's generation_config ignored, argument checks."""
 
+import os
+
 import pytest
 import torch
 
+import models
 import sampling
 from sampling import completion_mask_after_eos, derived_seed, eos_token_ids
 
@@ -163,7 +166,7 @@ def test_model_generation_config_defaults_do_not_leak(tiny_model, smollm2_tokeni
 
 @pytest.mark.parametrize("bad", [dict(prompts=[]), dict(n=0), dict(max_new_tokens=0), dict(temperature=-1.0),
                                  dict(top_p=0.0), dict(rollout_batch_size=0), dict(backend="vllm"),
-                                 dict(prompts=[""])])
+                                 dict(prompts=[""]), dict(prefix_sharing="on")])
 def test_bad_arguments_raise(tiny_model, smollm2_tokenizer, bad):
     kw = dict(prompts=["a"], n=1, max_new_tokens=2)
     kw.update(bad)
@@ -182,3 +185,60 @@ def test_generation_beyond_positions_or_memory_is_refused_naming_the_flags(tiny_
         sampling.check_generation_fits(tiny_model, 1024, 2048, flags)
     monkeypatch.setattr(sampling, "available_memory_bytes", lambda device: None)  # unknown: not refused
     sampling.check_generation_fits(tiny_model, 1024, 2048, flags)
+
+
+# A shared system prompt, then prompts of different lengths; the last one is a prefix of the second.
+SHARED = "<|im_start|>system\nYou are a careful assistant. Answer briefly.<|im_end|>\n<|im_start|>user\n"
+PREFIXED = [SHARED + "What is 12 + 30?", SHARED + "Name a prime number bigger than ten, please.", SHARED + "Name",
+            SHARED + "Hi"]
+
+
+def count_embedded_tokens(model):
+    """A hook counting the rows x tokens every forward pass embeds (prompt processing and decode steps)."""
+    counted = []
+    handle = models.hf_model(model).model.embed_tokens.register_forward_hook(
+        lambda module, inputs, output: counted.append(inputs[0].numel()))
+    return counted, handle
+
+
+@pytest.mark.parametrize("backend", ["engine", "hf"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefix_sharing_changes_no_rollout_and_computes_the_prefix_once(smollm2_tokenizer, backend, arch):
+    """generate_rollouts with prefix sharing on vs off, both backends: the same completion ids and sampler log-probs
+    to rounding, greedy and sampled (fixed seed), n = 2, chunks that split a prompt's rollouts; and the prefix runs
+    once per chunk: (prompts - 1) x prefix fewer tokens, the engine's prompts being the distinct ones, HF's every
+    row (the decode steps are the same on and off)."""
+    model = models.tiny_random_model(arch, seed=2).eval()
+    tokens = [smollm2_tokenizer(p, add_special_tokens=False)["input_ids"] for p in PREFIXED]
+    for temperature in (0.0, 1.0):
+        runs, work = [], []
+        for sharing in (True, False):
+            counted, handle = count_embedded_tokens(model)
+            runs.append(generate_rollouts(model, smollm2_tokenizer, PREFIXED, 2, seed=4, max_new_tokens=8,
+                                          temperature=temperature, rollout_batch_size=6, backend=backend,
+                                          prefix_sharing=sharing))
+            handle.remove()
+            work.append(sum(counted))
+        on, off = runs
+        assert torch.equal(on.completion_ids, off.completion_ids) and on.texts == off.texts
+        torch.testing.assert_close(on.sampler_logprobs, off.sampler_logprobs, rtol=0, atol=1e-5)
+        assert on.backend == off.backend == backend and len(set(on.texts)) > 1
+        saved = 0
+        for rows in ([0, 0, 1, 1, 2, 2], [3, 3]):   # the two chunks' prompts
+            shared = min(len(os.path.commonprefix([tokens[i] for i in rows])), *(len(tokens[i]) - 1 for i in rows))
+            saved += (len(rows if backend == "hf" else set(rows)) - 1) * shared
+        assert work[1] - work[0] == saved > 0
+
+
+def test_prefix_sharing_keeps_absolute_positions_on_hf(smollm2_tokenizer):
+    """GPT-2 (absolute position embeddings, HF backend only): the pads between prefix and suffix must shift no
+    position, or the tokens would change: the same rollouts on and off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(smollm2_tokenizer),
+                                       n_positions=128, eos_token_id=EOS, bos_token_id=EOS)).eval()
+    runs = [generate_rollouts(model, smollm2_tokenizer, PREFIXED, 2, seed=1, max_new_tokens=6, temperature=1.0,
+                              backend="hf", prefix_sharing=sharing) for sharing in (True, False)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    torch.testing.assert_close(runs[0].sampler_logprobs, runs[1].sampler_logprobs, rtol=0, atol=1e-5)
