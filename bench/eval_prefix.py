@@ -6,7 +6,8 @@ for every prompt.
 Times eval.evaluate (what eval.py and train.py's held-out evaluation run, the first chunk's sampler check
 included: the check's forward pass does not share the prefix) on the demo's test prompts, greedy, with
 max_completion_tokens and rollout_batch_size of the demo preset, prefix sharing off and on, interleaved (off, on,
-off, on, ...) in one process so a loaded machine slows both alike; prints each run, the ratio of the medians
+on, off, ...) in one process after an untimed warm-up call (the engine's buffers, the first kernels), so a machine
+whose load drifts slows both alike; prints each run, the ratio of the medians
 (on / off), the prefill's token positions (engine.STATS.prefill_tokens) and whether both gave the same
 completions. --no-check times generation and grading alone.
 
@@ -72,9 +73,10 @@ def bench_evalprefix(argv):
           f"prompts of {min(lengths)}-{max(lengths)} tokens, greedy, {new_tokens} new tokens, {batch_size} rows per "
           f"call, sampler check {'off' if args.no_check else 'on'}, {torch.get_num_threads()} threads")
     print_header(COLUMNS)
+    sampling.generate_rollouts(model, tokenizer, prompts[:2], 1, replace(settings, max_new_tokens=2))   # warm-up
     rows, samples = [], {}
     for run in range(args.rounds):
-        for sharing in (False, True):
+        for sharing in (False, True) if run % 2 == 0 else (True, False):
             before, completions_of_run = replace(engine.STATS), []
             result, seconds = timed(lambda: heldout.evaluate(
                 model, tokenizer, prompts, answers, replace(settings, prefix_sharing=sharing),
@@ -92,7 +94,8 @@ def bench_evalprefix(argv):
     same = [s["completion"] for s in samples[True]] == [s["completion"] for s in samples[False]]
     print(f"median seconds: off {median['off']:.2f}, on {median['on']:.2f}; ratio on / off {ratio:.3f} "
           f"(target <= {TARGET_RATIO}: {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}); prompt tokens {sum(lengths)}, "
-          f"prefilled off {rows[0]['prefill_tokens']}, on {rows[1]['prefill_tokens']}; the same completions: {same}")
+          f"prefilled off {rows[0]['prefill_tokens']}, on {rows[1]['prefill_tokens']}; the same completions: {same}; "
+          "decode work is the same in both modes, so differences in decode_s are the machine's load")
     result = {"rows": rows, "median_s": median, "ratio": ratio, "same_completions": same,
               "prompt_tokens": sum(lengths), "num_prompts": len(prompts), "threads": torch.get_num_threads()}
     save_json(args.out_dir, "evalprefix", result)

@@ -125,7 +125,7 @@ def test_evalprefix_tiny_times_sharing_off_and_on_interleaved(tmp_path, smollm2_
                        "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "| run | prefix_sharing |" in out and "ratio on / off" in out and result["same_completions"] is True
-    assert [row["prefix_sharing"] for row in result["rows"]] == ["off", "on", "off", "on"]
+    assert [row["prefix_sharing"] for row in result["rows"]] == ["off", "on", "on", "off"]
     off, on = result["rows"][:2]
     # 5 prompts of equal length in chunks of 4 (tiny --batch-size): off prefills every prompt's tokens but the last
     assert off["prefill_tokens"] == result["prompt_tokens"] - 5 > 2 * on["prefill_tokens"] > 0
