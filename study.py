@@ -76,7 +76,7 @@ STUDY_TRAIN_ARGS = (
     "--weight-decay", "0", "--max-grad-norm", "1.0", "--optimizer", "adamw", "--temperature", "1.0",
     "--top-p", "1.0", "--max-completion-tokens", "32", "--rollout-batch-size", "64", "--micro-batch-size", "16",
     "--eval-samples", "20", "--eval-interval", "3", "--eval-interval-s", "0", "--eval-temperature", "0",
-    "--checkpoint-interval-s", "100000")
+    "--checkpoint-interval-s", "100000", "--prefix-sharing", "off")  # the recorded studies ran every row in full
 
 
 def study_plan(seeds, rules=STUDY_RULES, num_rollouts=16, update_size=4, nm_values=(4, 8, 16)):
@@ -178,7 +178,8 @@ PODS_TASK = {"--dataset": "arithmetic", "--num-train-rows": "1000", "--learning-
 # favoured by the peak and the threshold crossing), no step cadence, a checkpoint every 10 minutes.
 PODS_EVAL_INTERVAL_S = 100.0
 PODS_SETTINGS = {**PODS_TASK, "--prompts-per-step": "4", "--eval-samples": "256", "--eval-interval": "0",
-                 "--eval-interval-s": f"{PODS_EVAL_INTERVAL_S:g}", "--checkpoint-interval-s": "600"}
+                 "--eval-interval-s": f"{PODS_EVAL_INTERVAL_S:g}", "--checkpoint-interval-s": "600",
+                 "--prefix-sharing": "on"}  # each distinct token computed once: every arm's clock as it is today
 PODS_MAX_TIME_S = 900.0
 PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
 PODS_RISING_MARGIN = 2 * 0.5 / int(PODS_SETTINGS["--eval-samples"]) ** 0.5  # two SEs of one evaluation, at most
