@@ -174,8 +174,9 @@ def test_prefix_sharing_with_no_common_prefix_is_the_plain_prefill(arch):
 @pytest.mark.parametrize("fault", ["prefix only in the first row", "prefix tokens reversed"])
 def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatch):
     """The run-time guard covers prefix sharing: rollout_check.measure scores the rollouts with the plain forward
-    pass over the whole prompts, so a shared prefix whose K/V reach only one prompt, or were computed from its tokens
-    in reverse order, raises the gap above the fallback limit (a tiny Llama with peaked logits, as a trained model's)."""
+    pass over the whole prompts, so a shared prefix whose K/V reach only one prompt, or were computed from its
+    tokens in reverse order, raises the gap above the fallback limit (a tiny Llama with peaked logits, as a trained
+    model's)."""
     import rollout_check
     import sampling
 
