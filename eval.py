@@ -97,8 +97,8 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
             # The guard of train.py without an update pass: the first chunk's tokens scored by the model itself;
             # a gap no correct sampler reaches falls back to HF generate() (sampling.fall_back) and redoes it.
             if check_sampler and repeat == chunk_index == 0 and rollouts.backend != "hf" and rollout_check.check(
-                    model, rollout_check.measure(model, rollouts, temperature), rollouts.backend, settings.backend,
-                    "evaluation"):
+                    model, rollout_check.measure(model, rollouts, temperature, prefix_sharing=settings.prefix_sharing),
+                    rollouts.backend, settings.backend, "evaluation"):
                 rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
                                                       seed=chunk_seed)
             rows = [start + row // samples_per_prompt for row in range(len(rollouts.texts))]  # row i*K+j

@@ -25,6 +25,7 @@ import torch
 
 import grpo_loss
 import models
+import prefix
 import sampling
 
 # Mean |log pi_trainer - log pi_sampler| per token above which the sampler is taken to be broken. Measured on the
@@ -106,20 +107,23 @@ def check(model, gap, backend, requested, where, rejected=False):
     return reason
 
 
-def measure(model, rollouts, temperature, micro_batch_size=8):
+def measure(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=True):
     """The SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched): the check of
-    callers without an update pass. Greedy rollouts are compared at temperature 1, as the sampler records them."""
+    callers without an update pass. Greedy rollouts are compared at temperature 1, as the sampler records them.
+    prefix_sharing: each distinct prompt and the prefix the rows share computed once (prefix.py, as in the update;
+    its own code, not the sampler's, so a fault of the sampler's shared prefix still shows)."""
     device, gap = next(model.parameters()).device, SamplerGap()
     rows = rollouts.prompt_index
     with torch.no_grad(), models.dropout_off(model):
+        logprobs = prefix.completion_logprobs if prefix_sharing and prefix.unsupported_reason(model) is None \
+            else grpo_loss.token_logprobs
         for start in range(0, len(rows), micro_batch_size):
             part = slice(start, start + micro_batch_size)
             mask = rollouts.completion_mask[part]
             width = max(1, int(mask.sum(1).max()))
             ids = torch.cat([rollouts.prompt_ids[rows[part]], rollouts.completion_ids[part, :width]], 1)
             attention = torch.cat([rollouts.prompt_mask[rows[part]], mask[:, :width]], 1)
-            trainer = grpo_loss.token_logprobs(model, ids.to(device), attention.to(device), width,
-                                               temperature if temperature > 0 else 1.0)
+            trainer = logprobs(model, ids.to(device), attention.to(device), width, temperature if temperature > 0 else 1.0)
             gap = gap + SamplerGap.of(trainer, rollouts.sampler_logprobs[part, :width], mask[:, :width].to(device))
     return gap
 

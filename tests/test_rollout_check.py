@@ -75,6 +75,29 @@ def test_sampler_logprobs_equal_the_trainers(arch, backend):
     assert gap.tokens == int(keep.sum()) and gap.mean < 1e-5 and gap.ratio_max == pytest.approx(1, abs=1e-4)
 
 
+def test_measure_with_prefix_sharing_is_the_full_forward_and_runs_the_prefix_once(monkeypatch):
+    """Prompts that share a 6-token prefix: the gap measured with each distinct prompt and the shared prefix run once
+    (prefix.completion_logprobs, the default) is the gap of every row in full, and the sharing path is the one taken."""
+    import prefix
+
+    model = eos_model("qwen2")
+    ids, mask = left_padded_prompts([9, 7, 11, 8], seed=3)
+    lengths = mask.sum(1)
+    for row in range(len(ids)):  # the same first 6 real tokens in every prompt
+        ids[row, -int(lengths[row]):][:6] = torch.arange(3, 9)
+    rollouts = rollouts_of(model, ids, mask, 3, GenerationSettings(max_new_tokens=10, temperature=0.9,
+                                                                   rollout_batch_size=12), seed=2)
+    calls = []
+    shared = prefix.completion_logprobs
+    monkeypatch.setattr(prefix, "completion_logprobs", lambda *a, **k: calls.append(a[1].shape) or shared(*a, **k))
+    on = rollout_check.measure(model, rollouts, 0.9, micro_batch_size=6)
+    assert len(calls) == 2  # two micro-batches of 6 rows, both through the sharing path
+    off = rollout_check.measure(model, rollouts, 0.9, micro_batch_size=6, prefix_sharing=False)
+    assert len(calls) == 2 and on.tokens == off.tokens > 0
+    assert on.mean == pytest.approx(off.mean, abs=1e-6) and on.ratio_max == pytest.approx(off.ratio_max, abs=1e-5)
+    assert on.mean < 1e-5
+
+
 def test_greedy_logprobs_are_at_temperature_one():
     model = eos_model("qwen2")
     ids, mask = left_padded_prompts([3, 6])
