@@ -242,6 +242,17 @@ def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_thre
     return failed
 
 
+def trained_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, settings):
+    """`train_runs`, then the folders of the runs that have a metrics.jsonl (None with dry_run); the failed runs are
+    said first, since the report that follows may have too few runs to be made."""
+    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, settings)
+    if dry_run:
+        return None
+    if failed:
+        print(f"\nfailed runs: {', '.join(failed)}")
+    return [Path(out_dir) / name for name in runs if (Path(out_dir) / name / "metrics.jsonl").is_file()]
+
+
 def compare_studies(out_dir, studies, titles, baseline_label=None):
     """<out>/<study>{,_both}.png and .md for each {study: [run names]} (compare.py); returns {file stem: table}."""
     out_dir, tables = Path(out_dir), {}
@@ -295,15 +306,12 @@ def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=Fals
     """PODS vs GRPO-GA (module docstring): train every arm for every seed, one run at a time, then write
     <out>/ga.md (table) and ga.json (figures with intervals) and draw the plot (None: <out>/ga.png); returns the
     table."""
-    runs = ga_plan(seeds)
-    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, GA_TRAIN_ARGS)
+    present = trained_runs(out_dir, ga_plan(seeds), max_time_s, train_args, dry_run, num_threads, train_script,
+                           GA_TRAIN_ARGS)
     if dry_run:
         return None
-    if failed:  # said before the report, which may have too few runs to be made
-        print(f"\nfailed runs: {', '.join(failed)}")
     out_dir = Path(out_dir)
     plot = out_dir / "ga.png" if plot is None else plot
-    present = [out_dir / name for name in runs if (out_dir / name / "metrics.jsonl").is_file()]
     title = (f"PODS 16/4 vs GRPO-GA (GRPO 16/16: all rollouts trained), demo scale, {len(seeds)} "
              f"seed{'s' if len(seeds) > 1 else ''}, 1.96 SE bands")
     by_axis, table = bootstrap.report(present, GA_BASELINE, plot, title, resamples=resamples, budget_s=max_time_s)
@@ -480,13 +488,10 @@ def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIM
         (["--seeds", *map(str, seeds)] if seeds is not None else []) + ["--max-time-s", f"{max_time_s:g}"] + \
         (["--", *train_args] if train_args else [])
     check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads)
-    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, PODS_TRAIN_ARGS)
+    present = trained_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, PODS_TRAIN_ARGS)
     if dry_run:
         return None
-    if failed:  # said before the report, which may have too few runs to be made
-        print(f"\nfailed runs: {', '.join(failed)}")
     out_dir = Path(out_dir)
-    present = [out_dir / name for name in runs if (out_dir / name / "metrics.jsonl").is_file()]
     if not present:
         raise ValueError(f"{out_dir}: no run of the study has a metrics.jsonl; nothing to report")
     write_pods_data(present, data_dir, max_time_s, shlex.join(command))

@@ -165,12 +165,18 @@ def test_step_axis_measures_learning_per_step(tmp_path):
         bootstrap.on_axis(runs["GRPO"][0], "tokens")
 
 
-def test_report_writes_table_plot_and_json_from_run_folders(tmp_path, capsys):
+def make_two_arms(runs_dir, grpo_steps, pods_steps, pods_offset=0.01):
+    """Three seeds of GRPO 16/16 (4 s a step, accuracy ramping to 0.4 by 100 s) and of PODS max_variance 16/4 (2 s a
+    step, to 0.4 by 50 s) as run folders under runs_dir: g0-g2, p0-p2."""
     for seed in range(3):
-        make_run(tmp_path / "runs", f"g{seed}", "GRPO 16/16", seed, ramp(0.4, 100, offset=0.01 * seed),
-                 step_times=[4.0] * 5)
-        make_run(tmp_path / "runs", f"p{seed}", "PODS max_variance 16/4", seed, ramp(0.4, 50, offset=0.01 * seed),
-                 step_times=[2.0] * 10)
+        make_run(runs_dir, f"g{seed}", "GRPO 16/16", seed, ramp(0.4, 100, offset=0.01 * seed),
+                 step_times=[4.0] * grpo_steps)
+        make_run(runs_dir, f"p{seed}", "PODS max_variance 16/4", seed, ramp(0.4, 50, offset=pods_offset * seed),
+                 step_times=[2.0] * pods_steps)
+
+
+def test_report_writes_table_plot_and_json_from_run_folders(tmp_path, capsys):
+    make_two_arms(tmp_path / "runs", 5, 10)
     out = tmp_path / "out"
     by_axis = bootstrap.main([str(tmp_path / "runs"), "--baseline-label", "GRPO 16/16", "--plot", str(out / "p.png"),
                               "--table", str(out / "t.md"), "--json", str(out / "f.json"), "--resamples", "100"])

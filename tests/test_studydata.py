@@ -11,6 +11,7 @@ import bootstrap
 import compare
 import studydata
 from run_helpers import ROOT
+from test_bootstrap import make_two_arms
 from test_compare import make_run, ramp
 
 GA_COMMAND = ["--from-data", str(ROOT / "results" / "ga"), "--baseline-label", "GRPO 16/16", "--budget-s", "900",
@@ -18,11 +19,7 @@ GA_COMMAND = ["--from-data", str(ROOT / "results" / "ga"), "--baseline-label", "
 
 
 def test_a_run_folder_exported_and_read_back_gives_the_same_report(tmp_path, capsys):
-    for seed in range(3):
-        make_run(tmp_path / "runs", f"g{seed}", "GRPO 16/16", seed, ramp(0.4, 100, offset=0.01 * seed),
-                 step_times=[4.0] * 25)
-        make_run(tmp_path / "runs", f"p{seed}", "PODS max_variance 16/4", seed, ramp(0.4, 50, offset=0.02 * seed),
-                 step_times=[2.0] * 50)
+    make_two_arms(tmp_path / "runs", 25, 50, pods_offset=0.02)
     written = studydata.export_runs([tmp_path / "runs"], tmp_path / "data")
     assert sorted(p.name for p in written) == [f"{arm}{seed}.json" for arm in "gp" for seed in range(3)]
     original, back = compare.read_run(tmp_path / "runs" / "p1"), studydata.read_data(tmp_path / "data" / "p1.json")
