@@ -5,8 +5,8 @@ template, system prompt and worked example.
 `completion_logprobs` gives what grpo_loss.token_logprobs gives (float32 log p of each completion token, [B, C]),
 from the same [prompt | completion] rows, but runs each distinct prompt of the rows once:
 1. groups: rows with identical prompt tokens (and mask) are one group (`prompt_groups`, from the token ids);
-2. the shared prefix (optional): the longest run of real tokens every distinct prompt starts with
-   (`common_prefix_length`, from the ids, never from knowledge of the template) runs once, [1, L], and its keys and
+2. the shared prefix (optional, with two distinct prompts or more): the longest run of real tokens every
+   distinct prompt starts with (`common_prefix_length`, from the ids, never from knowledge of the template) runs once, [1, L], and its keys and
    values are repeated for the G distinct prompts, whose suffixes run on them ([prefix][suffix, left padded]: pads
    in the middle are masked out, positions come from the mask, grpo_loss.position_ids_from_mask);
 3. the distinct prompts' keys and values (the model's KV cache) are repeated for the B rows with index_select and
@@ -64,17 +64,35 @@ def is_left_padded(mask: Tensor) -> bool:
 
 
 def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
-    """The number of leading real tokens every left-padded prompt [G, Tp] shares, at most the shortest prompt's
-    length - 1 (each prompt keeps one token of its own: its last position scores the first completion token)."""
+    """The number of leading real tokens every left-padded prompt [G, Tp] shares (found from the ids, no template
+    knowledge), at most the shortest prompt's length - 1: each prompt keeps one token of its own (in the update its
+    last position scores the first completion token; in generation the first decode step consumes it)."""
     lengths = prompt_mask.sum(1)
     shortest = int(lengths.min()) if len(lengths) else 0
-    if len(lengths) < 2 or shortest < 2:
+    if shortest < 2:
         return 0
-    width = prompt_ids.shape[1]
-    starts = width - lengths
+    starts = prompt_ids.shape[1] - lengths
     real = prompt_ids.gather(1, starts[:, None] + torch.arange(shortest - 1, device=prompt_ids.device))
     same = (real == real[:1]).all(0)
     return int(same.long().cumprod(0).sum())
+
+
+def shared_prefix_layout(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """(ids, mask, shared): the left-padded prompts [D, W] re-laid out as [shared prefix][suffix, left padded], the
+    prefix being `common_prefix_length` (a prompt that IS the prefix keeps a suffix of one token). Pads sit between
+    prefix and suffix; the mask marks them, so position ids from the mask (grpo_loss.position_ids_from_mask) count
+    the same real tokens as before. The width becomes shared + the longest suffix (<= W); shared = 0 gives the
+    prompts unchanged (bar all-pad columns). Generation (the engine's prefill, sampling's generate() path) runs the
+    prefix once for every row."""
+    lengths, width = prompt_mask.sum(1), prompt_mask.shape[1]
+    shared = common_prefix_length(prompt_ids, prompt_mask)
+    suffix_width = int(lengths.max()) - shared
+    suffix_mask = (torch.arange(suffix_width, device=prompt_mask.device) >= suffix_width - (lengths - shared)[:, None])
+    start = int(width - lengths[0])
+    prefix = prompt_ids[:1, start:start + shared].expand(len(prompt_ids), -1)
+    ids = torch.cat([prefix, prompt_ids[:, width - suffix_width:]], 1)
+    mask = torch.cat([torch.ones_like(prompt_mask[:, :shared]), suffix_mask.to(prompt_mask.dtype)], 1)
+    return ids, mask, shared
 
 
 def _cache_argument(model):
@@ -177,7 +195,7 @@ def repeat_cache(model, cache, index: Tensor):
 def _distinct_prompts(model, ids, mask, shared_prefix):
     """The forward of G distinct left-padded prompts [G, Tp] -> (last-position logits [G, 1, V], their KV cache,
     its attention mask [G, Tk]); with shared_prefix their common prefix runs once first (when they have one)."""
-    length = common_prefix_length(ids, mask) if shared_prefix and is_left_padded(mask) else 0
+    length = common_prefix_length(ids, mask) if shared_prefix and len(ids) > 1 and is_left_padded(mask) else 0
     if length == 0:
         return (*_forward(model, ids, mask, grpo_loss.position_ids_from_mask(mask), _cache(model), 1), mask)
     width, lengths = ids.shape[1], mask.sum(1)

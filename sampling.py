@@ -27,8 +27,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 import engine
-import engine.step
 import models
+import prefix
 
 BACKENDS = (None, "engine", "hf")
 BACKEND_NAMES = {"engine": "the decode engine", "eager": "the decode engine without CUDA graphs",
@@ -259,11 +259,11 @@ def check_generation_fits(model, rows, tokens, flags):
 
 def shared_prefix_cache(model, ids, mask):
     """(ids, mask, cache) for generate() with the prefix every row starts with computed once: the rows re-laid out
-    as [prefix][suffix, left padded] (engine.step.shared_prefix_layout) and the prefix's KV cache, run as one row and
+    as [prefix][suffix, left padded] (prefix.shared_prefix_layout) and the prefix's KV cache, run as one row and
     repeated to every row; generate() then runs only the suffixes (it takes position ids from the mask, so the pads
     between prefix and suffix shift nothing). cache None (ids, mask unchanged): no prefix, or a model whose cache
     cannot be repeated over rows."""
-    new_ids, new_mask, shared = engine.step.shared_prefix_layout(ids, mask)
+    new_ids, new_mask, shared = prefix.shared_prefix_layout(ids, mask)
     if shared == 0:
         return ids, mask, None
     parameters = inspect.signature(models.hf_model(model).forward).parameters

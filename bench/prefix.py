@@ -51,6 +51,8 @@ def parse_args(argv):
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench_out")
+    parser.add_argument("--presets", action="store_true", help="no timing: the expected saving of the paper's presets "
+                        "(a)-(d), from their prompt lengths and completion lengths (`preset_savings`)")
     args = parser.parse_args(argv)
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     if not args.modes or any(mode not in MODES for mode in args.modes):
@@ -187,9 +189,58 @@ def demo_policy(args):
     return models.load_policy(trainer.model, dtype=torch.float32, device="cpu", **config.model_options(trainer)).train()
 
 
+PRESET_COMPLETION_TOKENS = (128, 256, 512)  # completion lengths of the table (the presets allow 512)
+
+
+def common_prefix(rows):
+    """The number of leading tokens every row of `rows` (lists of token ids) shares."""
+    length = min(map(len, rows))
+    for index in range(length):
+        if len({row[index] for row in rows}) > 1:
+            return index
+    return length
+
+
+def preset_savings(tokenizer, presets="abcd", num_prompts=64):
+    """Rows: for each paper preset, what prefix sharing saves, from token counts alone (no model, no GPU): the
+    preset's training prompts (its dataset, system prompt and template, rendered by `tokenizer`) give the mean prompt
+    length P and the prefix L all of them share; a step trains m rows of each prompt (prompts_per_step of them), so
+    the update computes m (P + C) tokens per prompt in full and P + m C with each distinct prompt once (the shared
+    prefix across prompts too, when a step has several); a held-out evaluation of N prompts prefills N P tokens in
+    full and L + N (P - L) with the shared prefix. C: completion lengths of PRESET_COMPLETION_TOKENS."""
+    rows = []
+    for name in presets:
+        preset = config.PRESETS[name]
+        examples = data.build_prompt_set(preset["dataset"], "train", tokenizer, num_rows=num_prompts, seed=0,
+                                         one_shot=preset["one_shot"],
+                                         max_prompt_tokens=preset["max_prompt_tokens"],
+                                         **({"system_prompt": preset["system_prompt"]} if "system_prompt" in preset
+                                            else {}))
+        ids = [tokenizer(example.text, add_special_tokens=False)["input_ids"] for example in examples]
+        p_mean, shared = sum(map(len, ids)) / len(ids), common_prefix(ids)
+        m, prompts = preset["update_size"], preset["prompts_per_step"]
+        row = {"preset": name, "dataset": preset["dataset"], "m": m, "prompts_per_step": prompts,
+               "prompt_tokens": round(p_mean, 1), "shared_prefix_tokens": shared,
+               "eval_prefill_on_off": round((shared / preset["eval_samples"] + p_mean - shared) / p_mean, 3)}
+        for c in PRESET_COMPLETION_TOKENS:
+            distinct = (shared + prompts * (p_mean - shared)) / prompts if prompts > 1 else p_mean
+            row[f"update_on_off_C{c}"] = round((distinct + m * c) / (m * (p_mean + c)), 3)
+        rows.append(row)
+    return rows
+
+
 def bench_prefix(argv):
     args = parse_args(argv)
     tokenizer = models.load_tokenizer(models.SMOLLM2_ALIAS)
+    if args.presets:
+        rows = preset_savings(tokenizer)
+        print("# bench prefix --presets: tokens computed with prefix sharing / without, the paper's presets (prompts "
+              "rendered with the SmolLM2 tokenizer and chat template, a stand-in for Qwen2.5's and Llama 3.2's)")
+        print_header(list(rows[0]))
+        for row in rows:
+            print_row(row, list(row))
+        common.save_json(args.out_dir, "prefix_presets", {"rows": rows})
+        return {"presets": rows}
     model = demo_policy(args)
     print(f"# bench prefix: {'tiny random llama' if args.tiny else 'SmolLM2-135M'} + LoRA r=16, fp32, CPU, "
           f"{torch.get_num_threads()} threads; modes {', '.join(args.modes)} interleaved, {args.repeats} repeats "

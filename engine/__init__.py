@@ -7,7 +7,7 @@ one fixed-shape function, recorded as a CUDA graph (optionally compiled first) o
 replayed per token.
 
 - Prefill: each distinct prompt (all but its last token) runs once; its K/V is copied to its n rows. The prefix
-  every distinct prompt of the chunk starts with (found from the ids: step.shared_prefix_layout) runs once for all.
+  every distinct prompt of the chunk starts with (found from the ids: prefix.shared_prefix_layout) runs once for all.
 - Decode: a preallocated cache [rows, kv_heads, cache_len, head_dim] per layer (cache_len = prompt width - 1 +
   max_new_tokens, or the caller's cache_tokens if larger, rounded up to CACHE_BUCKET_TOKENS; rows = the next of
   `row_buckets`). A step embeds the last tokens, writes their K/V, attends over the valid positions, samples

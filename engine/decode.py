@@ -12,6 +12,7 @@ import torch
 import engine.step as decode_step
 import engine.weights as weights
 import models
+import prefix
 import report
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -267,13 +268,13 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
     before. eos_ids=[]: no row ends. generation_copy, compile_backend, refresh_weights: see engine_for (a caller
     running several chunks of one policy refreshes once). capture: see engine_for (False: eager decoding, the
     fallback when recording fails). prefix_sharing: the tokens every prompt starts with are prefilled once for all
-    (step.shared_prefix_layout: the cache holds [prefix][suffix, left padded]); False: once per distinct prompt.
+    (prefix.shared_prefix_layout: the cache holds [prefix][suffix, left padded]); False: once per distinct prompt.
     The caller sets the model's mode (eval(): no dropout)."""
     if not bool(prompt_mask[:, -1].all()):
         raise ValueError("prompts must be left padded (the last column real for every prompt)")
     shared = 0
     if prefix_sharing:
-        prompt_ids, prompt_mask, shared = decode_step.shared_prefix_layout(prompt_ids, prompt_mask)
+        prompt_ids, prompt_mask, shared = prefix.shared_prefix_layout(prompt_ids, prompt_mask)
     rows, width = len(row_prompt), prompt_ids.shape[1]
     needed = max(width - 1 + max_new_tokens, cache_tokens)
     cache_len = -(-needed // CACHE_BUCKET_TOKENS) * CACHE_BUCKET_TOKENS

@@ -114,29 +114,9 @@ def decode_step(dec, state):
     scalars["step"] += 1
 
 
-def shared_prefix_layout(prompt_ids, prompt_mask):
-    """(ids, mask, shared): the left-padded prompts [D, W] re-laid out as [shared prefix][suffix, left padded], the
-    prefix being the longest run of tokens every prompt starts with, found from the ids (no template knowledge), at
-    most the shortest prompt's length - 1 so every prompt keeps its last token after it (a prompt that IS the
-    prefix: a suffix of one token). Pads sit between prefix and suffix; the mask marks them, so position ids from
-    the mask (grpo_loss.position_ids_from_mask) count the same real tokens as before. The width becomes
-    shared + the longest suffix (<= W); shared = 0 gives the prompts unchanged (bar all-pad columns)."""
-    lengths, width = prompt_mask.sum(1), prompt_mask.shape[1]
-    shortest = int(lengths.min())
-    starts = (width - lengths)[:, None] + torch.arange(shortest, device=prompt_ids.device)
-    heads = prompt_ids.gather(1, starts)   # each prompt's first `shortest` tokens
-    agree = (heads == heads[:1]).all(0).long().cumprod(0)
-    shared = min(int(agree.sum()), shortest - 1)
-    suffix_width = int(lengths.max()) - shared
-    suffix_mask = (torch.arange(suffix_width, device=prompt_mask.device) >= suffix_width - (lengths - shared)[:, None])
-    ids = torch.cat([heads[:1, :shared].expand(len(prompt_ids), -1), prompt_ids[:, width - suffix_width:]], 1)
-    mask = torch.cat([torch.ones_like(prompt_mask[:, :shared]), suffix_mask.to(prompt_mask.dtype)], 1)
-    return ids, mask, shared
-
-
 def prefill(dec, prompt_ids, prompt_mask, shared=0):
     """K/V of every prompt but its last token (the first decode step consumes it), [D, kv_heads, W - 1, hd].
-    shared: the first `shared` columns hold the same tokens in every row, unpadded (shared_prefix_layout): they run
+    shared: the first `shared` columns hold the same tokens in every row, unpadded (prefix.shared_prefix_layout): they run
     once, as one row, and every prompt's suffix attends to that row's K/V."""
     distinct, length, device = prompt_ids.shape[0], prompt_ids.shape[1] - 1, prompt_ids.device
     if not 0 <= shared <= length or (shared and not bool(prompt_mask[:, :shared].all())):

@@ -91,6 +91,7 @@ ROLES = {
     "advantages.py": "the advantages over the kept subset (group or batch std)",
     "update.py": "the kept rows as a batch, old/reference log-probs, micro-batches, clipping, the optimizer step",
     "rollout_check.py": "the sampler's log-probs against the update's: the fallback to `generate()`",
+    "prefix.py": "each distinct token computed once: the prefix every prompt shares, each prompt once for its rows",
     "engine/decode.py": "the decode loop: bucketed KV cache, CUDA graphs, finished rows dropped",
     "engine/weights.py": "LoRA merged into a copy of the weights for decoding",
     "engine/step.py": "one decode step of a Llama-family model, by hand",

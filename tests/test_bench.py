@@ -262,3 +262,21 @@ def test_prefix_tiny_times_the_update_off_and_on_with_the_same_loss(tmp_path, sm
         assert set(part["ratios"][shape]) == {"groups", "on"} and all(r > 0 for r in part["ratios"][shape].values())
     assert json.loads((tmp_path / "bench_prefix.json").read_text())["update"]["shared_prefix_tokens"] == \
         part["shared_prefix_tokens"]
+
+
+def test_prefix_presets_table_from_token_counts(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
+    """`python -m bench prefix --presets`: the paper's presets' expected saving from their real prompts' lengths; with
+    one prompt per step and m rows of it the update's ratio is (P + m C) / (m (P + C)), checked by hand."""
+    monkeypatch.setattr(models, "load_tokenizer", lambda name: smollm2_tokenizer)
+    result = cli.main(["prefix", "--presets", "--out-dir", str(tmp_path)])
+    assert "| preset | dataset |" in capsys.readouterr().out
+    rows = {row["preset"]: row for row in result["presets"]}
+    assert set(rows) == set("abcd")
+    for row in rows.values():
+        p, m = row["prompt_tokens"], row["m"]
+        assert 0 < row["shared_prefix_tokens"] < p and row["prompts_per_step"] == 1
+        for c in prefix_bench.PRESET_COMPLETION_TOKENS:
+            assert row[f"update_on_off_C{c}"] == pytest.approx((p + m * c) / (m * (p + c)), abs=1e-3)
+        assert row["update_on_off_C128"] < row["update_on_off_C512"] < 1 and 0 < row["eval_prefill_on_off"] < 1
+    assert prefix_bench.common_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+    assert json.loads((tmp_path / "bench_prefix_presets.json").read_text())["rows"][0]["preset"] == "a"

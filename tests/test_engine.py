@@ -13,6 +13,7 @@ import engine
 import engine.decode
 import engine.step
 import models
+import prefix
 from sampling import GenerationSettings, completion_mask_after_eos, derived_seed, sample_completions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -120,7 +121,7 @@ def prompts_with_prefix(prefix_tokens, suffix_tokens, seed=0, pad_columns=1):
 
 def test_shared_prefix_layout_by_hand():
     """[prefix][suffix, left padded], the prefix found from the ids, capped so every prompt keeps its last token."""
-    from engine.step import shared_prefix_layout
+    from prefix import shared_prefix_layout
 
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 4, 3], [0, 0, 0, 5, 6, 7]])
     mask = (ids != 0).long()
@@ -162,7 +163,7 @@ def test_prefix_sharing_with_no_common_prefix_is_the_plain_prefill(arch):
     """Prompts that share no first token: prefix length 0, the prefill of every prompt as before, same tokens."""
     model = eos_model(arch, seed=1)
     ids, mask = prompts_with_prefix(0, (4, 6, 2))
-    assert engine.step.shared_prefix_layout(ids, mask)[2] == 0
+    assert prefix.shared_prefix_layout(ids, mask)[2] == 0
     for temperature in (0.0, 1.0):
         on, off = (engine.generate(model, ids, mask, torch.arange(3).repeat_interleave(2), 16, [EOS], EOS,
                                    temperature=temperature, seed=7, return_logprobs=True, prefix_sharing=sharing)

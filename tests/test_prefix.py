@@ -81,7 +81,7 @@ def test_the_common_prefix_is_found_from_the_real_tokens():
     assert prefix.common_prefix_length(ids, mask) == 2
     ids, mask = left_padded([[1, 2], [3, 2]])
     assert prefix.common_prefix_length(ids, mask) == 0
-    assert prefix.common_prefix_length(*left_padded([[1, 2, 3]])) == 0  # one prompt: nothing to share
+    assert prefix.common_prefix_length(*left_padded([[1, 2, 3]])) == 2  # one prompt: all but its last token
     assert prefix.is_left_padded(mask) and not prefix.is_left_padded(torch.tensor([[1, 0, 1]]))
 
 
