@@ -84,16 +84,18 @@ def test_the_committed_ga_data_reproduce_the_committed_tables(capsys):
                                                               "PODS random 16/4"))
 
 
-def test_the_committed_demo_runs_with_prefix_sharing_reproduce_their_table(capsys):
-    """results/demo-prefix: the 3 seeds of `python train.py --max-time-s 270` with each distinct token computed once;
-    the table recomputed from them is results/demo-prefix/demo.md, and BENCHMARKS.md reports its rows."""
-    command = ["--from-data", str(ROOT / "results" / "demo-prefix"), "--baseline-label", "PODS max_variance 16/4"]
+@pytest.mark.parametrize("folder, seeds, budget_s", [("demo-prefix", [0, 1, 2], 270.0), ("demo-prefix-600", [0], 600.0)])
+def test_the_committed_demo_runs_with_prefix_sharing_reproduce_their_table(capsys, folder, seeds, budget_s):
+    """results/demo-prefix: the 3 seeds of `python train.py --max-time-s 270` with each distinct token computed once,
+    results/demo-prefix-600: the default 600 s run; the table recomputed from each is its demo.md, and BENCHMARKS.md
+    reports its rows and the command."""
+    command = ["--from-data", str(ROOT / "results" / folder), "--baseline-label", "PODS max_variance 16/4"]
     bootstrap.main(command)
     table = capsys.readouterr().out.strip()
-    assert table == (ROOT / "results" / "demo-prefix" / "demo.md").read_text().strip()
+    assert table == (ROOT / "results" / folder / "demo.md").read_text().strip()
     rows = [line for line in table.splitlines() if line.startswith("| PODS")]
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     assert len(rows) == 2 and all(row in benchmarks for row in rows)
-    assert 'python bootstrap.py --from-data results/demo-prefix --baseline-label "PODS max_variance 16/4"' in benchmarks
-    runs, _ = studydata.read_study([ROOT / "results" / "demo-prefix"])
-    assert sorted(r.seed for r in runs) == [0, 1, 2] and {r.config["max_time_s"] for r in runs} == {270.0}
+    assert f'python bootstrap.py --from-data results/{folder} --baseline-label "PODS max_variance 16/4"' in benchmarks
+    runs, _ = studydata.read_study([ROOT / "results" / folder])
+    assert sorted(r.seed for r in runs) == seeds and {r.config["max_time_s"] for r in runs} == {budget_s}
