@@ -29,6 +29,7 @@ micro-batches runs once in each.
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 from torch import Tensor
@@ -125,6 +126,25 @@ def unsupported_reason(model) -> str | None:
     if reentrant:  # its forward runs under no_grad: keys and values written to the cache would carry no gradient
         return "reentrant gradient checkpointing (use_reentrant=True) cuts the gradient through the cache"
     return None
+
+
+_SAID = set()  # the reasons `logprobs_function` could not share, each said once per process
+
+
+def logprobs_function(model, prefix_sharing=True):
+    """`completion_logprobs` where prefix_sharing is asked for and `unsupported_reason` allows it on `model` (in the
+    current grad mode), else grpo_loss.token_logprobs (every row in full) with one warning line per reason, once:
+    the update's passes and the evaluation's sampler check choose alike."""
+    if not prefix_sharing:
+        return grpo_loss.token_logprobs
+    reason = unsupported_reason(model)
+    if reason is None:
+        return completion_logprobs
+    if reason not in _SAID:
+        _SAID.add(reason)
+        warnings.warn(f"prefix sharing: {reason}; every row's prompt runs in full (--prefix-sharing off silences "
+                      "this)")
+    return grpo_loss.token_logprobs
 
 
 class _PastLayer(DynamicLayer):

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-import grpo_loss
 import models
 import prefix
 import sampling
@@ -115,8 +114,7 @@ def measure(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=Tru
     device, gap = next(model.parameters()).device, SamplerGap()
     rows = rollouts.prompt_index
     with torch.no_grad(), models.dropout_off(model):
-        logprobs = prefix.completion_logprobs if prefix_sharing and prefix.unsupported_reason(model) is None \
-            else grpo_loss.token_logprobs
+        logprobs = prefix.logprobs_function(model, prefix_sharing)
         for start in range(0, len(rows), micro_batch_size):
             part = slice(start, start + micro_batch_size)
             mask = rollouts.completion_mask[part]

@@ -29,7 +29,6 @@ processes, so the update is that of the global batch, and a non-finite loss anyw
 import contextlib
 import math
 import resource
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -164,26 +163,10 @@ def _compute(settings, device):
     return torch.autocast(torch.device(device).type, dtype=settings.autocast_dtype)
 
 
-_SAID = set()  # the reasons prefix sharing could not run, each said once per process
-
-
-def sharing_prompts(model, settings):
-    """Whether the log-prob passes run each distinct prompt once (prefix.completion_logprobs): settings.prefix_sharing
-    and the model allows it in the current grad mode; if not, one warning line per reason, once."""
-    if not settings.prefix_sharing:
-        return False
-    reason = prefix.unsupported_reason(model)
-    if reason is not None and reason not in _SAID:
-        _SAID.add(reason)
-        warnings.warn(f"prefix sharing: {reason}; the update runs every row's prompt in full (--prefix-sharing off "
-                      "silences this)")
-    return reason is None
-
-
 def _logprobs(model, micro, settings, device):
     """The micro-batch's completion log-probs [b, C'] (grad mode as the caller's), each distinct prompt run once
-    where `sharing_prompts` allows it: the same numbers either way, up to float rounding."""
-    logprobs = prefix.completion_logprobs if sharing_prompts(model, settings) else grpo_loss.token_logprobs
+    where prefix.logprobs_function allows it: the same numbers either way, up to float rounding."""
+    logprobs = prefix.logprobs_function(model, settings.prefix_sharing)
     with _compute(settings, device):
         return logprobs(model, micro.input_ids, micro.attention_mask, micro.width, settings.temperature)
 

@@ -182,7 +182,7 @@ def test_reentrant_checkpointing_falls_back_to_every_row_in_full_said_once():
                 p.normal_(0, 0.5)
     settings = update.UpdateSettings(micro_batch_size=5, updates_per_batch=2,
                                      loss=update.grpo_loss.LossSettings(kl_coef=0.1))
-    update._SAID.clear()
+    update.prefix._SAID.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         on, off = on_and_off(model, lambda: [grouped_batch(FOUR_PROMPTS)], settings)
