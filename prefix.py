@@ -6,9 +6,10 @@ template, system prompt and worked example.
 from the same [prompt | completion] rows, but runs each distinct prompt of the rows once:
 1. groups: rows with identical prompt tokens (and mask) are one group (`prompt_groups`, from the token ids);
 2. the shared prefix (optional, with two distinct prompts or more): the longest run of real tokens every
-   distinct prompt starts with (`common_prefix_length`, from the ids, never from knowledge of the template) runs once, [1, L], and its keys and
-   values are repeated for the G distinct prompts, whose suffixes run on them ([prefix][suffix, left padded]: pads
-   in the middle are masked out, positions come from the mask, grpo_loss.position_ids_from_mask);
+   distinct prompt starts with (`common_prefix_length`, from the ids, never from knowledge of the template) runs
+   once, [1, L], and its keys and values are repeated for the G distinct prompts, whose suffixes run on them
+   ([prefix][suffix, left padded]: pads in the middle are masked out, positions come from the mask,
+   grpo_loss.position_ids_from_mask);
 3. the distinct prompts' keys and values (the model's KV cache) are repeated for the B rows with index_select and
    the completions [B, C] run on them; the first completion token is scored by the prompt forward's last logits.
 Repeating keys and values is differentiable (index_select's backward sums), so every row's gradient flows back
@@ -96,7 +97,7 @@ def shared_prefix_layout(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tenso
     return ids, mask, shared
 
 
-def _cache_argument(model):
+def cache_argument(model):
     """The name of the KV-cache argument of the transformers model inside `model` ("cache" in transformers >= 5.x
     releases that renamed it, else "past_key_values")."""
     parameters = inspect.signature(models.hf_model(model).forward).parameters
@@ -198,7 +199,7 @@ def _forward(model, ids, mask, positions, cache, logits_to_keep):
         # The layers read and write `cache` whenever one is passed; use_cache=True under checkpointing would only
         # make transformers warn that it turns use_cache off.
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=not checkpointing,
-                    logits_to_keep=logits_to_keep, **{_cache_argument(model): cache})
+                    logits_to_keep=logits_to_keep, **{cache_argument(model): cache})
     if cache.get_seq_length() != mask.shape[1]:
         raise RuntimeError(f"the model left a KV cache of {cache.get_seq_length()} positions, not {mask.shape[1]} "
                            "(prefix sharing needs the cache in the update: --prefix-sharing off)")

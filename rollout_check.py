@@ -121,7 +121,8 @@ def measure(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=Tru
             width = max(1, int(mask.sum(1).max()))
             ids = torch.cat([rollouts.prompt_ids[rows[part]], rollouts.completion_ids[part, :width]], 1)
             attention = torch.cat([rollouts.prompt_mask[rows[part]], mask[:, :width]], 1)
-            trainer = logprobs(model, ids.to(device), attention.to(device), width, temperature if temperature > 0 else 1.0)
+            trainer = logprobs(model, ids.to(device), attention.to(device), width,
+                               temperature if temperature > 0 else 1.0)
             gap = gap + SamplerGap.of(trainer, rollouts.sampler_logprobs[part, :width], mask[:, :width].to(device))
     return gap
 

@@ -267,7 +267,7 @@ def shared_prefix_cache(model, ids, mask):
     if shared == 0:
         return ids, mask, None
     parameters = inspect.signature(models.hf_model(model).forward).parameters
-    name = "cache" if "cache" in parameters else "past_key_values"   # transformers 5.x: cache
+    name = prefix.cache_argument(model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}   # no [prefix, vocab] logits
     output = model(input_ids=new_ids[:1, :shared], attention_mask=new_mask[:1, :shared], use_cache=True, **keep)
     cache = getattr(output, "cache", None)

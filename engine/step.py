@@ -116,8 +116,8 @@ def decode_step(dec, state):
 
 def prefill(dec, prompt_ids, prompt_mask, shared=0):
     """K/V of every prompt but its last token (the first decode step consumes it), [D, kv_heads, W - 1, hd].
-    shared: the first `shared` columns hold the same tokens in every row, unpadded (prefix.shared_prefix_layout): they run
-    once, as one row, and every prompt's suffix attends to that row's K/V."""
+    shared: the first `shared` columns hold the same tokens in every row, unpadded (prefix.shared_prefix_layout):
+    they run once, as one row, and every prompt's suffix attends to that row's K/V."""
     distinct, length, device = prompt_ids.shape[0], prompt_ids.shape[1] - 1, prompt_ids.device
     if not 0 <= shared <= length or (shared and not bool(prompt_mask[:, :shared].all())):
         raise ValueError(f"a shared prefix of {shared} tokens needs {shared} unpadded columns before the last")

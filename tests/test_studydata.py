@@ -59,7 +59,7 @@ def test_values_not_recorded_are_null_and_the_clock_is_not_reported(tmp_path):
     with pytest.raises(ValueError, match="no mean step time recorded for 'GRPO'"):
         studydata.estimate_clock(runs, {})
     with pytest.raises(ValueError, match="not recorded, so it cannot be cut to a budget of 50 s"):
-        bootstrap.within_budget(run, 50)
+        compare.within_budget(run, 50)
     (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a run data file"):
         studydata.read_data(tmp_path / "bad.json")
@@ -84,7 +84,8 @@ def test_the_committed_ga_data_reproduce_the_committed_tables(capsys):
                                                               "PODS random 16/4"))
 
 
-@pytest.mark.parametrize("folder, seeds, budget_s", [("demo-prefix", [0, 1, 2], 270.0), ("demo-prefix-600", [0], 600.0)])
+@pytest.mark.parametrize("folder, seeds, budget_s", [("demo-prefix", [0, 1, 2], 270.0),
+                                                     ("demo-prefix-600", [0], 600.0)])
 def test_the_committed_demo_runs_with_prefix_sharing_reproduce_their_table(capsys, folder, seeds, budget_s):
     """results/demo-prefix: the 3 seeds of `python train.py --max-time-s 270` with each distinct token computed once,
     results/demo-prefix-600: the default 600 s run; the table recomputed from each is its demo.md, and BENCHMARKS.md
