@@ -49,7 +49,6 @@ AXES = {"time": "training wall-clock (s)", "steps": "optimizer step"}
 RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 FRACTION = 0.99  # of the baseline's peak (Appendix A.4)
-within_budget = compare.within_budget  # a run read as one of a shorter --max-time-s
 
 
 def on_axis(run, axis):
@@ -443,10 +442,10 @@ def jitter_lines(runs_by_label, baseline_label, jitter, resamples=RESAMPLES, bud
 def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accuracy", resamples=RESAMPLES,
            budget_s=None, jitter=0.0):
     """Read the run folders (compare.py's rules; runs of different budgets refused unless budget_s, to which each
-    is cut: `within_budget`) and report them (`report_runs`); draws the plot when plot_path is given."""
+    is cut: `compare.within_budget`) and report them (`report_runs`); draws the plot when plot_path is given."""
     runs = [compare.read_run(path, metric=metric) for path in compare.expand_run_dirs(run_dirs)]
     compare.check_budgets(runs, budget_s)
-    return report_runs([within_budget(r, budget_s) for r in runs], baseline_label, plot_path, title, metric,
+    return report_runs([compare.within_budget(r, budget_s) for r in runs], baseline_label, plot_path, title, metric,
                        resamples, budget_s, jitter=jitter)
 
 
@@ -481,7 +480,7 @@ def main(argv=None):
     if args.from_data:
         runs, clock = studydata.read_study(args.run_dirs, args.metric)
         compare.check_budgets(runs, args.budget_s)
-        runs = [within_budget(r, args.budget_s) for r in runs]
+        runs = [compare.within_budget(r, args.budget_s) for r in runs]
         note = None
         if args.estimate_clock:
             runs, note = studydata.estimate_clock(runs, clock), ("ESTIMATED: an evaluation's training seconds, where "

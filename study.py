@@ -142,7 +142,7 @@ GA_SETTINGS = {"--prompts-per-step": "4", "--eval-samples": "256", "--eval-inter
 GA_TRAIN_ARGS = with_settings(STUDY_TRAIN_ARGS, GA_SETTINGS)
 # Training wall-clock per run: ~23 GRPO-GA steps, ~55 PODS steps on 2 quiet cores. A first GRPO-GA run of 1800 s
 # (BENCHMARKS) was on its plateau from ~200 s on, so half that budget is still ~4x its time to it; the report
-# reads every run as a run of this budget (bootstrap.within_budget), that first one included.
+# reads every run as a run of this budget (compare.within_budget), that first one included.
 GA_MAX_TIME_S = 900.0
 GA_NUM_THREADS = 2      # one run at a time on the 2-core machine, both cores to it (BENCHMARKS: 1.5-1.85x faster)
 # Training wall-clock per run of the recorded rule / n/m study and loss-variant study (BENCHMARKS.md): the commands'
@@ -436,7 +436,7 @@ def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RES
     if budget_s is None and study_file.is_file():
         budget_s = json.loads(study_file.read_text()).get("budget_s")
     compare_module.check_budgets(runs, budget_s)
-    return pods_report([bootstrap.within_budget(r, budget_s) for r in runs], budget_s, plot, resamples)
+    return pods_report([compare_module.within_budget(r, budget_s) for r in runs], budget_s, plot, resamples)
 
 
 def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):

@@ -216,17 +216,17 @@ def test_a_run_is_read_as_one_with_the_budget_would_have_logged(tmp_path):
             line["step"] = int(line["elapsed_s"] // 10)
     (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     run = compare.read_run(path)
-    cut = bootstrap.within_budget(run, 45)
+    cut = compare.within_budget(run, 45)
     assert list(cut.eval_steps) == [0, 2, 4] and list(cut.eval_accuracy) == pytest.approx([0.0, 0.2, 0.4])
-    assert len(cut.step_durations_s) == 4 and len(bootstrap.within_budget(run, 50).step_durations_s) == 5
+    assert len(cut.step_durations_s) == 4 and len(compare.within_budget(run, 50).step_durations_s) == 5
     # The per-phase clock is the kept steps' too: steps of 10 s then 40 s (make_run: generate = 0.75 x the step).
     slow_end = compare.read_run(make_run(tmp_path, "slow-end", "GRPO", 2, evals, step_times=[10.0] * 4 + [40.0] * 2))
     assert slow_end.phase_means_s["generate_s"] == pytest.approx((4 * 7.5 + 2 * 30.0) / 6)
-    assert bootstrap.within_budget(slow_end, 45).phase_means_s == pytest.approx({"generate_s": 7.5, "update_s": 2.5})
-    assert bootstrap.within_budget(run, None) is run and bootstrap.within_budget(run, 1e9).eval_steps.tolist() == \
+    assert compare.within_budget(slow_end, 45).phase_means_s == pytest.approx({"generate_s": 7.5, "update_s": 2.5})
+    assert compare.within_budget(run, None) is run and compare.within_budget(run, 1e9).eval_steps.tolist() == \
         run.eval_steps.tolist()
     no_steps = compare.read_run(make_run(tmp_path, "evals-only", "GRPO", 1, evals))
-    assert list(bootstrap.within_budget(no_steps, 45).eval_times_s) == [0.0, 20.0, 40.0]
+    assert list(compare.within_budget(no_steps, 45).eval_times_s) == [0.0, 20.0, 40.0]
     make_run(tmp_path, "short", "GRPO", 1, evals[:3], step_times=[10.0] * 4)
     by_axis, _ = bootstrap.report([tmp_path / "long", tmp_path / "short"], "GRPO", resamples=20, budget_s=45)
     assert by_axis["time"]["GRPO"]["peak"] == pytest.approx(0.4)

@@ -132,12 +132,11 @@ def test_resume_applies_the_new_learning_rate_and_weight_decay(tiny_model_dir, t
 def test_a_resumed_run_starts_no_step_past_its_budget(tiny_model_dir, tmp_path, monkeypatch):
     """The last step's duration is saved with the checkpoint: near --max-time-s a resumed run foresees its next step
     as the uninterrupted run would (no step starts that would likely end past the budget), and a reader that cuts
-    runs to that budget (bootstrap.within_budget) keeps the same steps and evaluations. Each step takes 1 s of a
+    runs to that budget (compare.within_budget) keeps the same steps and evaluations. Each step takes 1 s of a
     fake clock, so the uninterrupted run's stop is known: after step 2, as 2 s + 1 s > 2.25 s."""
     import itertools
     import types
 
-    import bootstrap
     import compare
 
     monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=itertools.count(0.0, 1.0).__next__))
@@ -148,7 +147,7 @@ def test_a_resumed_run_starts_no_step_past_its_budget(tiny_model_dir, tmp_path, 
     budget = last["elapsed_s"] + 0.25 * last["step_s"]
     train.main(argv + ["--max-steps", "0", "--max-time-s", str(budget), "--resume"])
     assert [line["step"] for line in read_lines(tmp_path / "run", "train")] == [1, 2]
-    run = bootstrap.within_budget(compare.read_run(tmp_path / "run"), budget)
+    run = compare.within_budget(compare.read_run(tmp_path / "run"), budget)
     assert len(run.step_durations_s) == 2 and run.eval_steps.tolist() == [0, 2]
 
 
