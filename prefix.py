@@ -24,13 +24,18 @@ must make the same forward calls) the prefix level, whose use depends on each ra
 checkpointing (its forward runs without autograd: no gradient through the cache), a transformers release whose
 checkpointed layers always drop the cache, a cache whose layers are not plain key/value tensors (sliding windows),
 a model that is not a transformers causal LM.
-Simplification: groups and the shared prefix are found per call (a micro-batch); a prompt whose rows fall into two
-micro-batches runs once in each.
+Across micro-batches (update.py's gradient accumulation): the prefix every prompt of an optimizer step shares runs
+once per step (`step_prefix`: one forward; each micro-batch attends to detached copies of its keys and values,
+whose gradients add up over the micro-batches and go back through that forward once, `backward_step_prefix`).
+With one prompt per step (the paper's presets) that is the whole prompt but its last token.
+Simplification: the distinct prompts are found per call (a micro-batch); a prompt whose rows fall into two
+micro-batches runs its own suffix (the part after the step's prefix) once in each.
 """
 
 import contextlib
 import inspect
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -213,16 +218,25 @@ def repeat_cache(model, cache, index: Tensor):
                           for layer in cache.layers])
 
 
-def _distinct_prompts(model, ids, mask, shared_prefix):
+def _distinct_prompts(model, ids, mask, shared_prefix, step=None):
     """The forward of G distinct left-padded prompts [G, Tp] -> (last-position logits [G, 1, V], their KV cache,
-    its attention mask [G, Tk]); with shared_prefix their common prefix runs once first (when they have one)."""
-    length = common_prefix_length(ids, mask) if shared_prefix and len(ids) > 1 and is_left_padded(mask) else 0
-    if length == 0:
-        return (*_forward(model, ids, mask, grpo_loss.position_ids_from_mask(mask), _cache(model), 1), mask)
-    width, lengths = ids.shape[1], mask.sum(1)
-    start = int(width - lengths[0])
-    shared = ids[:1, start:start + length]
-    _, cache = _forward(model, shared, torch.ones_like(shared), None, _cache(model), 1)
+    its attention mask [G, Tk]); with shared_prefix their common prefix runs once first (when they have one), or
+    with `step` (a StepPrefix every prompt starts with) that prefix's keys and values are read, not run."""
+    if step is not None:
+        length = len(step.ids)
+        if not starts_with(ids, mask, step.ids):
+            raise ValueError(f"the micro-batch's prompts do not all start with the step's {length}-token prefix and "
+                             "go past it (prefix.step_prefix_ids of these rows)")
+        cache = _cache(model, step.inputs)
+    else:
+        length = common_prefix_length(ids, mask) if shared_prefix and len(ids) > 1 and is_left_padded(mask) else 0
+        if length == 0:
+            return (*_forward(model, ids, mask, grpo_loss.position_ids_from_mask(mask), _cache(model), 1), mask)
+        width, lengths = ids.shape[1], mask.sum(1)
+        start = int(width - lengths[0])
+        _, cache = _forward(model, ids[:1, start:start + length], torch.ones_like(ids[:1, :length]), None,
+                            _cache(model), 1)
+    lengths = mask.sum(1)
     # Suffixes (each prompt without the prefix) stay right-aligned: drop the columns every suffix pads.
     suffix_width = int((lengths - length).max())
     suffix_ids, suffix_mask = ids[:, -suffix_width:], mask[:, -suffix_width:].clone()
@@ -234,6 +248,62 @@ def _distinct_prompts(model, ids, mask, shared_prefix):
     return logits, cache, full_mask
 
 
+def starts_with(prompt_ids: Tensor, prompt_mask: Tensor, prefix_ids: Tensor) -> bool:
+    """Every left-padded prompt [B, Tp] starts with the tokens prefix_ids [L] and has at least one token past them."""
+    length, lengths = len(prefix_ids), prompt_mask.sum(1)
+    if not is_left_padded(prompt_mask) or (len(lengths) and int(lengths.min()) <= length):
+        return False
+    starts = prompt_ids.shape[1] - lengths
+    real = prompt_ids.gather(1, starts[:, None] + torch.arange(length, device=prompt_ids.device))
+    return bool((real == prefix_ids.to(real.device)).all())
+
+
+@dataclass
+class StepPrefix:
+    """The prefix every prompt of an optimizer step shares, run once for all its micro-batches (`step_prefix`)."""
+    ids: Tensor                           # [L] its token ids
+    outputs: list[tuple[Tensor, Tensor]]  # per layer, its keys and values [1, kv_heads, L, head_dim] as computed
+    inputs: list[tuple[Tensor, Tensor]]   # the same, detached, each micro-batch's past: their .grad sums its rows'
+
+
+def step_prefix_ids(prompts) -> Tensor | None:
+    """The longest run of tokens every prompt of `prompts` ((prompt_ids [B, Tp], prompt_mask) pairs, left padded)
+    starts with, each prompt keeping one token of its own (`common_prefix_length`); None if some are not left
+    padded."""
+    found = None
+    for ids, mask in prompts:
+        if len(ids) == 0:
+            continue
+        if not is_left_padded(mask):
+            return None
+        length = common_prefix_length(ids, mask)
+        start = ids.shape[1] - int(mask[0].sum())
+        own = ids[0, start:start + length]
+        if found is not None:
+            shortest = min(len(found), len(own))
+            own = own[:int((own[:shortest] == found[:shortest].to(own.device)).long().cumprod(0).sum())]
+        found = own
+    return found
+
+
+def step_prefix(model, ids: Tensor) -> StepPrefix:
+    """Run the prefix ids [L] once (with gradients in grad mode): the keys and values every micro-batch of the step
+    then reads (completion_logprobs(..., step=...)); `backward_step_prefix` after the last micro-batch's backward."""
+    _, cache = _forward(model, ids[None], torch.ones_like(ids[None]), None, _cache(model), 1)
+    outputs = [(layer.keys, layer.values) for layer in cache.layers]
+    inputs = [tuple(t.detach().requires_grad_(t.requires_grad) for t in kv) for kv in outputs]
+    return StepPrefix(ids, outputs, inputs)
+
+
+def backward_step_prefix(step: StepPrefix):
+    """Send the gradients the micro-batches left on the prefix's keys and values through its forward, once: the
+    parameters then hold what every row's backward through its own copy of the prefix would have given."""
+    pairs = [(output, given.grad) for kv, given_kv in zip(step.outputs, step.inputs) for output, given in
+             zip(kv, given_kv) if given.grad is not None]
+    if pairs:
+        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+
+
 def several_processes() -> bool:
     """A multi-process run (multigpu/): FSDP runs the same collectives on every rank, so every rank must make the
     same forward calls, and the prefix level (used or not by each rank's own prompts) stays off."""
@@ -242,18 +312,20 @@ def several_processes() -> bool:
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, shared_prefix: bool = True) -> Tensor:
+                        temperature: float = 1.0, shared_prefix: bool = True, step: StepPrefix | None = None) -> Tensor:
     """grpo_loss.token_logprobs (same arguments: rows [left-padded prompt | completion], C = num_completion_tokens)
     with each distinct prompt run once (its keys and values repeated for its rows), and with shared_prefix the
-    prefix every prompt shares run once (not with several processes: `several_processes`). float32 [B, C];
-    gradients flow into `model` unless under no_grad. Always two forward calls (three with a shared prefix)."""
+    prefix every prompt shares run once (not with several processes: `several_processes`), or with `step` read from
+    the step's prefix (every prompt must start with it). float32 [B, C]; gradients flow into `model` unless under
+    no_grad (with `step`, into step.inputs until `backward_step_prefix`). Two forward calls (three with a shared
+    prefix run here)."""
     grpo_loss.check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
     c = num_completion_tokens
     prompt_ids, prompt_mask = input_ids[:, :-c], attention_mask[:, :-c]
     completion_ids, completion_mask = input_ids[:, -c:], attention_mask[:, -c:]
     first, group = prompt_groups(prompt_ids, prompt_mask)
     last_logits, cache, cache_mask = _distinct_prompts(model, prompt_ids[first], prompt_mask[first],
-                                                       shared_prefix and not several_processes())
+                                                       shared_prefix and not several_processes(), step)
     # The last completion token only predicts past the row: the first C - 1 go in (1 when C = 1, its logits unused,
     # so that the calls never depend on C).
     inputs = max(c - 1, 1)

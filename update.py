@@ -163,12 +163,31 @@ def _compute(settings, device):
     return torch.autocast(torch.device(device).type, dtype=settings.autocast_dtype)
 
 
-def _logprobs(model, micro, settings, device):
+def _logprobs(model, micro, settings, device, step=None):
     """The micro-batch's completion log-probs [b, C'] (grad mode as the caller's), each distinct prompt run once
-    where prefix.logprobs_function allows it: the same numbers either way, up to float rounding."""
+    where prefix.logprobs_function allows it, reading the step's shared prefix where `_step_prefix` ran one: the same
+    numbers either way, up to float rounding."""
     logprobs = prefix.logprobs_function(model, settings.prefix_sharing)
     with _compute(settings, device):
+        if step is not None:
+            return logprobs(model, micro.input_ids, micro.attention_mask, micro.width, settings.temperature, step=step)
         return logprobs(model, micro.input_ids, micro.attention_mask, micro.width, settings.temperature)
+
+
+def _step_prefix(model, batches, settings, device):
+    """The prefix every prompt of the step shares, run once for all its micro-batches (prefix.step_prefix; in grad
+    mode its gradient goes back after the last micro-batch: prefix.backward_step_prefix), or None: one micro-batch
+    (it shares its own prefix), prefix sharing off or not possible here, several processes (prefix.several_processes),
+    or no shared token."""
+    micro_batch_count = sum(math.ceil(len(batch.advantages) / settings.micro_batch_size) for batch in batches)
+    if micro_batch_count < 2 or prefix.several_processes() or \
+            prefix.logprobs_function(model, settings.prefix_sharing) is not prefix.completion_logprobs:
+        return None
+    ids = prefix.step_prefix_ids((batch.prompt_ids, batch.prompt_mask) for batch in batches)
+    if ids is None or len(ids) == 0:
+        return None
+    with _compute(settings, device):
+        return prefix.step_prefix(model, ids.to(device))
 
 
 def needs_old_logprobs(settings):
@@ -179,23 +198,25 @@ def needs_old_logprobs(settings):
 
 def fill_logprobs(model, batches, settings):
     """Set each batch's old_logprobs (only `needs_old_logprobs`) and ref_logprobs (only kl_coef > 0; LoRA adapter
-    disabled = the reference policy), in one no-grad pass with the update's micro-batches; None where not needed."""
+    disabled = the reference policy), each in one no-grad pass over the update's micro-batches (the step's shared
+    prefix run once per pass); None where not needed."""
     need_old, need_ref = needs_old_logprobs(settings), settings.loss.kl_coef > 0
     if need_ref and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs a LoRA model: the adapter switched off is the reference policy")
     device = next(model.parameters()).device
+    passes = {"ref_logprobs": model.disable_adapter if need_ref else None,
+              "old_logprobs": contextlib.nullcontext if need_old else None}
     with torch.no_grad(), models.dropout_off(model, keep_checkpointing=True):
-        for batch in batches:
-            shape = batch.completion_ids.shape
-            old = torch.zeros(shape, device=device) if need_old else None
-            ref = torch.zeros(shape, device=device) if need_ref else None
-            for micro in micro_batches(batch, settings.micro_batch_size, device):
-                if need_ref:
-                    with model.disable_adapter():
-                        ref[micro.rows, :micro.width] = _logprobs(model, micro, settings, device)
-                if need_old:
-                    old[micro.rows, :micro.width] = _logprobs(model, micro, settings, device)
-            batch.old_logprobs, batch.ref_logprobs = old, ref
+        for name, policy in passes.items():
+            for batch in batches:
+                setattr(batch, name, None if policy is None else torch.zeros(batch.completion_ids.shape, device=device))
+            if policy is None:
+                continue
+            with policy():
+                step = _step_prefix(model, batches, settings, device)
+                for batch in batches:
+                    for micro in micro_batches(batch, settings.micro_batch_size, device):
+                        getattr(batch, name)[micro.rows, :micro.width] = _logprobs(model, micro, settings, device, step)
 
 
 def micro_batch_loss(logprobs, micro, settings):
@@ -247,9 +268,10 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
+            step = _step_prefix(model, batches, settings, device)
             for batch, batch_ratios in zip(batches, ratios):
                 for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
-                    logprobs = _logprobs(model, micro, settings, device)
+                    logprobs = _logprobs(model, micro, settings, device, step)
                     if checked and not losses:  # the policy before its first optimizer step: the one that sampled
                         gap = gap + rollout_check.SamplerGap.of(logprobs, micro.sampler_logprobs, micro.completion_mask)
                         batch_ratios[micro.rows] = rollout_check.row_mean_ratios(
@@ -262,6 +284,8 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
                     token_count += count
                     for key, value in metrics.items():  # token means -> token-weighted over micro-batches
                         token_sums[key] = token_sums.get(key, 0.0) + value * count
+            if step is not None:  # every micro-batch's gradient on the shared prefix, through its forward once
+                prefix.backward_step_prefix(step)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
             loss = total(loss)  # the global batch's loss: not finite if any process's is
             if max_sampler_gap is not None and not losses:  # every process decides on the global gap alike

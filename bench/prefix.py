@@ -10,7 +10,7 @@ Completions are random tokens of the full --completion-tokens (the demo's limit,
 by --seed: every mode trains on the same rows from the same weights (restored before each run), so the loss must
 agree, which is printed. Modes: off (every row runs its prompt in full), groups (each distinct prompt once: the
 prefix level switched off here, a benchmark-only knob) and on (--prefix-sharing on: groups + the prefix every
-prompt shares once). `tokens` counts the tokens the model's forward passes take in (prompt tokens once per call);
+prompt of the step shares once, across micro-batches). `tokens` counts the tokens the model's forward passes take in (prompt tokens once per call);
 `update_s` is wall-clock time (the targets: on / off <= 0.4 for PODS 16/4, <= 0.3 for GRPO-GA 16/16), `cpu_s` this
 process's CPU time, steadier on a shared machine. Compare the ratios of one run, whose modes alternate in each repeat
 (medians over the repeats after a warm-up).
@@ -92,14 +92,16 @@ def kept_batch(prompt_ids, prompt_mask, rows_per_prompt, completion_tokens, voca
 
 @contextlib.contextmanager
 def groups_only(mode):
-    """Mode "groups": prefix.completion_logprobs without the prefix level, for this block (benchmark-only)."""
-    real = prefix.completion_logprobs
+    """Mode "groups": prefix.completion_logprobs without the prefix level (neither a micro-batch's nor the step's),
+    for this block (benchmark-only)."""
+    real, real_step = prefix.completion_logprobs, update._step_prefix
     if mode == "groups":
         prefix.completion_logprobs = functools.partial(real, shared_prefix=False)
+        update._step_prefix = lambda *args: None
     try:
         yield
     finally:
-        prefix.completion_logprobs = real
+        prefix.completion_logprobs, update._step_prefix = real, real_step
 
 
 @contextlib.contextmanager

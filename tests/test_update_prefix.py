@@ -36,13 +36,16 @@ def policy(arch="llama", lora_rank=4, checkpointing=False):
     return model
 
 
-def grouped_batch(rows_of_prompt, seed=0, width=6, prefix_tokens=6):
+def grouped_batch(rows_of_prompt, seed=0, width=6, prefix_tokens=6, prefix_seed=None):
     """An UpdateBatch whose row i belongs to prompt rows_of_prompt[i]: prompts share a `prefix_tokens` prefix and end
     in suffixes of 1-4 tokens (left padded); completions of 1..width tokens (full-length ones truncated), random
-    advantages, and sampler log-probs near a policy's (so the sampler check and importance sampling have work)."""
+    advantages, and sampler log-probs near a policy's (so the sampler check and importance sampling have work).
+    prefix_seed: the shared prefix drawn from this seed (batches of one step sharing it), else from `seed`."""
     g = torch.Generator().manual_seed(seed)
     count = max(rows_of_prompt) + 1
     shared = torch.randint(3, VOCAB, (prefix_tokens,), generator=g).tolist()
+    if prefix_seed is not None:
+        shared = torch.randint(3, VOCAB, (prefix_tokens,), generator=torch.Generator().manual_seed(prefix_seed)).tolist()
     prompts = [shared + torch.randint(3, VOCAB, (1 + i % 4,), generator=g).tolist() for i in range(count)]
     longest = max(len(p) for p in prompts)
     prompt_ids = torch.full((count, longest), PAD)
@@ -128,6 +131,16 @@ CASES = {  # name: (model options, batches, update settings)
     "micro-batches that split prompts": ({}, lambda: [grouped_batch(FOUR_PROMPTS)], dict(micro_batch_size=3)),
     "batch scope: prompts mixed, uneven": ({}, lambda: [grouped_batch([2, 0, 2, 1, 0, 2, 3, 2, 0, 2, 1])],
                                            dict(micro_batch_size=5)),
+    "GRPO-GA: one prompt per micro-batch, the step's prefix run once": (
+        {}, lambda: [grouped_batch(FOUR_PROMPTS)], dict(micro_batch_size=4)),
+    "the step's prefix with mu 2, KL and gradient checkpointing": (
+        dict(checkpointing=True), lambda: [grouped_batch(FOUR_PROMPTS)],
+        dict(micro_batch_size=4, updates_per_batch=2, loss=update.grpo_loss.LossSettings(kl_coef=0.3))),
+    "one prompt per step in micro-batches of 2 (the paper's presets)": (
+        {}, lambda: [grouped_batch([0] * 8)], dict(micro_batch_size=2)),
+    "dynamic sampling: batches sharing the step's prefix": (
+        {}, lambda: [grouped_batch([0, 0, 1, 1], seed=1, prefix_seed=9),
+                     grouped_batch([0, 0, 0, 1, 1, 2], seed=2, width=4, prefix_seed=9)], dict(micro_batch_size=3)),
     "dynamic sampling: several rollout batches": (
         {}, lambda: [grouped_batch([0, 0, 1, 1], seed=1), grouped_batch([0, 0, 0, 1, 1, 2], seed=2, width=4),
                      grouped_batch([0], seed=3)], dict(micro_batch_size=4)),
@@ -191,3 +204,50 @@ def test_reentrant_checkpointing_falls_back_to_every_row_in_full_said_once():
     # fill_logprobs' no-grad passes share (nothing is checkpointed without gradients); the update's passes do not
     assert on[3] == 4 * 2 and off[3] == 0   # fill_logprobs only: 4 micro-batches x (reference, old log-probs)
     assert_same_update(on, off)
+
+
+def test_the_prefix_every_prompt_of_a_step_shares_runs_once_per_pass():
+    """Gradient accumulation over micro-batches (GRPO-GA: one prompt per micro-batch): the step's shared prefix goes
+    through the model once per pass (reference, old log-probs, each optimizer step), not once per micro-batch, and
+    each micro-batch runs only its prompt's own tokens and its completions."""
+    model = policy()
+    settings = update.UpdateSettings(micro_batch_size=4, updates_per_batch=2,
+                                     loss=update.grpo_loss.LossSettings(kl_coef=0.3))
+    batch = grouped_batch(FOUR_PROMPTS, prefix_tokens=6)
+    suffixes = [int(batch.prompt_mask[row].sum()) - 6 for row in range(0, 16, 4)]
+    completions = [max(int(batch.completion_mask[row:row + 4].sum(1).max()) - 1, 1) for row in range(0, 16, 4)]
+    calls = []
+    embed = models.hf_model(model).get_input_embeddings()
+    hook = embed.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
+    update.fill_logprobs(model, [batch], settings)
+    update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                         [batch], settings)
+    hook.remove()
+    per_pass = [(1, 6)] + [call for suffix, width in zip(suffixes, completions) for call in ((1, suffix), (4, width))]
+    assert calls == per_pass * 4   # reference, old log-probs, optimizer steps 1 and 2
+
+
+def test_a_micro_batch_that_does_not_start_with_the_steps_prefix_is_refused():
+    model = policy()
+    batch = grouped_batch(FOUR_PROMPTS)
+    micro = next(update.micro_batches(batch, 4, "cpu"))
+    with torch.no_grad():
+        step = prefix.step_prefix(model, torch.tensor([5, 6, 7]))
+        with pytest.raises(ValueError, match="do not all start with the step's 3-token prefix"):
+            prefix.completion_logprobs(model, micro.input_ids, micro.attention_mask, micro.width, step=step)
+
+
+def test_one_prompt_per_step_runs_once_whatever_the_micro_batches():
+    """The paper's presets: m rows of one prompt, micro-batches of a few rows. The prompt but its last token runs
+    once per optimizer step; each micro-batch runs that last token and its completions."""
+    model = policy()
+    batch = grouped_batch([0] * 8, prefix_tokens=6)
+    length = int(batch.prompt_mask[0].sum())
+    calls = []
+    embed = models.hf_model(model).get_input_embeddings()
+    hook = embed.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
+    update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), [batch],
+                         update.UpdateSettings(micro_batch_size=2))
+    hook.remove()
+    assert calls[0] == (1, length - 1) and [call[:1] for call in calls[1::2]] == [(1,)] * 4
+    assert [call[1] for call in calls[1::2]] == [1] * 4 and len(calls) == 9
