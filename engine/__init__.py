@@ -24,8 +24,11 @@ replayed per token.
   a graph recorded over them would read stale addresses: a sharded model decodes eagerly (capture=None, the
   default, decides), one kernel launch per op and token (on GPU several times slower per token than a replayed
   graph; the cost of the multi-GPU path until weights get a fixed home).
-Simplifications: batch-synchronous (no continuous batching, no paged attention); attention reads the whole
-bucketed cache under a mask; other architectures go through Hugging Face generate (sampling.py).
+- Eager decoding (no graph: CPU, FSDP): attention reads only the cache columns written so far, and the prefix every
+  prompt of the chunk shares once for all rows (step.attend_shared); a recorded graph's fixed shapes read the whole
+  bucketed cache of every row under a mask.
+Simplifications: batch-synchronous (no continuous batching, no paged attention); the prefix's K/V are still stored
+in every row; other architectures go through Hugging Face generate (sampling.py).
 
 Files: decode.py (the loop, buckets, graphs), step.py (one decode step, the prefill, token choice), weights.py (the
 merged LoRA copies). sampling.py calls `generate`; benchmarks also use `forced_lengths` (synthetic EOS positions).

@@ -81,6 +81,10 @@ class State:
     scalars: dict             # shared: slot, step [1]; temperature, top_p, pad []; eos [EOS_SLOTS]
     sample: bool              # temperature > 0 (else greedy)
     nucleus: bool             # top_p < 1
+    attend_len: int = 0       # eager decoding: the cache columns attention reads, those written so far (0: all of
+                              # them, as a recorded graph's fixed shapes need)
+    shared_len: int = 0       # eager decoding: the first columns, the same in every row (the prefix all prompts
+                              # share), read once for all rows (step.attend_shared; 0: per row)
 
 
 ROW_FIELDS = ("valid", "tokens", "positions", "done", "stop_at", "row_keys", "out", "logprobs")
@@ -309,8 +313,15 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(rows, max_new_tokens, device=device)
         row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
+        windowed = graph is None and compile_backend is None   # eager: no fixed shape to keep
         for step in range(max_new_tokens):
-            graph.replay() if graph is not None else engine.step(engine, state)
+            if graph is not None:
+                graph.replay()
+            else:
+                # Attention reads the columns written so far, not the whole bucketed cache (twice as many at the
+                # demo's lengths): decoding on a CPU is bound by reading the cache as much as the weights.
+                state.attend_len, state.shared_len = (width + step, shared) if windowed else (0, 0)
+                engine.step(engine, state)
             STATS.decode_steps, STATS.row_steps = STATS.decode_steps + 1, STATS.row_steps + size
             if (step + 1) % check_every and step + 1 < max_new_tokens:
                 continue

@@ -75,8 +75,31 @@ def attend(q, keys, values, mask, scaling):
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, heads * head_dim)
 
 
-def run_layers(dec, hidden, positions, keys, values, slots, mask):
-    """hidden [B, T, H] through every decoder layer; this input's K/V are written to cache columns `slots` [T]."""
+def attend_shared(q, keys, values, mask, scaling, shared):
+    """`attend` where the first `shared` cache columns hold the same keys and values in every row (the prefix all
+    prompts start with, prefix.shared_prefix_layout): they are read once, from row 0, as one matrix product for
+    every row's queries, and the softmax runs over [prefix | the row's own columns] together. Eager decoding
+    only (the prefix length changes from call to call; a recorded graph has fixed shapes)."""
+    batch, heads, length, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads * length
+    grouped = q.reshape(batch, kv_heads, group, head_dim)
+    by_head = grouped.transpose(0, 1).reshape(kv_heads, batch * group, head_dim)    # every row's queries, per KV head
+    prefix_scores = torch.matmul(by_head, keys[0, :, :shared].transpose(-1, -2))
+    prefix_scores = prefix_scores.reshape(kv_heads, batch, group, shared).transpose(0, 1)
+    own_scores = torch.matmul(grouped, keys[:, :, shared:].transpose(-1, -2))
+    scores = torch.cat([prefix_scores, own_scores], -1).float() * scaling
+    grouped_mask = mask.repeat(1, 1, heads // kv_heads, 1)   # row g * T + t is query t of head g
+    probs = scores.masked_fill(~grouped_mask, float("-inf")).softmax(-1).to(values.dtype)
+    prefix_probs = probs[..., :shared].transpose(0, 1).reshape(kv_heads, batch * group, shared)
+    out = torch.matmul(prefix_probs, values[0, :, :shared]).reshape(kv_heads, batch, group, head_dim).transpose(0, 1)
+    out = out + torch.matmul(probs[..., shared:], values[:, :, shared:])
+    return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+def run_layers(dec, hidden, positions, keys, values, slots, mask, shared=0):
+    """hidden [B, T, H] through every decoder layer; this input's K/V are written to cache columns `slots` [T].
+    shared: the first columns every row shares (`attend_shared`; 0: `attend`)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     cos, sin = dec.rotary(hidden, positions)
@@ -88,7 +111,8 @@ def run_layers(dec, hidden, positions, keys, values, slots, mask):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         layer_keys.index_copy_(2, slots, k)
         layer_values.index_copy_(2, slots, v)
-        hidden = hidden + o(attend(q, layer_keys, layer_values, mask, dec.scaling))
+        hidden = hidden + o(attend_shared(q, layer_keys, layer_values, mask, dec.scaling, shared) if shared else
+                            attend(q, layer_keys, layer_values, mask, dec.scaling))
         x = post_norm(hidden)
         hidden = hidden + down(act(gate(x)) * up(x))
     return hidden
@@ -96,10 +120,12 @@ def run_layers(dec, hidden, positions, keys, values, slots, mask):
 
 def decode_step(dec, state):
     """One token for every row of the bucket, all in place on `state`: the function a CUDA graph records."""
-    scalars = state.scalars
+    scalars, length = state.scalars, state.attend_len or state.valid.shape[1]
     state.valid.index_fill_(1, scalars["slot"], True)
-    hidden = run_layers(dec, dec.embed(state.tokens[:, None]), state.positions[:, None], state.keys, state.values,
-                        scalars["slot"], state.valid[:, None, None, :])
+    keys, values = ([cache[:, :, :length] for cache in caches] if state.attend_len else caches
+                    for caches in (state.keys, state.values))
+    hidden = run_layers(dec, dec.embed(state.tokens[:, None]), state.positions[:, None], keys, values,
+                        scalars["slot"], state.valid[:, None, None, :length], state.shared_len)
     logits = dec.lm_head(dec.norm(hidden))[:, -1].float()
     token = choose_tokens(logits, state)
     token = torch.where(state.stop_at == scalars["step"], scalars["eos"][0], token)

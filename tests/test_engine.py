@@ -172,11 +172,31 @@ def test_prefix_sharing_with_no_common_prefix_is_the_plain_prefill(arch):
         torch.testing.assert_close(on[1], off[1], rtol=0, atol=1e-5)   # (an all-pad column is dropped)
 
 
-@pytest.mark.parametrize("fault", ["prefix only in the first row", "prefix tokens reversed"])
+@pytest.mark.parametrize("length", [1, 3])
+def test_attention_over_a_prefix_read_once_equals_attention_over_every_row(length):
+    """step.attend_shared (eager decoding: the columns every row shares read once, from row 0) against step.attend
+    over each row's full cache: 9 query heads on 3 KV heads, masked columns after the prefix, the same output."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, head_dim, shared, columns = 5, 9, 3, 8, 6, 14
+    q = torch.randn(batch, heads, length, head_dim, generator=generator)
+    keys, values = (torch.randn(batch, kv_heads, columns, head_dim, generator=generator) for _ in range(2))
+    for cache in (keys, values):
+        cache[:, :, :shared] = cache[:1, :, :shared]   # the prefix, the same in every row
+    mask = torch.rand(batch, 1, length, columns, generator=generator) < 0.6
+    mask[..., :shared] = True
+    want = engine.step.attend(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(engine.step.attend_shared(q, keys, values, mask, 0.3, shared), want, rtol=1e-5,
+                               atol=1e-6)
+    keys[1:, :, :shared] += 1.0   # rows whose prefix differs from row 0's: not what it may be given
+    assert not torch.allclose(engine.step.attend_shared(q, keys, values, mask, 0.3, shared),
+                              engine.step.attend(q, keys, values, mask, 0.3))
+
+
+@pytest.mark.parametrize("fault", ["prefix only in the last row", "prefix tokens reversed"])
 def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatch):
     """The run-time guard covers prefix sharing: rollout_check.measure scores the rollouts with the plain forward
-    pass over the whole prompts, so a shared prefix whose K/V reach only one prompt, or were computed from its
-    tokens in reverse order, raises the gap above the fallback limit (a tiny Llama with peaked logits, as a trained
+    pass over the whole prompts, so a shared prefix whose K/V reach only the last row (decoding reads them from the
+    first, step.attend_shared), or were computed from its tokens in reverse order, raises the gap above the fallback limit (a tiny Llama with peaked logits, as a trained
     model's)."""
     import rollout_check
     import sampling
@@ -196,17 +216,17 @@ def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatc
 
     healthy, prefill, run_layers = gap(), engine.step.prefill, engine.step.run_layers
 
-    def first_row_only(dec, prompt_ids, prompt_mask, shared=0):
+    def last_row_only(dec, prompt_ids, prompt_mask, shared=0):
         keys, values = prefill(dec, prompt_ids, prompt_mask, shared)
         for cache in keys + values:
-            cache[1:, :, :shared] = 0
+            cache[:-1, :, :shared] = 0
         return keys, values
 
     def reversed_prefix(dec, hidden, *args):   # the prefix: the one call of one row and several tokens
         return run_layers(dec, hidden.flip(1) if hidden.shape[0] == 1 < hidden.shape[1] else hidden, *args)
 
-    if fault == "prefix only in the first row":
-        monkeypatch.setattr(engine.step, "prefill", first_row_only)
+    if fault == "prefix only in the last row":
+        monkeypatch.setattr(engine.step, "prefill", last_row_only)
     else:
         monkeypatch.setattr(engine.step, "run_layers", reversed_prefix)
     assert healthy.mean < 1e-5 < rollout_check.LOGPROB_GAP_LIMIT < gap().mean
