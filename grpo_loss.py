@@ -143,7 +143,9 @@ def picked_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -
     rows_per_chunk = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // (c * logits.shape[-1]))
     chunks = []
     for start in range(0, logits.shape[0], rows_per_chunk):
-        scaled = logits[start : start + rows_per_chunk].float() / temperature
+        scaled = logits[start : start + rows_per_chunk].float()
+        if temperature != 1.0:  # a pass over [rows, C, V] and its backward saved at the usual temperature 1
+            scaled = scaled / temperature
         picked = scaled.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1)
         chunks.append(picked - torch.logsumexp(scaled, dim=-1))
     return torch.cat(chunks, dim=0)
