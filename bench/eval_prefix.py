@@ -4,13 +4,17 @@ tokens of which the first 85 are the same for every prompt of a chunk, so withou
 mostly one prefix computed again for every prompt.
 
 Times eval.evaluate (what eval.py and train.py's held-out evaluation run, the first chunk's sampler check
-included: the check's forward pass does not share the prefix) on the demo's test prompts, greedy, with
-max_completion_tokens and rollout_batch_size of the demo preset, prefix sharing off and on, interleaved (off, on,
-on, off, ...) in one process after an untimed warm-up call (the engine's buffers, the first kernels), so a machine
-whose load drifts slows both alike. Prints each run (with the engine's prefill and decode seconds: the decode work
-is the same in both modes, so a difference there is the machine's load), the ratio of the best times (on / off:
-load only adds time, as bench decode's best of --repeats), the prefill's token positions
-(engine.STATS.prefill_tokens) and whether both gave the same completions. --no-check: generation and grading alone.
+included) on the demo's test prompts, greedy, with max_completion_tokens and rollout_batch_size of the demo preset,
+in three modes, interleaved (their order rotates each round) in one process after an untimed warm-up call (the
+engine's buffers, the first kernels), so a machine whose load drifts slows them alike:
+  before  the evaluation as it was: every prompt prefilled in full, and each decode step reading every row's whole
+          bucketed KV cache (engine.decode.EAGER_WINDOW off, a benchmark-only knob)
+  off     --prefix-sharing off: every prompt prefilled in full; decoding reads the columns written so far
+  on      --prefix-sharing on: the prefix every prompt shares prefilled once, and read once per decode step
+Prints each run (with the engine's prefill and decode seconds), the ratios of the best times (on / before, the
+target, and on / off; load only adds time, as bench decode's best of --repeats), the prefill's token positions
+(engine.STATS.prefill_tokens) and whether every mode gave the same completions. --no-check: generation and grading
+alone.
 
 --tiny: a 2-layer random Llama (SmolLM2's vocabulary and tokenizer), a few prompts, a few tokens: the code path
 only (tests/test_bench.py).
@@ -29,9 +33,10 @@ import models
 import sampling
 from bench.common import print_header, print_row, save_json, timed
 
-COLUMNS = ["run", "prefix_sharing", "seconds", "prefill_tokens", "prefill_s", "decode_s", "accuracy",
+COLUMNS = ["run", "mode", "seconds", "prefill_tokens", "prefill_s", "decode_s", "accuracy",
            "mean_completion_length"]
-TARGET_RATIO = 0.35   # the evaluation with prefix sharing in at most 0.35x the time without
+TARGET_RATIO = 0.35   # the evaluation with prefix sharing in at most 0.35x the time it took before
+MODES = ("before", "off", "on")
 
 
 def demo_eval_set(tokenizer, num_prompts):
@@ -46,7 +51,7 @@ def bench_evalprefix(argv):
     parser = argparse.ArgumentParser(prog="python -m bench evalprefix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="2-layer random Llama, the code path only")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 256 (tiny: 6)")
-    parser.add_argument("--rounds", type=int, default=2, help="off/on pairs timed, interleaved")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the three modes, timed, interleaved")
     parser.add_argument("--max-completion-tokens", type=int, default=None, help="default: the demo's 32 (tiny: 4)")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per generation call (default: the "
                                                                       "demo's rollout_batch_size, 64; tiny: 4)")
@@ -76,25 +81,31 @@ def bench_evalprefix(argv):
     sampling.generate_rollouts(model, tokenizer, prompts[:2], 1, replace(settings, max_new_tokens=2))   # warm-up
     rows, samples = [], {}
     for run in range(args.rounds):
-        for sharing in (False, True) if run % 2 == 0 else (True, False):
+        for mode in MODES[run % 3:] + MODES[:run % 3]:
             before, completions_of_run = replace(engine.STATS), []
-            result, seconds = timed(lambda: heldout.evaluate(
-                model, tokenizer, prompts, answers, replace(settings, prefix_sharing=sharing),
-                samples_out=completions_of_run, check_sampler=not args.no_check), torch.device("cpu"))
-            samples.setdefault(sharing, completions_of_run)
-            rows.append({"run": run, "prefix_sharing": "on" if sharing else "off", "seconds": seconds,
+            engine.decode.EAGER_WINDOW = mode != "before"
+            try:
+                result, seconds = timed(lambda: heldout.evaluate(
+                    model, tokenizer, prompts, answers, replace(settings, prefix_sharing=mode == "on"),
+                    samples_out=completions_of_run, check_sampler=not args.no_check), torch.device("cpu"))
+            finally:
+                engine.decode.EAGER_WINDOW = True
+            samples.setdefault(mode, completions_of_run)
+            rows.append({"run": run, "mode": mode, "seconds": seconds,
                          "prefill_tokens": engine.STATS.prefill_tokens - before.prefill_tokens,
                          "prefill_s": engine.STATS.prefill_s - before.prefill_s,
                          "decode_s": engine.STATS.decode_s - before.decode_s, "accuracy": result.accuracy,
                          "mean_completion_length": result.mean_completion_length})
             print_row(rows[-1], COLUMNS)
-    best = {mode: min(r["seconds"] for r in rows if r["prefix_sharing"] == mode) for mode in ("off", "on")}
-    ratio = best["on"] / best["off"]
-    same = [s["completion"] for s in samples[True]] == [s["completion"] for s in samples[False]]
-    print(f"best seconds: off {best['off']:.2f}, on {best['on']:.2f}; ratio on / off {ratio:.3f} "
-          f"(target <= {TARGET_RATIO}: {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}); prompt tokens {sum(lengths)}, "
-          f"prefilled off {rows[0]['prefill_tokens']}, on {rows[1]['prefill_tokens']}; the same completions: {same}; "
-          "decode work is the same in both modes, so differences in decode_s are the machine's load")
+    best = {mode: min(r["seconds"] for r in rows if r["mode"] == mode) for mode in MODES}
+    ratio = best["on"] / best["before"]
+    same = all([s["completion"] for s in samples[mode]] == [s["completion"] for s in samples["before"]]
+               for mode in MODES)
+    tokens = {mode: next(r["prefill_tokens"] for r in rows if r["mode"] == mode) for mode in MODES}
+    print(f"best seconds: " + ", ".join(f"{mode} {best[mode]:.2f}" for mode in MODES) + f"; ratio on / before "
+          f"{ratio:.3f} (target <= {TARGET_RATIO}: {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}), on / off "
+          f"{best['on'] / best['off']:.3f}; prompt tokens {sum(lengths)}, prefilled "
+          + ", ".join(f"{mode} {tokens[mode]}" for mode in MODES) + f"; the same completions in every mode: {same}")
     result = {"rows": rows, "best_s": best, "ratio": ratio, "same_completions": same,
               "prompt_tokens": sum(lengths), "num_prompts": len(prompts), "threads": torch.get_num_threads()}
     save_json(args.out_dir, "evalprefix", result)

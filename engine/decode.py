@@ -16,6 +16,9 @@ import prefix
 import report
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Eager decoding reads only the cache columns written so far, the shared prefix once (State.attend_len, shared_len);
+# benchmarks switch it off to time decoding as it was before (every row's whole bucketed cache: bench evalprefix).
+EAGER_WINDOW = True
 CACHE_BUCKET_TOKENS = 256   # cache lengths are multiples of this: a few graphs cover every prompt width
 CHECK_EVERY = 16            # decode steps between host checks for finished rows
 EOS_SLOTS = 8               # EOS ids padded to this many (-1 = none): the step's shapes never change
@@ -313,7 +316,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(rows, max_new_tokens, device=device)
         row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
-        windowed = graph is None and compile_backend is None   # eager: no fixed shape to keep
+        windowed = graph is None and compile_backend is None and EAGER_WINDOW   # eager: no fixed shape to keep
         for step in range(max_new_tokens):
             if graph is not None:
                 graph.replay()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bench.__main__ as cli
+import engine.step
 import models
 import pods
 from bench import common, decode, grading, phases, sampler, selector
@@ -117,20 +118,29 @@ def test_sampler_tiny_measures_the_gap_of_every_path_and_fault(capsys):
         assert (row["logprob_diff_mean"] < 1e-5) == healthy and row["falls_back"] is False   # tiny: flat logits
 
 
-def test_evalprefix_tiny_times_sharing_off_and_on_interleaved(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
-    """The demo's held-out prompts through eval.evaluate, prefix sharing off / on alternating: the same completions,
-    fewer prefilled positions with sharing, a ratio printed and saved."""
+def test_evalprefix_tiny_times_the_three_modes_interleaved(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
+    """The demo's held-out prompts through eval.evaluate, before / off / on in a rotating order: the same completions,
+    fewer prefilled positions with sharing, the "before" mode decoding over the whole cache (and only it), the ratio
+    on / before printed and saved."""
     monkeypatch.setattr(models, "load_tokenizer", lambda name: smollm2_tokenizer)   # reading the GGUF costs ~4 s
+    windows, step = [], engine.step.decode_step
+
+    def recording(dec, state):
+        windows.append(state.attend_len)
+        return step(dec, state)
+
+    monkeypatch.setattr(engine.step, "decode_step", recording)   # what a new engine steps with (engine_for)
     result = cli.main(["evalprefix", "--tiny", "--num-prompts", "5", "--rounds", "2", "--max-completion-tokens", "2",
                        "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| run | prefix_sharing |" in out and "ratio on / off" in out and result["same_completions"] is True
-    assert [row["prefix_sharing"] for row in result["rows"]] == ["off", "on", "on", "off"]
-    off, on = result["rows"][:2]
+    assert "| run | mode |" in out and "ratio on / before" in out and result["same_completions"] is True
+    assert [row["mode"] for row in result["rows"]] == ["before", "off", "on", "off", "on", "before"]
+    before, off, on = result["rows"][:3]
     # 5 prompts of equal length in chunks of 4 (tiny --batch-size): off prefills every prompt's tokens but the last
-    assert off["prefill_tokens"] == result["prompt_tokens"] - 5 > 2 * on["prefill_tokens"] > 0
-    assert result["ratio"] == min(r["seconds"] for r in result["rows"] if r["prefix_sharing"] == "on") / min(
-        r["seconds"] for r in result["rows"] if r["prefix_sharing"] == "off")
+    assert before["prefill_tokens"] == off["prefill_tokens"] == result["prompt_tokens"] - 5 > 2 * on["prefill_tokens"]
+    assert 0 in windows and any(windows)   # "before" reads the whole cache (0), the others a window
+    assert result["ratio"] == min(r["seconds"] for r in result["rows"] if r["mode"] == "on") / min(
+        r["seconds"] for r in result["rows"] if r["mode"] == "before")
     assert json.loads((tmp_path / "bench_evalprefix.json").read_text())["num_prompts"] == 5
 
 
