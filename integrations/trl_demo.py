@@ -56,7 +56,8 @@ MAPPED = frozenset((
     "prompts_per_step", "clip_eps", "clip_eps_high", "loss_aggregation", "mask_truncated",  # PODSConfig
     "learning_rate", "weight_decay", "optimizer", "max_grad_norm",  # train.load's optimizer (constant rate); TRL
     "temperature", "top_p", "max_completion_tokens", "rollout_batch_size", "micro_batch_size",
-    "seed", "num_threads", "max_steps", "max_time_s", "eval_interval", "eval_samples", "eval_temperature",
+    "seed", "num_threads", "max_steps", "max_time_s", "eval_interval", "eval_interval_s", "eval_samples",
+    "eval_temperature",
     "output_dir", "report_to",  # report.open_metrics sends the metrics lines
 ))
 # Flags honoured at some values only: dest -> (accepts(value), the values in words, the demo's value when the command
@@ -257,7 +258,8 @@ def step_logger(trainer, args, tokenizer, eval_set, write):
     as train.py does with --max-time-s: no step starts that would likely end past it (the last step's time taken as
     the next one's). The trainer's after_log then writes train.py's metrics line of the step (update_s = the rest of
     the step, optimizer included) and runs the held-out evaluation every --eval-interval steps (after the step's
-    timing: elapsed_s excludes it)."""
+    timing: elapsed_s excludes it) every --eval-interval steps or --eval-interval-s training seconds, as train.py
+    (train.evaluation_due)."""
     from transformers import TrainerCallback
 
     state = checkpoint.TrainerState()
@@ -285,7 +287,7 @@ def step_logger(trainer, args, tokenizer, eval_set, write):
         write(line)
         print(f"step {state.step}: reward {line.get('reward', float('nan')):.3f}, generate {line['generate_s']:.1f} s, "
               f"update {line['update_s']:.1f} s, step {line['step_s']:.1f} s", flush=True)
-        if eval_set and args.eval_interval and state.step % args.eval_interval == 0:
+        if eval_set and train.evaluation_due(args, state.step, state.elapsed_s - line["step_s"], state.elapsed_s):
             evaluate()
 
     trainer.after_log = after_log

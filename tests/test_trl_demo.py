@@ -226,3 +226,22 @@ def test_a_folder_holding_a_run_is_refused_without_advice_to_resume(tiny_model_d
     with pytest.raises(ValueError, match="already holds a run, which this demo cannot continue") as error:
         trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run"))
     assert "--resume" not in str(error.value)
+
+
+def test_eval_interval_s_evaluates_on_the_training_clock_as_train_py(monkeypatch):
+    """--eval-interval-s S: an evaluation after each step that crosses a multiple of S training seconds
+    (train.evaluation_due), whatever the step count."""
+    clock, evaluated = FakeClock(), []
+    monkeypatch.setattr(trl_demo.time, "perf_counter", clock)
+    monkeypatch.setattr(trl_demo.train, "evaluate_heldout", lambda model, tok, eval_set, args, state, *rest:
+                        evaluated.append((state.step, state.elapsed_s)))
+    trainer = types.SimpleNamespace(phase_s=dict.fromkeys(("generate_s", "reward_s", "select_s"), 0.0), model=None)
+    args = types.SimpleNamespace(max_time_s=0.0, eval_interval=0, eval_interval_s=5.0)
+    timer, state, _ = trl_demo.step_logger(trainer, args, None, ["a held-out prompt"], lambda line: None)
+    for step in range(1, 7):   # 4 s a step: 4, 8, 12, 16, 20, 24 s
+        control = types.SimpleNamespace(should_training_stop=False)
+        timer.on_step_begin(None, types.SimpleNamespace(global_step=step - 1), control)
+        clock.now += 4.0
+        timer.on_step_end(None, types.SimpleNamespace(global_step=step), control)
+        trainer.after_log({"reward": 0.0})
+    assert evaluated == [(2, 8.0), (3, 12.0), (4, 16.0), (5, 20.0)]
