@@ -343,7 +343,7 @@ def test_pods_command_dry_run_pilot_and_refusals(tmp_path, capsys):
     study.main(["pods", "--out", str(tmp_path), "--dry-run"])
     commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert len(commands) == 31 and commands[0].startswith("[1/31]") and "grpo-n4-m4-s0" in commands[0]
-    assert all("--max-time-s 900.0" in c and "--num-threads 2" in c and "--eval-interval-s 100" in c for c in commands)
+    assert all("--max-time-s 600.0" in c and "--num-threads 2" in c and "--eval-interval-s 100" in c for c in commands)
     assert not (tmp_path / "logs").exists()
     study.main(["pods", "--out", str(tmp_path), "--arms", "grpo", "--seeds", "0", "1", "--dry-run"])  # the pilot
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["[1/2]", "[2/2]"]
