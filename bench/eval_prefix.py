@@ -21,7 +21,9 @@ only (tests/test_bench.py).
 """
 
 import argparse
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -58,7 +60,13 @@ def bench_evalprefix(argv):
     parser.add_argument("--no-check", action="store_true", help="skip the first chunk's sampler check")
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out-dir", default="bench_out")
+    parser.add_argument("--from-json", help="no timing: the summary of a saved run (its bench_evalprefix.json), "
+                        "recomputed from its rows")
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        print(f"# bench evalprefix, from {args.from_json}: {saved['num_prompts']} prompts, {saved['threads']} threads")
+        return eval_summary(saved["rows"], same=saved["same_completions"])
     demo = config.PRESETS["demo"]
     num_prompts = args.num_prompts or (6 if args.tiny else 256)
     new_tokens = args.max_completion_tokens or (4 if args.tiny else demo["max_completion_tokens"])
@@ -97,16 +105,23 @@ def bench_evalprefix(argv):
                          "decode_s": engine.STATS.decode_s - before.decode_s, "accuracy": result.accuracy,
                          "mean_completion_length": result.mean_completion_length})
             print_row(rows[-1], COLUMNS)
+    result = {"rows": rows, **eval_summary(rows, samples), "prompt_tokens": sum(lengths),
+              "num_prompts": len(prompts), "threads": torch.get_num_threads()}
+    save_json(args.out_dir, "evalprefix", result)
+    return result
+
+
+def eval_summary(rows, samples=None, same=None):
+    """The best time per mode and the ratios, printed and returned: {best_s, ratio (on / before), same_completions}
+    (from the completions of each mode, `samples`, or a saved run's `same`)."""
     best = {mode: min(r["seconds"] for r in rows if r["mode"] == mode) for mode in MODES}
     ratio = best["on"] / best["before"]
-    same = all([s["completion"] for s in samples[mode]] == [s["completion"] for s in samples["before"]]
-               for mode in MODES)
+    if samples is not None:
+        same = all([s["completion"] for s in samples[mode]] == [s["completion"] for s in samples["before"]]
+                   for mode in MODES)
     tokens = {mode: next(r["prefill_tokens"] for r in rows if r["mode"] == mode) for mode in MODES}
     print(f"best seconds: " + ", ".join(f"{mode} {best[mode]:.2f}" for mode in MODES) + f"; ratio on / before "
           f"{ratio:.3f} (target <= {TARGET_RATIO}: {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}), on / off "
-          f"{best['on'] / best['off']:.3f}; prompt tokens {sum(lengths)}, prefilled "
+          f"{best['on'] / best['off']:.3f}; prefilled "
           + ", ".join(f"{mode} {tokens[mode]}" for mode in MODES) + f"; the same completions in every mode: {same}")
-    result = {"rows": rows, "best_s": best, "ratio": ratio, "same_completions": same,
-              "prompt_tokens": sum(lengths), "num_prompts": len(prompts), "threads": torch.get_num_threads()}
-    save_json(args.out_dir, "evalprefix", result)
-    return result
+    return {"best_s": best, "ratio": ratio, "same_completions": same}

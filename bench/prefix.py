@@ -22,8 +22,10 @@ Part functions (`update_part`) each print and return their rows, so other parts 
 import argparse
 import contextlib
 import functools
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,6 +53,8 @@ def parse_args(argv):
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench_out")
+    parser.add_argument("--from-json", help="no timing: the summary of a saved run (its bench_prefix.json), "
+                        "recomputed from its rows")
     parser.add_argument("--presets", action="store_true", help="no timing: the expected saving of the paper's presets "
                         "(a)-(d), from their prompt lengths and completion lengths (`preset_savings`)")
     args = parser.parse_args(argv)
@@ -157,12 +161,18 @@ def update_part(args, model, tokenizer):
                 rows.append({"shape": shape, "mode": mode, "repeat": repeat, "rows": count * per_prompt,
                              "tokens": tokens, "update_s": seconds, "cpu_s": cpu_s, "loss": loss})
                 print_row(rows[-1], COLUMNS)
+    return {**update_summary(rows, shapes, args.modes, args.tiny), "rows": rows, "shared_prefix_tokens": shared}
+
+
+def update_summary(rows, shapes, modes, tiny=False):
+    """The medians and ratios of the timed rows (repeat > 0) per shape, printed and returned: {ratios, cpu_ratios};
+    from a saved run too (`--from-json`)."""
     ratios, cpu_ratios = {}, {}
     for shape in shapes:
         def median(key, mode):
             return statistics.median(row[key] for row in rows
                                      if row["shape"] == shape and row["mode"] == mode and row["repeat"] > 0)
-        timed = {mode: median("update_s", mode) for mode in args.modes}
+        timed = {mode: median("update_s", mode) for mode in modes}
         losses = [row["loss"] for row in rows if row["shape"] == shape]
         agree = max(losses) - min(losses) <= 1e-4 * max(1.0, max(abs(loss) for loss in losses))
         line = [f"{shape}: median update " + ", ".join(f"{mode} {value:.2f} s" for mode, value in timed.items())]
@@ -174,10 +184,10 @@ def update_part(args, model, tokenizer):
             if "on" in ratios[shape]:
                 verdict = common.verdict(ratios[shape]["on"] <= TARGETS[shape])
                 line.append(f"target on/off <= {TARGETS[shape]}x: {verdict}"
-                            + (" (tiny model: the code path only)" if args.tiny else ""))
+                            + (" (tiny model: the code path only)" if tiny else ""))
         line.append(f"losses agree: {common.verdict(agree)}")
         print("; ".join(line))
-    return {"rows": rows, "ratios": ratios, "cpu_ratios": cpu_ratios, "shared_prefix_tokens": shared}
+    return {"ratios": ratios, "cpu_ratios": cpu_ratios}
 
 
 def demo_policy(args):
@@ -233,6 +243,12 @@ def preset_savings(tokenizer, presets="abcd", num_prompts=64):
 
 def bench_prefix(argv):
     args = parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        modes, tiny = saved["args"]["modes"], saved["args"]["tiny"]
+        print(f"# bench prefix, from {args.from_json}: {len(saved['update']['rows'])} timed rows, modes "
+              f"{', '.join(modes)}, {saved['args']['num_threads'] or 'default'} threads")
+        return update_summary(saved["update"]["rows"], TINY_SHAPES if tiny else SHAPES, modes, tiny)
     tokenizer = models.load_tokenizer(models.SMOLLM2_ALIAS)
     if args.presets:
         rows = preset_savings(tokenizer)

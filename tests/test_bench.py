@@ -142,6 +142,9 @@ def test_evalprefix_tiny_times_the_three_modes_interleaved(tmp_path, smollm2_tok
     assert result["ratio"] == min(r["seconds"] for r in result["rows"] if r["mode"] == "on") / min(
         r["seconds"] for r in result["rows"] if r["mode"] == "before")
     assert json.loads((tmp_path / "bench_evalprefix.json").read_text())["num_prompts"] == 5
+    recomputed = cli.main(["evalprefix", "--from-json", str(tmp_path / "bench_evalprefix.json")])
+    assert recomputed == {key: result[key] for key in ("best_s", "ratio", "same_completions")}
+    assert "ratio on / before" in capsys.readouterr().out
 
 
 def test_memory_tiny_reports_phases_and_analytic(tmp_path, capsys):
@@ -272,6 +275,8 @@ def test_prefix_tiny_times_the_update_off_and_on_with_the_same_loss(tmp_path, sm
         assert set(part["ratios"][shape]) == {"groups", "on"} and all(r > 0 for r in part["ratios"][shape].values())
     assert json.loads((tmp_path / "bench_prefix.json").read_text())["update"]["shared_prefix_tokens"] == \
         part["shared_prefix_tokens"]
+    assert cli.main(["prefix", "--from-json", str(tmp_path / "bench_prefix.json")]) == \
+        {key: part[key] for key in ("ratios", "cpu_ratios")}   # the figures, recomputed from the saved rows
 
 
 def test_prefix_presets_table_from_token_counts(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
