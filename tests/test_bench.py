@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,3 +296,19 @@ def test_prefix_presets_table_from_token_counts(tmp_path, smollm2_tokenizer, mon
         assert row["update_on_off_C128"] < row["update_on_off_C512"] < 1 and 0 < row["eval_prefill_on_off"] < 1
     assert prefix_bench.common_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
     assert json.loads((tmp_path / "bench_prefix_presets.json").read_text())["rows"][0]["preset"] == "a"
+
+
+def test_the_committed_prefix_figures_are_recomputed_from_their_runs(capsys):
+    """BENCHMARKS' table of "each distinct token computed once" is what `--from-json` recomputes from the committed
+    runs (results/prefix-bench): the medians, the ratios and the evaluation's best times."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "BENCHMARKS.md").read_text()
+    update = cli.main(["prefix", "--from-json", str(root / "results/prefix-bench/bench_prefix.json")])
+    lines = capsys.readouterr().out
+    for shape, (off, on) in {"PODS 16/4": ("6.63", "2.59"), "GRPO-GA 16/16": ("30.32", "9.05")}.items():
+        assert f"median update off {off} s, on {on} s" in lines and f"{off} → {on} |" in text
+        assert f"**{update['ratios'][shape]['on']:.2f}×**" in text
+    evaluation = cli.main(["evalprefix", "--from-json", str(root / "results/prefix-bench/bench_evalprefix.json")])
+    best = evaluation["best_s"]
+    assert f"{best['before']:.1f} → {best['on']:.1f} (" in text and f"**{evaluation['ratio']:.2f}×**" in text
+    assert evaluation["same_completions"] is True
