@@ -40,7 +40,7 @@ def test_presets_baseline_and_overrides():
     assert (b.kl_coef, b.learning_rate, b.num_rollouts, b.rule) == (0.04, 1e-6, 16, "none")  # explicit flags win
     demo = config.parse_args([])
     assert demo.preset == "demo" and demo.model == models.SMOLLM2_ALIAS and demo.dataset == "arithmetic"
-    assert demo.update_size < demo.num_rollouts and demo.max_time_s == 600
+    assert demo.update_size < demo.num_rollouts and demo.max_time_s == 330 and demo.eval_interval == 10
 
 
 NOT_BATCH_SCOPE = next(name for name, rule in pods.RULES.items() if not rule.batch_scope and name != "none")

@@ -85,11 +85,11 @@ def test_the_committed_ga_data_reproduce_the_committed_tables(capsys):
 
 
 @pytest.mark.parametrize("folder, seeds, budget_s", [("demo-prefix", [0, 1, 2], 270.0),
-                                                     ("demo-prefix-600", [0], 600.0)])
+                                                     ("demo-prefix-600", [0], 600.0), ("demo-330", [0, 1, 2], 330.0)])
 def test_the_committed_demo_runs_with_prefix_sharing_reproduce_their_table(capsys, folder, seeds, budget_s):
     """results/demo-prefix: the 3 seeds of `python train.py --max-time-s 270` with each distinct token computed once,
-    results/demo-prefix-600: the default 600 s run; the table recomputed from each is its demo.md, and BENCHMARKS.md
-    reports its rows and the command."""
+    results/demo-prefix-600: the then default 600 s run, results/demo-330: the 3 seeds of today's default (330 s);
+    the table recomputed from each is its demo.md, and BENCHMARKS.md reports its rows and the command."""
     command = ["--from-data", str(ROOT / "results" / folder), "--baseline-label", "PODS max_variance 16/4"]
     bootstrap.main(command)
     table = capsys.readouterr().out.strip()
