@@ -1,9 +1,12 @@
 """study.py: the rule study / n/m study and loss-variant study plans, and the runner (train.py replaced by a fake
 script; one slow test runs the variant study with the real train.py and a tiny model)."""
 
+from pathlib import Path
+
 import pytest
 
 import study
+import studydata
 
 FAKE_TRAIN = r'''
 import argparse, json, pathlib, sys
@@ -433,3 +436,13 @@ def test_a_finished_pods_run_trained_with_other_flags_is_refused_not_reported(tm
     with pytest.raises(ValueError, match=r"grpo-n4-m4-s0 was trained with other flags than this study's "
                                          r"\(--max-time-s 100 \(now 200\)\)"):
         study.run_pods(out, ("grpo",), [0], 200, data_dir=data_dir, resamples=20, train_script=script)
+
+
+def test_the_pilot_behind_the_budget_says_what_study_py_says():
+    """results/pods-pilot: the pilot GRPO 4/4 run (seed 0, lr 1e-4, 900 s planned, stopped at 704 s) that set
+    PODS_MAX_TIME_S: on its plateau at a third of 900 s, still rising at a third of 600 s (rising_line)."""
+    runs, _ = studydata.read_study([Path(study.__file__).with_name("results") / "pods-pilot"])
+    assert [(r.label, r.seed, r.config["max_time_s"]) for r in runs] == [("GRPO 4/4", 0, 900.0)]
+    assert "NOT rising" in study.rising_line(runs, 900)
+    assert "0.54 at a third of the budget (200 s), 0.64 on average over the rest" in study.rising_line(runs, 600)
+    assert "still rising" in study.rising_line(runs, study.PODS_MAX_TIME_S)
