@@ -11,6 +11,8 @@ engine's buffers, the first kernels), so a machine whose load drifts slows them 
           bucketed KV cache (engine.decode.EAGER_WINDOW off, a benchmark-only knob)
   off     --prefix-sharing off: every prompt prefilled in full; decoding reads the columns written so far
   on      --prefix-sharing on: the prefix every prompt shares prefilled once, and read once per decode step
+  bf16    on, with the model's weights in bfloat16 (`--modes before,off,on,bf16`; train.py --bf16 with LoRA keeps
+          the frozen base weights so): other arithmetic, so its completions may differ from fp32's (counted)
 Prints each run (with the engine's prefill and decode seconds), the ratios of the best times (on / before, the
 target, and on / off; load only adds time, as bench decode's best of --repeats), the prefill's token positions
 (engine.STATS.prefill_tokens) and whether every mode gave the same completions. --no-check: generation and grading
@@ -38,7 +40,8 @@ from bench.common import print_header, print_row, save_json, timed
 COLUMNS = ["run", "mode", "seconds", "prefill_tokens", "prefill_s", "decode_s", "accuracy",
            "mean_completion_length"]
 TARGET_RATIO = 0.35   # the evaluation with prefix sharing in at most 0.35x the time it took before
-MODES = ("before", "off", "on")
+MODES = ("before", "off", "on")   # the default modes; "bf16" on request
+ALL_MODES = MODES + ("bf16",)
 
 
 def demo_eval_set(tokenizer, num_prompts):
@@ -53,7 +56,9 @@ def bench_evalprefix(argv):
     parser = argparse.ArgumentParser(prog="python -m bench evalprefix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="2-layer random Llama, the code path only")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 256 (tiny: 6)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the three modes, timed, interleaved")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the modes, timed, interleaved")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(ALL_MODES)} (before and "
+                        "on are needed for the ratio)")
     parser.add_argument("--max-completion-tokens", type=int, default=None, help="default: the demo's 32 (tiny: 4)")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per generation call (default: the "
                                                                       "demo's rollout_batch_size, 64; tiny: 4)")
@@ -63,10 +68,13 @@ def bench_evalprefix(argv):
     parser.add_argument("--from-json", help="no timing: the summary of a saved run (its bench_evalprefix.json), "
                         "recomputed from its rows")
     args = parser.parse_args(argv)
+    args.modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    if not {"before", "on"} <= set(args.modes) or not set(args.modes) <= set(ALL_MODES):
+        raise ValueError(f"--modes: a comma list of {', '.join(ALL_MODES)} with before and on, got {args.modes}")
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         print(f"# bench evalprefix, from {args.from_json}: {saved['num_prompts']} prompts, {saved['threads']} threads")
-        return eval_summary(saved["rows"], same=saved["same_completions"])
+        return eval_summary(saved["rows"], same=saved["same_completions"], bf16_same=saved.get("bf16_same_share"))
     demo = config.PRESETS["demo"]
     num_prompts = args.num_prompts or (6 if args.tiny else 256)
     new_tokens = args.max_completion_tokens or (4 if args.tiny else demo["max_completion_tokens"])
@@ -79,6 +87,10 @@ def bench_evalprefix(argv):
         torch.set_num_threads(args.num_threads)
     tokenizer = models.load_tokenizer(models.SMOLLM2_ALIAS)
     model = (models.tiny_random_model("llama") if args.tiny else models.load_policy(models.SMOLLM2_ALIAS)).eval()
+    models_of = {mode: model for mode in args.modes}
+    if "bf16" in args.modes:
+        models_of["bf16"] = (models.tiny_random_model("llama").to(torch.bfloat16) if args.tiny else
+                             models.load_policy(models.SMOLLM2_ALIAS, dtype=torch.bfloat16)).eval()
     prompts, answers = demo_eval_set(tokenizer, num_prompts)
     lengths = data.prompt_token_counts(prompts, tokenizer)
     settings = sampling.GenerationSettings(max_new_tokens=new_tokens, temperature=0.0, rollout_batch_size=batch_size)
@@ -86,15 +98,16 @@ def bench_evalprefix(argv):
           f"prompts of {min(lengths)}-{max(lengths)} tokens, greedy, {new_tokens} new tokens, {batch_size} rows per "
           f"call, sampler check {'off' if args.no_check else 'on'}, {torch.get_num_threads()} threads")
     print_header(COLUMNS)
-    sampling.generate_rollouts(model, tokenizer, prompts[:2], 1, replace(settings, max_new_tokens=2))   # warm-up
-    rows, samples = [], {}
+    for warm in set(models_of.values()):   # warm-up
+        sampling.generate_rollouts(warm, tokenizer, prompts[:2], 1, replace(settings, max_new_tokens=2))
+    rows, samples, modes = [], {}, args.modes
     for run in range(args.rounds):
-        for mode in MODES[run % 3:] + MODES[:run % 3]:
+        for mode in modes[run % len(modes):] + modes[:run % len(modes)]:
             before, completions_of_run = replace(engine.STATS), []
             engine.decode.EAGER_WINDOW = mode != "before"
             try:
                 result, seconds = timed(lambda: heldout.evaluate(
-                    model, tokenizer, prompts, answers, replace(settings, prefix_sharing=mode == "on"),
+                    models_of[mode], tokenizer, prompts, answers, replace(settings, prefix_sharing=mode in ("on", "bf16")),
                     samples_out=completions_of_run, check_sampler=not args.no_check), torch.device("cpu"))
             finally:
                 engine.decode.EAGER_WINDOW = True
@@ -105,23 +118,35 @@ def bench_evalprefix(argv):
                          "decode_s": engine.STATS.decode_s - before.decode_s, "accuracy": result.accuracy,
                          "mean_completion_length": result.mean_completion_length})
             print_row(rows[-1], COLUMNS)
-    result = {"rows": rows, **eval_summary(rows, samples), "prompt_tokens": sum(lengths),
+    result = {"rows": rows, **eval_summary(rows, samples, modes=modes), "prompt_tokens": sum(lengths),
               "num_prompts": len(prompts), "threads": torch.get_num_threads()}
     save_json(args.out_dir, "evalprefix", result)
     return result
 
 
-def eval_summary(rows, samples=None, same=None):
-    """The best time per mode and the ratios, printed and returned: {best_s, ratio (on / before), same_completions}
-    (from the completions of each mode, `samples`, or a saved run's `same`)."""
-    best = {mode: min(r["seconds"] for r in rows if r["mode"] == mode) for mode in MODES}
+def eval_summary(rows, samples=None, same=None, modes=None, bf16_same=None):
+    """The best time per mode and the ratios, printed and returned: {best_s, ratio (on / before), same_completions
+    (the fp32 modes' completions token for token), bf16_same_share (the share of bf16's completions equal to fp32's,
+    with that mode), ratio_bf16 (bf16 / before)} from the completions of each mode (`samples`) or a saved run's."""
+    modes = modes or tuple(dict.fromkeys(r["mode"] for r in rows))
+    best = {mode: min(r["seconds"] for r in rows if r["mode"] == mode) for mode in modes}
     ratio = best["on"] / best["before"]
-    if samples is not None:
-        same = all([s["completion"] for s in samples[mode]] == [s["completion"] for s in samples["before"]]
-                   for mode in MODES)
-    tokens = {mode: next(r["prefill_tokens"] for r in rows if r["mode"] == mode) for mode in MODES}
-    print(f"best seconds: " + ", ".join(f"{mode} {best[mode]:.2f}" for mode in MODES) + f"; ratio on / before "
-          f"{ratio:.3f} (target <= {TARGET_RATIO}: {'PASS' if ratio <= TARGET_RATIO else 'FAIL'}), on / off "
-          f"{best['on'] / best['off']:.3f}; prefilled "
-          + ", ".join(f"{mode} {tokens[mode]}" for mode in MODES) + f"; the same completions in every mode: {same}")
-    return {"best_s": best, "ratio": ratio, "same_completions": same}
+    completions = {mode: [s["completion"] for s in samples[mode]] for mode in modes} if samples is not None else None
+    if completions is not None:
+        same = all(completions[mode] == completions["before"] for mode in modes if mode != "bf16")
+        if "bf16" in modes:
+            bf16_same = sum(a == b for a, b in zip(completions["bf16"], completions["on"])) / len(completions["on"])
+    tokens = {mode: next(r["prefill_tokens"] for r in rows if r["mode"] == mode) for mode in modes}
+    line = ("best seconds: " + ", ".join(f"{mode} {best[mode]:.2f}" for mode in modes) + f"; ratio on / before "
+            f"{ratio:.3f} (target <= {TARGET_RATIO}: {'PASS' if ratio <= TARGET_RATIO else 'FAIL'})")
+    if "off" in modes:
+        line += f", on / off {best['on'] / best['off']:.3f}"
+    summary = {"best_s": best, "ratio": ratio, "same_completions": same}
+    if "bf16" in modes:
+        summary.update(ratio_bf16=best["bf16"] / best["before"], bf16_same_share=bf16_same)
+        line += (f", bf16 / before {summary['ratio_bf16']:.3f} (target: "
+                 f"{'PASS' if summary['ratio_bf16'] <= TARGET_RATIO else 'FAIL'}; {bf16_same:.0%} of its completions "
+                 "equal fp32's)")
+    print(line + "; prefilled " + ", ".join(f"{mode} {tokens[mode]}" for mode in modes)
+          + f"; the same completions in every fp32 mode: {same}")
+    return summary

@@ -146,6 +146,13 @@ def test_evalprefix_tiny_times_the_three_modes_interleaved(tmp_path, smollm2_tok
     recomputed = cli.main(["evalprefix", "--from-json", str(tmp_path / "bench_evalprefix.json")])
     assert recomputed == {key: result[key] for key in ("best_s", "ratio", "same_completions")}
     assert "ratio on / before" in capsys.readouterr().out
+    with_bf16 = cli.main(["evalprefix", "--tiny", "--num-prompts", "5", "--rounds", "1", "--max-completion-tokens", "2",
+                          "--modes", "before,on,bf16", "--out-dir", str(tmp_path)])
+    assert [row["mode"] for row in with_bf16["rows"]] == ["before", "on", "bf16"] and with_bf16["same_completions"]
+    assert 0 <= with_bf16["bf16_same_share"] <= 1 and with_bf16["ratio_bf16"] > 0 and "bf16 / before" in \
+        capsys.readouterr().out
+    with pytest.raises(ValueError, match="with before and on"):
+        cli.main(["evalprefix", "--tiny", "--modes", "off,on"])
 
 
 def test_memory_tiny_reports_phases_and_analytic(tmp_path, capsys):
