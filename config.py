@@ -91,7 +91,9 @@ def build_parser():
     add("--lora-target-modules", default=",".join(models.DEFAULT_LORA_TARGETS), help="comma-separated")
     add("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (QLoRA), CUDA only")
     add("--bf16", action=argparse.BooleanOptionalAction, default=False,
-        help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast)")
+        help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast); "
+             "the demo preset: on where the device computes bf16 natively (a CPU with AVX-512 BF16 or AMX, a CUDA "
+             "GPU with bf16), else off")
     add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     add("--prefix-sharing", choices=("on", "off"), default="on",
         help="each distinct token computed once: generation and evaluation run the prefix every prompt shares once; "
@@ -215,6 +217,8 @@ def parse_args(argv=None, restarted=False):
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    args.bf16 = resolved_bf16(args.bf16, args.device)
+    unrecorded["bf16"] = resolved_bf16(unrecorded["bf16"], args.device)
     if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
         resolve_defaults(args)  # as config.json will hold them
         print(json.dumps(vars(args), indent=1))
@@ -230,6 +234,12 @@ def parse_args(argv=None, restarted=False):
             saved["reward_options"] = rewards.parse_reward_options(saved["reward_options"])
     args.changes = runfolder.resume_changes(args, saved, RUN_IDENTITY, RECORDED_AT_RESUME) if args.resume else []
     return args
+
+
+def resolved_bf16(value, device):
+    """--bf16 as a run records it: the demo preset's "auto" is whether `device` computes bf16 natively
+    (models.native_bf16); a flag given is kept."""
+    return models.native_bf16(device) if value == "auto" else bool(value)
 
 
 def reward_terms(weights, options):
@@ -320,8 +330,9 @@ def check_args(args, restarted=False):
     runfolder.check_run_dir(args, restarted)
     _check_data(args)
     models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
-    if args.bf16 and not str(args.device).startswith("cuda"):
-        warnings.warn("--bf16 on CPU: allowed, but slow and less precise than float32 (--no-bf16)")
+    if args.bf16 and not str(args.device).startswith("cuda") and not models.native_bf16(args.device):
+        warnings.warn("--bf16 on a CPU without bf16 instructions (AVX-512 BF16, AMX): allowed, but slower than "
+                      "float32 (--no-bf16)")
 
 
 def _check_device_flags(args):

@@ -218,7 +218,9 @@ def parse_args(argv):
         preset = config.PRESETS[args.preset]
         parser.set_defaults(model=preset["model"], num_prompts=preset["eval_samples"],
                             temperature=preset["eval_temperature"], batch_size=preset["rollout_batch_size"],
-                            dtype=str(models.compute_dtypes(preset.get("bf16", False), preset.get("lora_rank", 0))[0])
+                            dtype=str(models.compute_dtypes(config.resolved_bf16(preset.get("bf16", False),
+                                                                                 args.device),
+                                                            preset.get("lora_rank", 0))[0])
                             .removeprefix("torch."))  # the dtype the run's policy generates in
         args = parser.parse_args(argv)
     if not (args.checkpoint or args.model):

@@ -8,6 +8,7 @@ Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in 
 fp32); --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4:
 the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
+`native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
 
 `dropout_off` is the one place that switches dropout off (generation, the log-prob pass, the update).
 Loading is quiet: no loader progress bars (`quiet_loading`; downloads keep theirs), and bitsandbytes is imported only
@@ -215,6 +216,16 @@ def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=
     if limit is not None and max_prompt_tokens + max_completion_tokens > limit:
         raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} + --max-completion-tokens {max_completion_tokens} "
                          f"exceed the {limit} positions {name_or_path} was built for")
+
+
+def native_bf16(device) -> bool:
+    """Whether `device` has bf16 arithmetic of its own: a CUDA GPU that supports it, or a CPU with AVX-512 BF16 or
+    AMX instructions (elsewhere bf16 products are emulated: slower than float32)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    cpu = getattr(torch, "cpu", None)
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported",
+                                                                      "_is_amx_tile_supported"))
 
 
 def compute_dtypes(bf16, lora_rank):

@@ -22,7 +22,8 @@ PRESETS = {
                  update_size=4, rule="max_variance", prompts_per_step=4, learning_rate=5e-4, lora_rank=16,
                  lora_alpha=32, system_prompt=DEMO_SYSTEM_PROMPT, temperature=1.0, max_prompt_tokens=256,
                  max_completion_tokens=32, rollout_batch_size=64, micro_batch_size=16, eval_samples=100,
-                 eval_interval=10, eval_temperature=0.9, max_time_s=330.0, checkpoint_interval_s=120.0),
+                 eval_interval=10, eval_temperature=0.9, max_time_s=330.0, checkpoint_interval_s=120.0,
+                 bf16="auto"),  # bf16 where the CPU has bf16 instructions: twice the steps, the same curve per step
     "a": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", num_rollouts=64, update_size=16,
               learning_rate=5e-6),
     "b": dict(PAPER_COMMON, model="meta-llama/Llama-3.2-3B-Instruct", dataset="gsm8k", num_rollouts=64,

@@ -68,6 +68,7 @@ LIMITED = {
                 "unset: the held-out evaluation runs on train.py's default backend)", None),
     "checkpoint_interval_s": (lambda value: value < 0, "< 0: the demo writes no checkpoints", -1.0),
     "log_completions_interval": (lambda value: value == 0, "0: the demo writes no completions logs", 0),
+    "bf16": (lambda value: value is False, "--no-bf16: TRL's CPU run is float32 (its use_cpu)", False),
 }
 # Why some refused flags cannot be mapped (the refusal adds it; any other flag: "not mapped onto TRL by this demo").
 WHY = {
@@ -159,6 +160,14 @@ def unsupported_combination(args):
     return None
 
 
+def _flag_and_value(name, value):
+    """The command-line words that set train.py's flag `name` to `value` (a boolean: --name or --no-name)."""
+    flag = f"--{name.replace('_', '-')}"
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    return [flag, str(value)]
+
+
 def parse_args(argv=None):
     """The resolved flags (config.parse_args) of a run this demo can map onto TRL; a flag it cannot map is refused
     (ValueError, one line) before anything is loaded or written. --help lists the flags it honours."""
@@ -175,7 +184,7 @@ def parse_args(argv=None):
         raise ValueError(f"{known.output_dir} already holds a run, which this demo cannot continue (it writes no "
                          f"checkpoints): pass another --output-dir, or delete {metrics} to start it over")
     defaults = [item for name, (_, _, value) in LIMITED.items() if name not in given and value is not None
-                for item in (f"--{name.replace('_', '-')}", str(value))]
+                for item in _flag_and_value(name, value)]
     with warnings.catch_warnings(record=True) as said:  # shown only for a run that is not refused
         warnings.simplefilter("always")
         args = config.parse_args(argv + defaults)

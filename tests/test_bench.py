@@ -318,4 +318,5 @@ def test_the_committed_prefix_figures_are_recomputed_from_their_runs(capsys):
     evaluation = cli.main(["evalprefix", "--from-json", str(root / "results/prefix-bench/bench_evalprefix.json")])
     best = evaluation["best_s"]
     assert f"{best['before']:.1f} → {best['on']:.1f} (" in text and f"**{evaluation['ratio']:.2f}×**" in text
-    assert evaluation["same_completions"] is True
+    assert f"{best['before']:.1f} → {best['bf16']:.1f} (" in text and f"**{evaluation['ratio_bf16']:.2f}×**" in text
+    assert evaluation["same_completions"] is True and f"{evaluation['bf16_same_share']:.0%} of its 256" in text

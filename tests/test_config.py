@@ -392,8 +392,12 @@ def test_a_flag_the_runs_config_lacks_had_its_default_and_a_resume_changes_it_as
 def test_precision_flags_on_resume_are_refused_or_recorded(tmp_path, monkeypatch):
     """--load-in-4bit quantises the base the adapter was trained on: refused. --bf16 changes the numerics (a run moved
     to other hardware may need it): recorded."""
-    resume = a_checkpointed_run(tmp_path, vars(config.parse_args([])))
-    assert config.parse_args(resume + ["--bf16"]).changes == [{"step": None, "bf16": [False, True]}]
+    started = vars(config.parse_args([]))
+    resume = a_checkpointed_run(tmp_path, started)
+    flip = "--no-bf16" if started["bf16"] else "--bf16"
+    assert config.parse_args(resume + [flip]).changes == [{"step": None, "bf16": [started["bf16"],
+                                                                                  not started["bf16"]]}]
+    assert config.parse_args(resume).changes == []   # the run's recorded precision, whatever this device has
     monkeypatch.setattr(config, "_check_device_flags", lambda args: None)  # --load-in-4bit needs CUDA otherwise
     with pytest.raises(ValueError, match=r"would change what it is: --load-in-4bit False -> True"):
         config.parse_args(resume + ["--load-in-4bit"])
@@ -566,3 +570,14 @@ def test_a_resume_may_switch_prefix_sharing_which_does_not_change_what_is_traine
     assert not config.generation_settings(args).prefix_sharing  # generation and evaluation follow the flag too
     assert config.update_settings(config.parse_args([])).prefix_sharing
     assert config.generation_settings(config.parse_args([])).prefix_sharing
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_demo_computes_in_bf16_where_the_device_has_bf16_arithmetic(monkeypatch, native):
+    """The demo preset's --bf16 auto: on where models.native_bf16 says the device computes bf16 natively (the CPU's
+    AVX-512 BF16 or AMX), else off; resolved before anything records it; a flag given wins; the paper's presets
+    keep their own value."""
+    monkeypatch.setattr(models, "native_bf16", lambda device: native)
+    assert config.parse_args([]).bf16 is native
+    assert config.parse_args(["--no-bf16"]).bf16 is False and config.parse_args(["--bf16"]).bf16 is True
+    assert config.parse_args(["--preset", "a", "--device", "cpu"]).bf16 is True

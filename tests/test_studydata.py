@@ -100,3 +100,16 @@ def test_the_committed_demo_runs_with_prefix_sharing_reproduce_their_table(capsy
     assert f'python bootstrap.py --from-data results/{folder} --baseline-label "PODS max_variance 16/4"' in benchmarks
     runs, _ = studydata.read_study([ROOT / "results" / folder])
     assert sorted(r.seed for r in runs) == seeds and {r.config["max_time_s"] for r in runs} == {budget_s}
+
+
+def test_the_committed_bf16_demo_runs_reproduce_their_comparison_with_float32(capsys):
+    """results/demo-330-bf16: the 3 seeds of the 330 s demo in bf16; beside results/demo-330 (float32, the same
+    seeds) they give BENCHMARKS' bf16-against-fp32 tables, per step and on the clock."""
+    bootstrap.main(["--from-data", str(ROOT / "results" / "demo-330"), str(ROOT / "results" / "demo-330-bf16"),
+                    "--baseline-label", "PODS max_variance 16/4"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| PODS")]
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(rows) == 4 and all(row in benchmarks for row in rows)
+    assert sum("PODS max_variance 16/4, bf16" in row for row in rows) == 2
+    runs, _ = studydata.read_study([ROOT / "results" / "demo-330-bf16"])
+    assert sorted(r.seed for r in runs) == [0, 1, 2] and {r.label for r in runs} == {"PODS max_variance 16/4, bf16"}

@@ -73,6 +73,7 @@ def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
     (["--micro-batch-size", "3"], "multiple of --micro-batch-size"),
     (["--prompts-per-step", "3", "--num-rollouts", "5", "--micro-batch-size", "3"], "15 rows a step generates"),
     (["--rollout-batch-size", "4"], "--rollout-batch-size 4 is less than"),
+    (["--bf16"], "--bf16 True is not mapped onto TRL by this demo \\(only --no-bf16"),
 ])
 @pytest.mark.usefixtures("nothing_loads")
 def test_flags_it_cannot_map_are_refused_before_anything_loads(tiny_model_dir, tmp_path, flags, message):
@@ -99,7 +100,8 @@ def test_every_train_py_flag_is_mapped_or_refused(tiny_model_dir, tmp_path):
         with pytest.raises(ValueError, match=f"^{action.option_strings[0]} is not mapped onto TRL"):
             trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run", *example_argv(action)))
         refused.append(action.dest)
-    assert {"dynamic_sampling", "importance_sampling_correction", "resume", "kl_coef", "bf16"} <= set(refused)
+    assert {"dynamic_sampling", "importance_sampling_correction", "resume", "kl_coef"} <= set(refused)
+    assert "bf16" in trl_demo.LIMITED   # --no-bf16 only: TRL's CPU run is float32
     mapped_flags = [option for action in trl_demo.demo_parser()._actions for option in action.option_strings]
     for action in config.build_parser()._actions:  # argparse's prefix matching must not turn one into the other
         if action.dest in refused:
@@ -245,3 +247,12 @@ def test_eval_interval_s_evaluates_on_the_training_clock_as_train_py(monkeypatch
         timer.on_step_end(None, types.SimpleNamespace(global_step=step), control)
         trainer.after_log({"reward": 0.0})
     assert evaluated == [(2, 8.0), (3, 12.0), (4, 16.0), (5, 20.0)]
+
+
+@pytest.mark.usefixtures("nothing_loads")
+def test_the_demo_presets_bf16_becomes_float32_for_trl(monkeypatch, tiny_model_dir, tmp_path):
+    """The demo preset computes in bf16 where the CPU can (--bf16 auto); TRL's CPU run is float32, so the demo
+    takes --no-bf16 unless --bf16 is given (refused above)."""
+    monkeypatch.setattr(trl_demo.config.models, "native_bf16", lambda device: True)
+    assert trl_demo.config.parse_args([]).bf16 is True
+    assert trl_demo.parse_args(tiny_demo_argv(tiny_model_dir, tmp_path / "run")).bf16 is False
