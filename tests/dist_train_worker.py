@@ -44,7 +44,7 @@ def run_argv(model_dir, out_dir, name):
             "4", "--micro-batch-size", "2", "--max-steps", "2" if name == "full" else "3", "--learning-rate",
             "1e-3" if name == "full" else "1e-2", "--eval-samples", "2", "--eval-interval", "2",
             "--eval-temperature", "0", "--checkpoint-interval-s", "0" if name == "killed" else "3600",
-            "--no-progress", "--num-threads", "1",
+            "--no-progress", "--num-threads", "1", "--no-bf16",
             "--device", "cpu", "--dist-timeout-s", "60", "--output-dir", str(Path(out_dir) / name), *lora,
             *(["--dynamic-sampling", "--log-completions-interval", "1"] if name == "dynamic" else [])]
 
