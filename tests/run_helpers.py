@@ -29,12 +29,13 @@ def every_third_constant(prompts, completions, answers, **kwargs):
 
 
 def tiny_argv(model_dir, out_dir, *extra):
-    """A 2-step PODS 4/2 run of the tiny model on 2 prompts per step, a checkpoint after every step."""
+    """A 2-step PODS 4/2 run of the tiny model on 2 prompts per step, a checkpoint after every step; float32 whatever
+    the CPU (--no-bf16: a subprocess does not see conftest's float32_demo)."""
     return ["--model", str(model_dir), "--dataset", "arithmetic", "--num-train-rows", "64", "--num-rollouts", "4",
             "--update-size", "2", "--prompts-per-step", "2", "--max-completion-tokens", "8", "--max-steps", "2",
             "--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "1e-2", "--micro-batch-size", "2",
             "--eval-samples", "2", "--eval-interval", "2", "--checkpoint-interval-s", "0", "--no-progress",
-            "--num-threads", "1", "--output-dir", str(out_dir), *extra]
+            "--num-threads", "1", "--no-bf16", "--output-dir", str(out_dir), *extra]
 
 
 def read_lines(run_dir, kind):
