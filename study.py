@@ -169,14 +169,14 @@ PODS_UPDATE_SIZE = 4
 PODS_SEEDS = {"grpo": 8, "pods": 8, "random": 5, "pods8": 5, "pods32": 5}  # seeds 0..k-1 per arm (--seeds: all arms)
 PODS_BASELINE = "GRPO 4/4"
 PODS_CONTROL = ("PODS max_variance 16/4", "PODS random 16/4")  # a second table: the control against the method
-# THE TASK, LEARNING RATE AND BUDGET, set after the pilot (run_pods' docstring: the candidates and the reasoning).
-# The GA study's 2-digit addition at lr 5e-4 was on its plateau within 5-20 GRPO-GA steps; the study needs a
-# baseline whose mean curve still rises at a third of the budget (`rising_line`). The pilot, GRPO 4/4 at lr 1e-4
-# (seed 0, 900 s planned, stopped at 704 s; its data file: results/pods-pilot): greedy held-out accuracy 0.33, 0.30, 0.57, 0.63, 0.66, 0.68, 0.67, 0.65
-# at 0, 104, 212, 305, 406, 508, 607, 704 training seconds: on its plateau from ~400 s, so with 900 s a third of
-# the budget (300 s) is already at 0.63 against ~0.66 over the rest (not rising by the 0.06 margin), while with
-# 600 s a third (200 s) is at ~0.54 against ~0.64 over the rest: rising. Hence 600 s; the study's own GRPO 4/4
-# seeds answer the same question again in its report.
+# THE TASK, LEARNING RATE AND BUDGET, set after the pilot (run_pods' docstring: the candidates and the reasoning). The
+# GA study's 2-digit addition at lr 5e-4 was on its plateau within 5-20 GRPO-GA steps; the study needs a baseline
+# whose mean curve still rises at a third of the budget (`rising_line`). The pilot, GRPO 4/4 at lr 1e-4 (seed 0, 900 s
+# planned, stopped at 704 s; its data file: results/pods-pilot): greedy held-out accuracy 0.33, 0.30, 0.57, 0.63,
+# 0.66, 0.68, 0.67, 0.65 at 0, 104, 212, 305, 406, 508, 607, 704 training seconds: on its plateau from ~400 s, so with
+# 900 s a third of the budget (300 s) is already at 0.63 against ~0.66 over the rest (not rising by the 0.06 margin),
+# while with 600 s a third (200 s) is at ~0.54 against ~0.64 over the rest: rising. Hence 600 s; the study's own GRPO
+# 4/4 seeds answer the same question again in its report.
 PODS_TASK = {"--dataset": "arithmetic", "--num-train-rows": "1000", "--learning-rate": "1e-4"}
 # What else the study changes in STUDY_TRAIN_ARGS: 4 prompts per step, 256 held-out prompts (greedy: SE <= 3.1
 # points) on the same training-seconds cadence for every arm (an arm evaluated more often on the clock would be

@@ -106,8 +106,9 @@ def bench_evalprefix(argv):
             before, completions_of_run = replace(engine.STATS), []
             engine.decode.EAGER_WINDOW = mode != "before"
             try:
+                mode_settings = replace(settings, prefix_sharing=mode in ("on", "bf16"))
                 result, seconds = timed(lambda: heldout.evaluate(
-                    models_of[mode], tokenizer, prompts, answers, replace(settings, prefix_sharing=mode in ("on", "bf16")),
+                    models_of[mode], tokenizer, prompts, answers, mode_settings,
                     samples_out=completions_of_run, check_sampler=not args.no_check), torch.device("cpu"))
             finally:
                 engine.decode.EAGER_WINDOW = True

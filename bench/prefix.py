@@ -8,12 +8,12 @@ update.update_policy with the demo's update settings (config.update_settings, mi
   GRPO-GA 16/16 4 prompts x 16 rows      (64 rows, each micro-batch one prompt)
 Completions are random tokens of the full --completion-tokens (the demo's limit, 32), advantages random, both fixed
 by --seed: every mode trains on the same rows from the same weights (restored before each run), so the loss must
-agree, which is printed. Modes: off (every row runs its prompt in full), groups (each distinct prompt once: the
-prefix level switched off here, a benchmark-only knob) and on (--prefix-sharing on: groups + the prefix every
-prompt of the step shares once, across micro-batches). `tokens` counts the tokens the model's forward passes take in (prompt tokens once per call);
-`update_s` is wall-clock time (the targets: on / off <= 0.4 for PODS 16/4, <= 0.3 for GRPO-GA 16/16), `cpu_s` this
-process's CPU time, steadier on a shared machine. Compare the ratios of one run, whose modes alternate in each repeat
-(medians over the repeats after a warm-up).
+agree, which is printed. Modes: off (every row runs its prompt in full), groups (each distinct prompt once: the prefix
+level switched off here, a benchmark-only knob) and on (--prefix-sharing on: groups + the prefix every prompt of the
+step shares once, across micro-batches). `tokens` counts the tokens the model's forward passes take in (prompt tokens
+once per call); `update_s` is wall-clock time (the targets: on / off <= 0.4 for PODS 16/4, <= 0.3 for GRPO-GA 16/16),
+`cpu_s` this process's CPU time, steadier on a shared machine. Compare the ratios of one run, whose modes alternate in
+each repeat (medians over the repeats after a warm-up).
 
 --tiny: a 2-layer random model, 2 prompts, 4 completion tokens (the code path only; tests/test_bench.py).
 Part functions (`update_part`) each print and return their rows, so other parts can join this entry.

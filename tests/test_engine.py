@@ -196,8 +196,8 @@ def test_attention_over_a_prefix_read_once_equals_attention_over_every_row(lengt
 def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatch):
     """The run-time guard covers prefix sharing: rollout_check.measure scores the rollouts with the plain forward
     pass over the whole prompts, so a shared prefix whose K/V reach only the last row (decoding reads them from the
-    first, step.attend_shared), or were computed from its tokens in reverse order, raises the gap above the fallback limit (a tiny Llama with peaked logits, as a trained
-    model's)."""
+    first, step.attend_shared), or were computed from its tokens in reverse order, raises the gap above the
+    fallback limit (a tiny Llama with peaked logits, as a trained model's)."""
     import rollout_check
     import sampling
 

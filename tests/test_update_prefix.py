@@ -45,7 +45,8 @@ def grouped_batch(rows_of_prompt, seed=0, width=6, prefix_tokens=6, prefix_seed=
     count = max(rows_of_prompt) + 1
     shared = torch.randint(3, VOCAB, (prefix_tokens,), generator=g).tolist()
     if prefix_seed is not None:
-        shared = torch.randint(3, VOCAB, (prefix_tokens,), generator=torch.Generator().manual_seed(prefix_seed)).tolist()
+        other = torch.Generator().manual_seed(prefix_seed)
+        shared = torch.randint(3, VOCAB, (prefix_tokens,), generator=other).tolist()
     prompts = [shared + torch.randint(3, VOCAB, (1 + i % 4,), generator=g).tolist() for i in range(count)]
     longest = max(len(p) for p in prompts)
     prompt_ids = torch.full((count, longest), PAD)
