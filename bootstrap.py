@@ -11,7 +11,9 @@ step (learning per step, whatever the machine's speed). study.py's PODS vs GRPO-
 Method (documented, tested):
 - Paired by seed: a seed gives every arm the same prompts in the same order, so a resample draws seeds (with
   replacement) and every arm uses the same drawn seeds; speed-ups and differences are computed inside the resample
-  from those paired arms. A seed an arm lacks (a failed run, a run without evaluation) is left out of that arm only.
+  from those paired arms, each arm against the baseline's runs of the drawn seeds both have (an arm run on fewer
+  seeds, or a failed run, is compared on its own seeds only). An arm's own peak, final and mean accuracy are over
+  its own drawn seeds.
 - The threshold is fixed before resampling: 0.99 x the peak of the baseline's seed-mean curve over all seeds.
 - Censoring: a mean curve (compare.py's seed mean, linear between evaluations, kept while every drawn seed has a
   value) that never reaches the threshold has not reached it by the end of its curve E, so its speed-up is a bound,
@@ -126,35 +128,45 @@ def speedup_bounds(base_time, base_end, time, end):
     return 0.0, high
 
 
+def curve_figures(grid, rows, threshold):
+    """One arm's figures over the drawn rows (with repeats): its mean curve's peak and first time at the threshold,
+    the mean final and mean-accuracy values; None when no drawn seed has a curve."""
+    if not len(rows):
+        return None
+    points, mean = mean_curve(grid, rows)
+    if not len(mean):  # the drawn seeds' evaluations do not overlap: no mean curve
+        return None
+    reached = compare.first_time_reaching(points, mean, threshold) if math.isfinite(threshold) else None
+    return {"peak": float(np.max(mean)), "final": float(np.mean(grid.final[rows])),
+            "mean_accuracy": float(np.mean(grid.mean_accuracy[rows])), "threshold_at": reached,
+            "curve_end": float(points[-1])}
+
+
 def figures(grids, drawn, baseline_label, threshold):
-    """{label: figures} for one draw of seed indices; every arm paired on the same seeds."""
-    result = {}
-    for label, grid in grids.items():
-        rows = grid.drawn(drawn)
-        if not len(rows):
-            result[label] = None
-            continue
-        points, mean = mean_curve(grid, rows)
-        if not len(mean):  # the drawn seeds' evaluations do not overlap: no mean curve
-            result[label] = None
-            continue
-        reached = compare.first_time_reaching(points, mean, threshold) if math.isfinite(threshold) else None
-        result[label] = {"peak": float(np.max(mean)), "final": float(np.mean(grid.final[rows])),
-                         "mean_accuracy": float(np.mean(grid.mean_accuracy[rows])), "threshold_at": reached,
-                         "curve_end": float(points[-1])}
-    base = result[baseline_label]
+    """{label: figures} for one draw of seed indices. Each arm is compared with the baseline on the drawn seeds
+    both have: an arm run on fewer seeds (5 against the baseline's 8) is paired with the baseline's runs of its
+    own seeds, never with a mean over seeds it lacks."""
+    result = {label: curve_figures(grid, grid.drawn(drawn), threshold) for label, grid in grids.items()}
+    base_grid = grids[baseline_label]
     for label, values in result.items():
         if values is None:
             continue
-        if base is None or not math.isfinite(threshold):
+        if result[baseline_label] is None or not math.isfinite(threshold):
             values.update(speedup=(math.nan, math.nan), mean_accuracy_difference=math.nan)
             continue
         if label == baseline_label:  # paired with itself: 1 whenever the ratio is defined
-            bounds = (math.nan, math.nan) if base["threshold_at"] == 0 else (1.0, 1.0)
-        else:
-            bounds = speedup_bounds(base["threshold_at"], base["curve_end"], values["threshold_at"],
-                                    values["curve_end"])
-        values.update(speedup=bounds, mean_accuracy_difference=values["mean_accuracy"] - base["mean_accuracy"])
+            bounds = (math.nan, math.nan) if values["threshold_at"] == 0 else (1.0, 1.0)
+            values.update(speedup=bounds, mean_accuracy_difference=0.0)
+            continue
+        shared = [i for i in drawn if i in grids[label].rows and i in base_grid.rows]
+        arm = curve_figures(grids[label], grids[label].drawn(shared), threshold)
+        base = curve_figures(base_grid, base_grid.drawn(shared), threshold)
+        if arm is None or base is None:  # no drawn seed that both arms ran
+            values.update(speedup=(math.nan, math.nan), mean_accuracy_difference=math.nan)
+            continue
+        values.update(speedup=speedup_bounds(base["threshold_at"], base["curve_end"], arm["threshold_at"],
+                                             arm["curve_end"]),
+                      mean_accuracy_difference=arm["mean_accuracy"] - base["mean_accuracy"])
     return result
 
 

@@ -43,6 +43,24 @@ def test_resamples_are_paired_by_seed(tmp_path):
     assert one["PODS"]["final_ci"][2] > 0  # resamples drawing seed 1 alone: the method has no run, counted
 
 
+def test_an_arm_on_fewer_seeds_is_paired_with_the_baselines_runs_of_those_seeds(tmp_path):
+    """The baseline ran seeds 0-2, the arm only 0-1 (5 seeds against 8 in the PODS study), and the arm's runs are
+    the baseline's own: paired on the seeds both have, every resample's difference is 0 and every defined speed-up
+    1x. Against the baseline's mean over all drawn seeds, seed 2 (a fast learner only the baseline ran) would make
+    the arm look slower and worse (mean accuracy 0.33 against 0.41 on all seeds)."""
+    spec = [ramp(0.6, 100, every_s=5), ramp(0.6, 80, every_s=5)]
+    runs = runs_by_label(tmp_path, {"GRPO": [*spec, ramp(0.6, 10, every_s=5)], "PODS": spec})
+    result = bootstrap.bootstrap(runs, "GRPO", resamples=300, budget=100)
+    pods = result["PODS"]
+    assert pods["seeds"] == 2 and result["GRPO"]["seeds"] == 3
+    assert pods["mean_accuracy_difference"] == 0.0 and pods["speedup"] == (1.0, 1.0)
+    low, high, undefined = pods["mean_accuracy_difference_ci"]
+    assert low == high == 0.0 and undefined == pytest.approx(300 / 27, abs=12)  # resamples of seed 2 alone: (1/3)^3
+    assert pods["speedup_ci"]["low"] == (1.0, 1.0) and pods["speedup_ci"]["high"] == (1.0, 1.0)
+    # The arm's own figures are over its own seeds: its mean accuracy is below the baseline's three-seed mean.
+    assert pods["mean_accuracy"] == pytest.approx(0.33) and result["GRPO"]["mean_accuracy"] == pytest.approx(0.41)
+
+
 def test_the_threshold_is_fixed_before_resampling(tmp_path):
     """Baseline seeds peak at 0.6 and 0.4 (at 100 s): the threshold is 0.99 x 0.5 = 0.495 in every resample, so a
     resample of seed 1 twice (p 1/4) has a baseline that never reaches it, where re-maximising would have lowered

@@ -1,12 +1,10 @@
 """study.py: the rule study / n/m study and loss-variant study plans, and the runner (train.py replaced by a fake
 script; one slow test runs the variant study with the real train.py and a tiny model)."""
 
-from pathlib import Path
-
 import pytest
 
+import pods_study
 import study
-import studydata
 
 FAKE_TRAIN = r'''
 import argparse, json, pathlib, sys
@@ -83,7 +81,7 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     runs, _ = study.study_plan([0])
     plans = [(flags, study.STUDY_TRAIN_ARGS) for flags in [*runs.values(), *study.variants_plan([0])[0].values()]]
     plans += [(flags, study.GA_TRAIN_ARGS) for flags in study.ga_plan([0]).values()]
-    plans += [(flags, study.PODS_TRAIN_ARGS) for flags in study.pods_plan(seeds=[0]).values()]
+    plans += [(flags, pods_study.PODS_TRAIN_ARGS) for flags in pods_study.pods_plan(seeds=[0]).values()]
     for flags, settings in plans:
         args = parser.parse_args(study.train_flags("runs/x", flags, 120, settings=settings))
         unpinned = {name for name, value in vars(args).items() if value is unset}
@@ -279,170 +277,3 @@ def test_each_command_defaults_to_the_budget_of_its_recorded_study(tmp_path, cap
     benchmarks = (study.Path(study.__file__).with_name("BENCHMARKS.md")).read_text()
     recorded = [line for line in benchmarks.splitlines() if line.startswith(f"python study.py {command} --out")][0]
     assert f"--max-time-s {recorded_s:g}" in recorded or "--max-time-s" not in recorded.split("#")[0]
-
-
-@pytest.mark.filterwarnings("ignore:--clip-eps-high 0.2 cannot act")  # the study's pinned default, inert at mu = 1
-def test_pods_plan_arms_train_m_4_rows_of_the_same_prompts_with_the_same_settings(tmp_path):
-    """GRPO 4/4, max-variance 16/4, random 16/4, max-variance 8/4 and 32/4: 8 seeds for the first two, 5 for the
-    others, seed-major; every setting but the method and seed the same, evaluated on 256 greedy held-out prompts
-    every 100 s of training and never by step."""
-    import config
-
-    runs = study.pods_plan()
-    assert len(runs) == 8 + 8 + 5 + 5 + 5
-    assert list(runs)[:5] == ["grpo-n4-m4-s0", "max_variance-n16-m4-s0", "random-n16-m4-s0", "max_variance-n8-m4-s0",
-                              "max_variance-n32-m4-s0"]
-    assert list(runs)[-6:] == ["grpo-n4-m4-s5", "max_variance-n16-m4-s5", "grpo-n4-m4-s6", "max_variance-n16-m4-s6",
-                               "grpo-n4-m4-s7", "max_variance-n16-m4-s7"]
-    parsed = {name: config.parse_args(study.train_flags(tmp_path / name, flags, 900, 2, (), study.PODS_TRAIN_ARGS))
-              for name, flags in runs.items()}
-    labels = {config.method_label(args) for args in parsed.values()}
-    assert labels == {study.PODS_BASELINE, *study.PODS_CONTROL, "PODS max_variance 8/4", "PODS max_variance 32/4"}
-    per_run = {"rule", "num_rollouts", "seed", "output_dir"}
-    settings = [{k: v for k, v in vars(args).items() if k not in per_run} for args in parsed.values()]
-    assert all(s == settings[0] for s in settings)
-    first = parsed["grpo-n4-m4-s0"]
-    assert (first.update_size, first.prompts_per_step, first.grad_accum_steps) == (4, 4, 1)
-    assert (first.eval_samples, first.eval_temperature, first.eval_interval, first.eval_interval_s) == (256, 0, 0, 100)
-    assert first.learning_rate == float(study.PODS_TASK["--learning-rate"]) and first.dataset == "arithmetic"
-    assert first.log_completions_interval == 10
-    assert list(study.pods_plan(["random", "grpo"], [3])) == ["random-n16-m4-s3", "grpo-n4-m4-s3"]
-    with pytest.raises(ValueError, match="unknown arm"):
-        study.pods_plan(["grpo", "ppo"])
-
-
-def test_run_pods_reports_exports_data_and_recomputes_from_it(tmp_path, capsys):
-    """With the fake train.py (accuracy n/m times faster per second): the report against GRPO 4/4, the control table,
-    the pilot line, a data file per run and study.json; the report recomputed from the data files is the same."""
-    script = tmp_path / "fake_train.py"
-    script.write_text(FAKE_TRAIN)
-    out, data_dir = tmp_path / "pods", tmp_path / "results" / "pods"
-    table = study.run_pods(out, ("grpo", "pods", "random"), [0, 1], 100, ["--eval-samples", "7"], data_dir=data_dir,
-                           resamples=50, train_script=script)
-    calls = (out / "calls.txt").read_text().splitlines()
-    assert len(calls) == 6 and all(c.endswith("'--eval-samples', '7']") for c in calls)
-    assert "failed runs: random-n16-m4-s1" in capsys.readouterr().out
-    assert (out / "pods.png").read_bytes()[:4] == b"\x89PNG" and (out / "pods.md").read_text().strip() == table
-    assert "## Every arm against GRPO 4/4" in table and "Baseline: GRPO 4/4" in table
-    assert "## PODS random 16/4 against PODS max_variance 16/4" in table and "Baseline: PODS max_variance 16/4" in table
-    pods_rows = [line for line in table.splitlines() if line.startswith("| PODS max_variance 16/4 | 2 |")]
-    assert len(pods_rows) >= 2 and all("| 4.0x [4.0, 4.0] |" in row for row in pods_rows[:2])  # per step and clock
-    assert "- GRPO 4/4: not recorded" in table  # the fake logs no per-step phases
-    # The fake's GRPO reaches 0.5 at 100 s, its plateau: at a third of the budget (33 s) it is still rising.
-    assert "Pilot: GRPO 4/4 (2 seeds): mean accuracy 0.17 at a third of the budget (33 s)" in table
-    assert "still rising" in table
-    assert sorted(p.name for p in data_dir.glob("*.json")) == sorted(
-        ["grpo-n4-m4-s0.json", "grpo-n4-m4-s1.json", "max_variance-n16-m4-s0.json", "max_variance-n16-m4-s1.json",
-         "random-n16-m4-s0.json", "study.json"])
-    recorded = __import__("json").loads((data_dir / "study.json").read_text())
-    assert recorded["budget_s"] == 100 and recorded["command"].startswith("python study.py pods --out ")
-    assert (data_dir / "pods.md").read_text().strip() == table
-    capsys.readouterr()
-    assert study.main(["pods", "--from-data", str(data_dir), "--resamples", "50"]) == table
-    assert capsys.readouterr().out.strip() == table
-
-
-def test_pods_command_dry_run_pilot_and_refusals(tmp_path, capsys):
-    study.main(["pods", "--out", str(tmp_path), "--dry-run"])
-    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(commands) == 31 and commands[0].startswith("[1/31]") and "grpo-n4-m4-s0" in commands[0]
-    assert all("--max-time-s 600.0" in c and "--num-threads 2" in c and "--eval-interval-s 100" in c for c in commands)
-    assert not (tmp_path / "logs").exists()
-    study.main(["pods", "--out", str(tmp_path), "--arms", "grpo", "--seeds", "0", "1", "--dry-run"])  # the pilot
-    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["[1/2]", "[2/2]"]
-    with pytest.raises(SystemExit):
-        study.main(["pods", "--from-data", str(tmp_path), "--out", str(tmp_path)])
-    assert "--from-data reports committed data" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="no GRPO 4/4 run"):
-        study.pods_report([], 900)
-
-
-@pytest.mark.slow  # four train.py processes: ~20 s on a quiet machine, a minute on a busy one
-def test_pods_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
-    """The real train.py, 2 arms x 2 seeds of 3 steps: each seed's arms train on the same prompts (the completions
-    logs), every run evaluates at step 0, after each step whose training seconds cross a multiple of
-    --eval-interval-s, and at the end, and the report and the data files are written."""
-    import json
-
-    import completions
-    from run_helpers import read_lines
-
-    interval_s = 0.2
-    tiny = ["--model", str(tiny_model_dir), "--max-steps", "3", "--max-completion-tokens", "4", "--eval-samples", "2",
-            "--eval-interval-s", str(interval_s), "--checkpoint-interval-s", "0", "--prompts-per-step", "1",
-            "--log-completions-interval", "1"]
-    out, data_dir = tmp_path / "out", tmp_path / "data"
-    table = study.run_pods(out, ("grpo", "pods"), [0, 1], 0, tiny, num_threads=1, data_dir=data_dir, resamples=20)
-    names = ["grpo-n4-m4-s0", "max_variance-n16-m4-s0", "grpo-n4-m4-s1", "max_variance-n16-m4-s1"]
-    assert all((out / name / "study_done.json").is_file() for name in names)
-
-    def prompts(name):
-        return [[row["prompt"] for row in completions.read_completions(out / name, step)[1] if row["type"] == "prompt"]
-                for step in (1, 2, 3)]
-
-    assert prompts(names[0]) == prompts(names[1]) and prompts(names[2]) == prompts(names[3])
-    assert prompts(names[0]) != prompts(names[2])
-    for name in names:
-        clock = [0.0] + [line["elapsed_s"] for line in read_lines(out / name, "train")]
-        crossed = [step for step in (1, 2) if clock[step] // interval_s > clock[step - 1] // interval_s]
-        evaluations = read_lines(out / name, "eval")
-        assert [line["step"] for line in evaluations] == [0, *crossed, 3]
-        assert [line["elapsed_s"] for line in evaluations] == [clock[step] for step in (0, *crossed, 3)]
-    assert (out / "pods.png").is_file() and (out / "pods.md").read_text().strip() == table
-    assert f"| {study.PODS_BASELINE} | 2 | 3,3 |" in table and "| PODS max_variance 16/4 | 2 | 3,3 |" in table
-    assert "- PODS max_variance 16/4: generate" in table and "of which generation" in table
-    assert sorted(p.name for p in data_dir.glob("*.json")) == sorted([f"{name}.json" for name in names]
-                                                                      + ["study.json"])
-    record = json.loads((data_dir / "max_variance-n16-m4-s1.json").read_text())
-    assert record["label"] == "PODS max_variance 16/4" and len(record["generate_s"]) == 3
-    assert study.report_pods_data(data_dir, resamples=20) == table
-
-
-def test_pods_clock_lines_say_how_much_of_the_clock_difference_is_generation_and_the_pilot_line_a_plateau():
-    import numpy as np
-
-    from compare import RunData
-
-    def run(label, seed, generate_s, update_s, accuracy):
-        steps = 10
-        phases = {"generate_s": np.full(steps, generate_s), "update_s": np.full(steps, update_s)}
-        times = np.arange(0, 1000, 100.0)
-        return RunData(f"r{label}{seed}", label, seed, times, np.asarray(accuracy, dtype=float),
-                       np.full(steps, generate_s + update_s + 0.5), phases, eval_steps=times / 100)
-
-    flat = [0.3] + [0.6] * 9  # on its plateau from the first evaluation after step 0
-    runs = [run("GRPO 4/4", seed, 2.0, 7.5, flat) for seed in (0, 1)]
-    runs += [run("PODS max_variance 16/4", seed, 8.0, 7.6, flat) for seed in (0, 1)]
-    lines = study.clock_lines(runs)
-    assert lines[2] == "- GRPO 4/4: generate 2.0 s, update 7.5 s, step 10.0 s"
-    assert lines[3].endswith("step 16.1 s; +6.1 s per step against GRPO 4/4, of which generation +6.0 s (98%)")
-    assert "NOT rising at a third of the budget" in study.rising_line(runs, 900)
-    rising = [run("GRPO 4/4", 0, 2.0, 7.5, np.linspace(0.3, 0.7, 10))]
-    assert "0.43 at a third of the budget (300 s), 0.57 on average over the rest" in study.rising_line(rising, 900)
-    assert "still rising" in study.rising_line(rising, 900)
-
-
-def test_a_finished_pods_run_trained_with_other_flags_is_refused_not_reported(tmp_path, monkeypatch):
-    """A pilot trained before PODS_TASK changed would otherwise be skipped as done and reported as this study's."""
-    script = tmp_path / "fake_train.py"
-    script.write_text(FAKE_TRAIN)
-    out, data_dir = tmp_path / "pods", tmp_path / "data"
-    study.run_pods(out, ("grpo",), [0], 100, data_dir=data_dir, resamples=20, train_script=script)  # the pilot
-    assert "Pilot: GRPO 4/4 (1 seed)" in (data_dir / "pods.md").read_text()
-    monkeypatch.chdir(tmp_path)
-    study.run_pods("pods", ("grpo",), [0], 100, data_dir=data_dir, resamples=20,
-                   train_script=script)  # the same study (its folder spelled otherwise): the finished run skipped
-    assert len((out / "calls.txt").read_text().splitlines()) == 1
-    with pytest.raises(ValueError, match=r"grpo-n4-m4-s0 was trained with other flags than this study's "
-                                         r"\(--max-time-s 100 \(now 200\)\)"):
-        study.run_pods(out, ("grpo",), [0], 200, data_dir=data_dir, resamples=20, train_script=script)
-
-
-def test_the_pilot_behind_the_budget_says_what_study_py_says():
-    """results/pods-pilot: the pilot GRPO 4/4 run (seed 0, lr 1e-4, 900 s planned, stopped at 704 s) that set
-    PODS_MAX_TIME_S: on its plateau at a third of 900 s, still rising at a third of 600 s (rising_line)."""
-    runs, _ = studydata.read_study([Path(study.__file__).with_name("results") / "pods-pilot"])
-    assert [(r.label, r.seed, r.config["max_time_s"]) for r in runs] == [("GRPO 4/4", 0, 900.0)]
-    assert "NOT rising" in study.rising_line(runs, 900)
-    assert "0.54 at a third of the budget (200 s), 0.64 on average over the rest" in study.rising_line(runs, 600)
-    assert "still rising" in study.rising_line(runs, study.PODS_MAX_TIME_S)
