@@ -59,6 +59,9 @@ PODS_SETTINGS = {**PODS_TASK, "--prompts-per-step": "4", "--eval-samples": "256"
                  "--prefix-sharing": "on"}  # each distinct token computed once: every arm's clock as it is today
 PODS_MAX_TIME_S = 600.0
 PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
+# The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 5% (runs of
+# one arm and seed budget made 97-102 steps: a few percent from run to run on this machine).
+PODS_CLOCK_JITTER = 0.05
 PODS_RISING_MARGIN = 2 * 0.5 / int(PODS_SETTINGS["--eval-samples"]) ** 0.5  # two SEs of one evaluation, at most
 # ... and every 10th step's rollouts (what each rule kept) in <run>/completions/, for reading why an arm learned or not
 PODS_TRAIN_ARGS = study.with_settings(study.STUDY_TRAIN_ARGS, PODS_SETTINGS) + ("--log-completions-interval", "10")
@@ -200,7 +203,7 @@ def per_seed_plot(runs, path, title=None):
 def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES):
     """The study's report from its runs (compare.RunData, each cut to budget_s): the arms against GRPO 4/4 per step
     and on the clock (bootstrap.py: paired intervals, speed-up, mean accuracy over the budget; each arm paired with
-    the baseline on the seeds both ran), random against max-variance 16/4 the same way, the per-step clock split
+    the baseline on the seeds both ran; how far the clock's intervals move under PODS_CLOCK_JITTER), random against max-variance 16/4 the same way, the per-step clock split
     into generation and update, the pilot line and each run's curve. plot: the mean curves there, and each seed's
     curves beside it (<stem>_seeds.png)."""
     runs = in_arm_order(runs)
@@ -209,7 +212,8 @@ def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES):
         raise ValueError(f"no {PODS_BASELINE} run (arm grpo): the report compares every arm against it")
     seeds = len({r.seed for r in runs})
     title = f"Does PODS help? m = {PODS_UPDATE_SIZE} rows per prompt, demo scale, {seeds} seeds, 1.96 SE bands"
-    _, table = bootstrap.report_runs(runs, PODS_BASELINE, plot, title, resamples=resamples, budget_s=budget_s)
+    _, table = bootstrap.report_runs(runs, PODS_BASELINE, plot, title, resamples=resamples, budget_s=budget_s,
+                                     jitter=PODS_CLOCK_JITTER)
     parts = [f"## Every arm against {PODS_BASELINE}", "", table]
     if set(PODS_CONTROL) <= labels:
         control = [r for r in runs if r.label in PODS_CONTROL]
