@@ -200,12 +200,13 @@ def per_seed_plot(runs, path, title=None):
     compare_module.save_figure(fig, path, title)
 
 
-def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES):
+def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES, cost=None):
     """The study's report from its runs (compare.RunData, each cut to budget_s): the arms against GRPO 4/4 per step
     and on the clock (bootstrap.py: paired intervals, speed-up, mean accuracy over the budget; each arm paired with
-    the baseline on the seeds both ran; how far the clock's intervals move under PODS_CLOCK_JITTER), random against max-variance 16/4 the same way, the per-step clock split
-    into generation and update, the pilot line and each run's curve. plot: the mean curves there, and each seed's
-    curves beside it (<stem>_seeds.png)."""
+    the baseline on the seeds both ran; how far the clock's intervals move under PODS_CLOCK_JITTER), random against
+    max-variance 16/4 the same way, the per-step clock split into generation and update, the pilot line, the cost
+    line when given, and each run's curve. plot: the mean curves there, and each seed's curves beside it
+    (<stem>_seeds.png)."""
     runs = in_arm_order(runs)
     labels = {r.label for r in runs}
     if PODS_BASELINE not in labels:
@@ -220,7 +221,8 @@ def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES):
         _, control_table = bootstrap.report_runs(control, PODS_CONTROL[0], resamples=resamples, budget_s=budget_s)
         parts += ["", f"## {PODS_CONTROL[1]} against {PODS_CONTROL[0]} (does max-variance matter?)", "",
                   control_table]
-    parts += ["", *clock_lines(runs), "", rising_line(runs, budget_s), "", *run_table(runs)]
+    parts += ["", *clock_lines(runs), "", rising_line(runs, budget_s), *(["", cost] if cost else []), "",
+              *run_table(runs)]
     if plot:
         plot = Path(plot)
         per_seed_plot(runs, plot.with_name(f"{plot.stem}_seeds{plot.suffix}"),
@@ -247,8 +249,34 @@ def write_pods_data(run_dirs, data_dir, budget_s, command):
     commit = subprocess.run(["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
                             capture_output=True, text=True).stdout.strip() or None
     studydata.write_record({"study": "pods", "baseline": PODS_BASELINE, "budget_s": budget_s, "commit": commit,
-                            "command": command, "train_args": list(PODS_TRAIN_ARGS)},
+                            "command": command, "train_args": list(PODS_TRAIN_ARGS), **run_costs(run_dirs)},
                            Path(data_dir) / studydata.STUDY_FILE)
+
+
+def run_costs(run_dirs):
+    """{"run_wall_s": {run: seconds the study's train.py process took}, "run_eval_s": {run: seconds its evaluations
+    took}} from the run folders (study_done.json, the eval lines of metrics.jsonl): the study's cost."""
+    wall, evaluation = {}, {}
+    for run_dir in map(Path, run_dirs):
+        done = run_dir / "study_done.json"
+        if done.is_file():
+            wall[run_dir.name] = round(float(json.loads(done.read_text())["wall_s"]), 1)
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        evaluation[run_dir.name] = round(sum(line.get("eval/eval_s", 0.0) for line in lines
+                                             if line.get("type") == "eval"), 1)
+    return {"run_wall_s": wall, "run_eval_s": evaluation}
+
+
+def cost_line(runs, wall_s, eval_s):
+    """The study's cost in one line, from the recorded process and evaluation seconds of each run."""
+    names = [Path(r.run_dir).stem for r in runs]  # a run's data file is named after its folder
+    walls = [wall_s[n] for n in names if n in wall_s]
+    if not walls:
+        return "Cost: not recorded."
+    evaluation = [eval_s[n] for n in names if n in eval_s]
+    return (f"Cost: {len(walls)} runs, {sum(walls) / 3600:.1f} h one after the other; a run took "
+            f"{min(walls) / 60:.1f}-{max(walls) / 60:.1f} min (mean {np.mean(walls) / 60:.1f}), its training budget "
+            f"plus its evaluations ({np.mean(evaluation):.0f} s a run on average) and loading.")
 
 
 def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RESAMPLES):
@@ -258,7 +286,9 @@ def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RES
     if budget_s is None and study_file.is_file():
         budget_s = json.loads(study_file.read_text()).get("budget_s")
     compare_module.check_budgets(runs, budget_s)
-    return pods_report([compare_module.within_budget(r, budget_s) for r in runs], budget_s, plot, resamples)
+    recorded = json.loads(study_file.read_text()) if study_file.is_file() else {}
+    cost = cost_line(runs, recorded.get("run_wall_s", {}), recorded.get("run_eval_s", {}))
+    return pods_report([compare_module.within_budget(r, budget_s) for r in runs], budget_s, plot, resamples, cost)
 
 
 def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):

@@ -75,6 +75,8 @@ def test_run_pods_reports_exports_data_and_recomputes_from_it(tmp_path, capsys):
          "random-n16-m4-s0.json", "study.json"])
     recorded = __import__("json").loads((data_dir / "study.json").read_text())
     assert recorded["budget_s"] == 100 and recorded["command"].startswith("python study.py pods --out ")
+    assert sorted(recorded["run_wall_s"]) == sorted(recorded["run_eval_s"]) and len(recorded["run_wall_s"]) == 5
+    assert "Cost: 5 runs, 0.0 h one after the other; a run took " in table  # the fake's runs take a second
     assert (data_dir / "pods.md").read_text().strip() == table
     capsys.readouterr()
     assert study.main(["pods", "--from-data", str(data_dir), "--resamples", "50"]) == table
