@@ -226,7 +226,8 @@ def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES, cost=N
     if plot:
         plot = Path(plot)
         per_seed_plot(runs, plot.with_name(f"{plot.stem}_seeds{plot.suffix}"),
-                      f"Each seed's held-out accuracy, {budget_s:g} s per run" if budget_s else None)
+                      f"Each seed's held-out accuracy (thin lines) and their mean, {budget_s:g} s of training per run"
+                      if budget_s else None)
     return "\n".join(parts)
 
 
