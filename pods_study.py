@@ -31,10 +31,8 @@ import compare as compare_module
 import study
 import studydata
 
-# "Does PODS help?" (`pods`): the paper's single-device comparison. Every arm trains m = PODS_UPDATE_SIZE rows of
-# each of the same 4 prompts per step (16 rows, the same update cost); the arms differ in how many rollouts they
-# generate per prompt and which m they keep: {arm: (rule, n)}. GRPO 4/4 is the baseline, max_variance 16/4 the
-# paper's method, random 16/4 the control (more rollouts, kept at random), max_variance 8/4 and 32/4 the n scaling.
+# {arm: (rule, n)}: every arm trains m = PODS_UPDATE_SIZE rows of each prompt (the same update cost) and differs in
+# how many rollouts it generates per prompt and which m it keeps.
 PODS_ARMS = {"grpo": ("none", 4), "pods": ("max_variance", 16), "random": ("random", 16),
              "pods8": ("max_variance", 8), "pods32": ("max_variance", 32)}
 PODS_UPDATE_SIZE = 4
@@ -57,14 +55,14 @@ PODS_EVAL_INTERVAL_S = 100.0
 PODS_SETTINGS = {**PODS_TASK, "--prompts-per-step": "4", "--eval-samples": "256", "--eval-interval": "0",
                  "--eval-interval-s": f"{PODS_EVAL_INTERVAL_S:g}", "--checkpoint-interval-s": "600",
                  "--prefix-sharing": "on"}  # each distinct token computed once: every arm's clock as it is today
-PODS_MAX_TIME_S = 600.0
-PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
-# The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 5% (runs of
-# one arm and seed budget made 97-102 steps: a few percent from run to run on this machine).
-PODS_CLOCK_JITTER = 0.05
-PODS_RISING_MARGIN = 2 * 0.5 / int(PODS_SETTINGS["--eval-samples"]) ** 0.5  # two SEs of one evaluation, at most
 # ... and every 10th step's rollouts (what each rule kept) in <run>/completions/, for reading why an arm learned or not
 PODS_TRAIN_ARGS = study.with_settings(study.STUDY_TRAIN_ARGS, PODS_SETTINGS) + ("--log-completions-interval", "10")
+PODS_MAX_TIME_S = 600.0
+PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
+# The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 5%: a run's
+# steps per second vary by a few percent from run to run on this machine.
+PODS_CLOCK_JITTER = 0.05
+PODS_RISING_MARGIN = 2 * 0.5 / int(PODS_SETTINGS["--eval-samples"]) ** 0.5  # two SEs of one evaluation, at most
 
 
 def pods_plan(arms=tuple(PODS_ARMS), seeds=None):

@@ -209,3 +209,24 @@ def test_report_only_reports_the_finished_runs_and_trains_nothing(tmp_path, caps
     assert "removing " in printed and (data_dir / "study.json").exists()
     with pytest.raises(SystemExit):
         study.main(["pods", "--from-data", str(data_dir), "--report-only"])
+
+
+def test_the_committed_study_data_reproduce_the_report_and_benchmarks_quotes_it():
+    """results/pods holds each finished run's data file and study.json; the report recomputed from them is
+    results/pods/pods.md, trained with today's pinned settings and budget, and BENCHMARKS.md quotes its tables and
+    each run's row."""
+    import json
+
+    root = Path(pods_study.__file__).parent
+    data = root / "results" / "pods"
+    recorded = json.loads((data / studydata.STUDY_FILE).read_text())
+    assert recorded["train_args"] == list(pods_study.PODS_TRAIN_ARGS)
+    assert recorded["budget_s"] == pods_study.PODS_MAX_TIME_S
+    table = pods_study.report_pods_data(data)
+    assert table == (data / "pods.md").read_text().strip()
+    benchmarks = (root / "BENCHMARKS.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    runs, _ = studydata.read_study([data])
+    assert len(rows) == 4 * len({r.label for r in runs}) + 4 + len(runs)  # both axes, control, one row per run
+    assert [row for row in rows if row not in benchmarks] == []
+    assert "python study.py pods --from-data results/pods" in benchmarks
