@@ -227,6 +227,6 @@ def test_the_committed_study_data_reproduce_the_report_and_benchmarks_quotes_it(
     benchmarks = (root / "BENCHMARKS.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     runs, _ = studydata.read_study([data])
-    assert len(rows) == 4 * len({r.label for r in runs}) + 4 + len(runs)  # both axes, control, one row per run
+    assert len(rows) == 2 * len({r.label for r in runs}) + 2 * 2 + len(runs)  # both axes; the control; each run
     assert [row for row in rows if row not in benchmarks] == []
     assert "python study.py pods --from-data results/pods" in benchmarks
