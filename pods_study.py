@@ -59,9 +59,9 @@ PODS_SETTINGS = {**PODS_TASK, "--prompts-per-step": "4", "--eval-samples": "256"
 PODS_TRAIN_ARGS = study.with_settings(study.STUDY_TRAIN_ARGS, PODS_SETTINGS) + ("--log-completions-interval", "10")
 PODS_MAX_TIME_S = 600.0
 PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
-# The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 5%: a run's
-# steps per second vary by a few percent from run to run on this machine.
-PODS_CLOCK_JITTER = 0.05
+# The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 10%: on this
+# shared machine GRPO 4/4's median update took 2.5-3.1 s in its first four seeds, at the same completion lengths.
+PODS_CLOCK_JITTER = 0.10
 PODS_RISING_MARGIN = 2 * 0.5 / int(PODS_SETTINGS["--eval-samples"]) ** 0.5  # two SEs of one evaluation, at most
 
 
