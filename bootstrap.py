@@ -378,7 +378,7 @@ def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", cl
 def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
     """Accuracy against training time (left) and against steps (right): seed mean, 1.96-SE band (paper Fig. 4),
     and the threshold (0.99 x the baseline's peak)."""
-    fig, panels = compare.two_panels()
+    fig, panels = compare.panels()
     longest_s = max((r.eval_times_s[-1] for runs in runs_by_label.values() for r in runs if len(r.eval_times_s)),
                     default=0)
     for panel, axis in zip(panels, AXES):

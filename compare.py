@@ -307,7 +307,7 @@ def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
     """Left: accuracy vs training wall-clock (mean line, 1.96 SE band). Right: per-step time by step."""
     minutes = max((c.times_s[-1] for c in curves if len(c.times_s)), default=0) > 600
     scale = 60.0 if minutes else 1.0  # long runs in minutes
-    fig, (left, right) = two_panels()
+    fig, (left, right) = panels()
     for c in curves:
         line, = left.plot(c.times_s / scale, c.mean, label=f"{c.label} (n={len(c.runs)})")
         left.fill_between(c.times_s / scale, *band_limits(c.mean, c.band), color=line.get_color(), alpha=0.2)
@@ -324,14 +324,15 @@ def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
     save_figure(fig, path, title)
 
 
-def two_panels():
-    """A headless figure of two side-by-side panels (compare.py's and bootstrap.py's plots)."""
+def panels(rows=1, columns=2, figsize=(12, 4.5), **options):
+    """A headless figure of rows x columns panels (every plot of the repository: compare.py's, bootstrap.py's, the
+    PODS study's per-seed curves); options go to plt.subplots."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
-    return plt.subplots(1, 2, figsize=(12, 4.5))
+    return plt.subplots(rows, columns, figsize=figsize, **options)
 
 
 def save_figure(fig, path, title=None):

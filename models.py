@@ -297,7 +297,9 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
         with quiet_peft(quantized=True):
             from peft import prepare_model_for_kbit_training
 
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+            # non-reentrant, as below: reentrant checkpointing cuts the gradient through a shared prefix's cache
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
     elif gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # its name in newer transformers (the old one warns)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

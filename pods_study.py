@@ -1,16 +1,16 @@
 """Does PODS help? The paper's main comparison (Sec. 4, settings (a)-(d): PODS n/m against GRPO m/m, the same rows
 trained per step) and its n and rule ablations (Figs. 5, 6), at demo scale on CPU: `python study.py pods`.
 
-Every arm trains m = 4 rows of each of the same 4 prompts per step: GRPO 4/4 (the baseline) against PODS
-max_variance 16/4 (the paper's method), random 16/4 (the control: the extra rollouts without the rule) and
-max_variance 8/4 and 32/4 (n scaling); seeds 0-7 for the first two, 0-4 for the others (a seed gives every arm the
-same prompt order). One run at a time on a quiet machine (the arms are compared on the clock), from a committed
-checkout; 256 greedy held-out prompts every 100 s of training in every arm, so no arm is favoured by being
-evaluated more often on the clock. The report (bootstrap.py's paired intervals over seeds) is per optimizer step
-(learning per step, whatever the hardware) and on the CPU clock, where PODS pays for its extra rollouts, with the
-share of the clock difference that is generation, each run's curve, and the pilot's "still rising" line.
-Simplifications: one demo-scale task (2-digit addition, SmolLM2-135M, lr 1e-4, 600 s per run) where the paper
-ran 3B-7B models on GSM8K and MATH on GPUs; the clock is a CPU's, on which generation is far from free.
+Every arm trains m = 4 rows of each of the same 4 prompts per step: GRPO 4/4 (the baseline) against PODS max_variance
+16/4 (the paper's method), random 16/4 (the control: the extra rollouts without the rule) and max_variance 8/4 and 32/4
+(n scaling); seeds 0-7 for the first two, 0-4 for random, 0-2, 4 and 5 for the n arms (PODS_SEEDS; a seed gives every
+arm the same prompt order). One run at a time on a quiet machine (the arms are compared on the clock), from a committed
+checkout; 256 greedy held-out prompts every 100 s of training in every arm, so no arm is favoured by being evaluated
+more often on the clock. The report (bootstrap.py's paired intervals over seeds) is per optimizer step (learning per
+step, whatever the hardware) and on the CPU clock, where PODS pays for its extra rollouts, with the share of the clock
+difference that is generation, each run's curve, and the pilot's "still rising" line. Simplifications: one demo-scale
+task (2-digit addition, SmolLM2-135M, lr 1e-4, 600 s per run) where the paper ran 3B-7B models on GSM8K and MATH on
+GPUs; the clock is a CPU's, on which generation is far from free.
 
     python study.py pods --out runs/pods --arms grpo --seeds 0 1   # the pilot: is GRPO 4/4 still rising at T/3?
     python study.py pods --out runs/pods                           # the study (~7 h on 2 cores), its report
@@ -28,15 +28,20 @@ import numpy as np
 
 import bootstrap
 import compare as compare_module
-import study
 import studydata
+import studyrun
 
 # {arm: (rule, n)}: every arm trains m = PODS_UPDATE_SIZE rows of each prompt (the same update cost) and differs in
 # how many rollouts it generates per prompt and which m it keeps.
 PODS_ARMS = {"grpo": ("none", 4), "pods": ("max_variance", 16), "random": ("random", 16),
              "pods8": ("max_variance", 8), "pods32": ("max_variance", 32)}
 PODS_UPDATE_SIZE = 4
-PODS_SEEDS = {"grpo": 8, "pods": 8, "random": 5, "pods8": 5, "pods32": 5}  # seeds 0..k-1 per arm (--seeds: all arms)
+# The seeds of each arm (--seeds: the same for every arm). Every arm of a seed trains on one machine, so that each
+# paired clock comparison is within a machine: seeds 0-3 (0-2 of the n arms) ran on one 2-core VM (an AMD EPYC),
+# the rest on another (an Intel Xeon, ~30% slower a step in float32). The n arms' seed 3 would have paired runs of
+# the second machine with baseline runs of the first, so the n arms run seeds 4 and 5 instead.
+PODS_SEEDS = {"grpo": tuple(range(8)), "pods": tuple(range(8)), "random": tuple(range(5)), "pods8": (0, 1, 2, 4, 5),
+              "pods32": (0, 1, 2, 4, 5)}
 PODS_BASELINE = "GRPO 4/4"
 PODS_CONTROL = ("PODS max_variance 16/4", "PODS random 16/4")  # a second table: the control against the method
 # THE TASK, LEARNING RATE AND BUDGET, set after the pilot (run_pods' docstring: the candidates and the reasoning). The
@@ -56,7 +61,8 @@ PODS_SETTINGS = {**PODS_TASK, "--prompts-per-step": "4", "--eval-samples": "256"
                  "--eval-interval-s": f"{PODS_EVAL_INTERVAL_S:g}", "--checkpoint-interval-s": "600",
                  "--prefix-sharing": "on"}  # each distinct token computed once: every arm's clock as it is today
 # ... and every 10th step's rollouts (what each rule kept) in <run>/completions/, for reading why an arm learned or not
-PODS_TRAIN_ARGS = study.with_settings(study.STUDY_TRAIN_ARGS, PODS_SETTINGS) + ("--log-completions-interval", "10")
+PODS_TRAIN_ARGS = (studyrun.with_settings(studyrun.STUDY_TRAIN_ARGS, PODS_SETTINGS)
+                   + ("--log-completions-interval", "10"))
 PODS_MAX_TIME_S = 600.0
 PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
 # The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 10%: on this
@@ -66,12 +72,12 @@ PODS_RISING_MARGIN = 2 * 0.5 / int(PODS_SETTINGS["--eval-samples"]) ** 0.5  # tw
 
 
 def pods_plan(arms=tuple(PODS_ARMS), seeds=None):
-    """{run name: train.py method flags}: each arm of PODS_ARMS among `arms` for each of its seeds (None: seeds
-    0..PODS_SEEDS[arm]-1), seed-major (a study cut short has whole seeds, the first seeds of every arm)."""
+    """{run name: train.py method flags}: each arm of PODS_ARMS among `arms` for each of its seeds (None:
+    PODS_SEEDS[arm]), seed-major (a study cut short has whole seeds, the first seeds of every arm)."""
     unknown = sorted(set(arms) - set(PODS_ARMS))
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}: choose among {list(PODS_ARMS)}")
-    per_arm = {arm: list(seeds) if seeds is not None else list(range(PODS_SEEDS[arm])) for arm in arms}
+    per_arm = {arm: list(seeds) if seeds is not None else list(PODS_SEEDS[arm]) for arm in arms}
     runs = {}
     for seed in sorted({seed for arm_seeds in per_arm.values() for seed in arm_seeds}):
         for arm in arms:
@@ -169,16 +175,12 @@ def run_table(runs):
 def per_seed_plot(runs, path, title=None):
     """One panel per arm and axis (training seconds above, optimizer steps below): each seed's curve, thin, and the
     seed mean, thick; the baseline's seed mean drawn dashed in every panel for reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
     by_label = {}
     for run in runs:
         if len(run.eval_accuracy):
             by_label.setdefault(run.label, []).append(run)
-    fig, panels = plt.subplots(2, len(by_label), figsize=(3.2 * len(by_label), 6), sharey=True, squeeze=False)
+    fig, panels = compare_module.panels(2, len(by_label), figsize=(3.2 * len(by_label), 6), sharey=True,
+                                        squeeze=False)
     for row, axis in enumerate(bootstrap.AXES):
         base = compare_module.method_curve(PODS_BASELINE, [bootstrap.on_axis(r, axis) for r in
                                                            by_label.get(PODS_BASELINE, [])], min_seeds=0) \
@@ -229,14 +231,18 @@ def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES, cost=N
     return "\n".join(parts)
 
 
-def write_pods_data(run_dirs, data_dir, budget_s, command):
+def write_pods_data(run_dirs, data_dir, budget_s, command, add=False):
     """Each run's data file (studydata.export_runs) and study.json (the budget, the settings, the commit) in
     data_dir: what the tables are recomputed from (`python study.py pods --from-data DATA_DIR`). A run data file
     already there that this export does not write (an earlier export's run) is removed: the report reads every data
-    file of the folder, and must read this study's runs only."""
+    file of the folder, and must read this study's runs only. add: a study continued in another --out, whose earlier
+    runs are in data_dir's files only: they are kept with their recorded costs, and the earlier export's command
+    and commit go to study.json's "earlier"; refused unless study.json records this study's budget and settings."""
+    study_file = Path(data_dir) / studydata.STUDY_FILE
+    earlier = earlier_export(data_dir, budget_s) if add else {}
     written = {path.resolve() for path in studydata.export_runs(run_dirs, data_dir)}
     for path in sorted(Path(data_dir).glob("*.json")):
-        if path.resolve() in written or path.name == studydata.STUDY_FILE:
+        if add or path.resolve() in written or path.name == studydata.STUDY_FILE:
             continue
         try:
             is_run_data = json.loads(path.read_text()).get("format") == studydata.FORMAT
@@ -247,9 +253,26 @@ def write_pods_data(run_dirs, data_dir, budget_s, command):
             path.unlink()
     commit = subprocess.run(["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
                             capture_output=True, text=True).stdout.strip() or None
+    costs = {key: {**earlier.get(key, {}), **values} for key, values in run_costs(run_dirs).items()}
+    history = earlier.get("earlier", []) + ([{"command": earlier.get("command"), "commit": earlier.get("commit")}]
+                                            if earlier else [])
     studydata.write_record({"study": "pods", "baseline": PODS_BASELINE, "budget_s": budget_s, "commit": commit,
-                            "command": command, "train_args": list(PODS_TRAIN_ARGS), **run_costs(run_dirs)},
-                           Path(data_dir) / studydata.STUDY_FILE)
+                            "command": command, "train_args": list(PODS_TRAIN_ARGS), **costs,
+                            **({"earlier": history} if history else {})}, study_file)
+
+
+def earlier_export(data_dir, budget_s):
+    """The study.json of the export a study continued in a new --out adds to (--add-to-data), refused unless it
+    records this study's budget and settings: its runs and the new ones must be one study."""
+    study_file = Path(data_dir) / studydata.STUDY_FILE
+    if not study_file.is_file():
+        raise ValueError(f"--add-to-data: {data_dir} has no {studydata.STUDY_FILE} (no earlier export to add to)")
+    earlier = json.loads(study_file.read_text())
+    for key, now in (("budget_s", budget_s), ("train_args", list(PODS_TRAIN_ARGS))):
+        if earlier.get(key) != now:
+            raise ValueError(f"--add-to-data: {study_file} records another {key} than this study's: its runs and "
+                             "these would not be one study")
+    return earlier
 
 
 def run_costs(run_dirs):
@@ -282,10 +305,9 @@ def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RES
     """The report recomputed from data files (studydata.py): the budget recorded in study.json unless given."""
     runs, _ = studydata.read_study([data_dir])
     study_file = Path(data_dir) / studydata.STUDY_FILE
-    if budget_s is None and study_file.is_file():
-        budget_s = json.loads(study_file.read_text()).get("budget_s")
-    compare_module.check_budgets(runs, budget_s)
     recorded = json.loads(study_file.read_text()) if study_file.is_file() else {}
+    budget_s = recorded.get("budget_s") if budget_s is None else budget_s
+    compare_module.check_budgets(runs, budget_s)
     cost = cost_line(runs, recorded.get("run_wall_s", {}), recorded.get("run_eval_s", {}))
     return pods_report([compare_module.within_budget(r, budget_s) for r in runs], budget_s, plot, resamples, cost)
 
@@ -298,8 +320,8 @@ def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):
         if not done.is_file():
             continue
         recorded = [arg for arg in json.loads(done.read_text()).get("command", [])[2:] if arg != "--resume"]
-        expected = study.train_flags(Path(out_dir) / name, flags, max_time_s, num_threads, train_args,
-                                     PODS_TRAIN_ARGS)
+        expected = studyrun.train_flags(Path(out_dir) / name, flags, max_time_s, num_threads, train_args,
+                                        PODS_TRAIN_ARGS)
         if "--output-dir" in recorded:  # the same folder, however --out was spelled
             recorded[recorded.index("--output-dir") + 1] = expected[expected.index("--output-dir") + 1]
         if recorded != expected:
@@ -310,12 +332,13 @@ def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):
 
 
 def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIME_S, train_args=(), dry_run=False,
-             num_threads=study.GA_NUM_THREADS, data_dir=PODS_DATA, plot=None, resamples=bootstrap.RESAMPLES,
-             train_script=Path(__file__).with_name("train.py"), report_only=False):
+             num_threads=studyrun.TIMED_NUM_THREADS, data_dir=PODS_DATA, plot=None, resamples=bootstrap.RESAMPLES,
+             train_script=Path(__file__).with_name("train.py"), report_only=False, add_to_data=False):
     """Does PODS help? Train every run of pods_plan (one at a time), then write the report to <out>/pods.md and
     <data_dir>/pods.md, the plot to <out>/pods.png (or `plot`), and each run's data file to data_dir; returns the
     report. report_only: train nothing and report the finished runs (study_done.json) of a study still under way
-    or cut short, leaving out a run in progress.
+    or cut short, leaving out a run in progress. add_to_data: keep data_dir's run files, the report covering them
+    and this --out's runs (write_pods_data's add: a study continued in a new --out).
 
     The task (PODS_TASK), for a pilot to confirm. The model is the demo's SmolLM2-135M (the study runs on CPU), so
     the candidates are the tasks it can learn something of. Probed at step 0 (one-shot prompt, 32 completion tokens):
@@ -339,23 +362,28 @@ def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIM
     runs = pods_plan(arms, seeds)
     command = ["python", "study.py", "pods", "--out", str(out_dir), "--arms", *arms] + \
         (["--seeds", *map(str, seeds)] if seeds is not None else []) + ["--max-time-s", f"{max_time_s:g}"] + \
-        (["--", *train_args] if train_args else [])
+        (["--add-to-data"] if add_to_data else []) + (["--", *train_args] if train_args else [])
     check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads)
+    if add_to_data:
+        earlier_export(data_dir, max_time_s)  # refused before anything is trained
     if report_only:
         present = [Path(out_dir) / name for name in runs if (Path(out_dir) / name / "study_done.json").is_file()]
         missing = [name for name in runs if Path(out_dir) / name not in present]
+        in_data = [name for name in missing if add_to_data and (Path(data_dir) / f"{name}.json").is_file()]
+        missing = [name for name in missing if name not in in_data]
         print(f"reporting the {len(present)} finished runs of {len(runs)}"
+              + (f" and {len(in_data)} from {data_dir}'s data files" if in_data else "")
               + (f"; not finished: {', '.join(missing)}" if missing else ""), flush=True)
     else:
-        present = study.trained_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script,
-                                     PODS_TRAIN_ARGS)
+        present = studyrun.trained_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script,
+                                        PODS_TRAIN_ARGS)
     if dry_run:
         return None
     out_dir = Path(out_dir)
     if not present:
         raise ValueError(f"{out_dir}: no run of the study has {'finished' if report_only else 'a metrics.jsonl'}; "
                          "nothing to report")
-    write_pods_data(present, data_dir, max_time_s, shlex.join(command))
+    write_pods_data(present, data_dir, max_time_s, shlex.join(command), add=add_to_data)
     table = report_pods_data(data_dir, max_time_s, plot or out_dir / "pods.png", resamples)  # as it recomputes
     for folder in (out_dir, Path(data_dir)):
         (folder / "pods.md").write_text(table + "\n")
@@ -365,20 +393,24 @@ def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIM
 
 PODS_USAGE = """Does PODS help? Every arm trains m = 4 rows of each of the same 4 prompts per step: GRPO 4/4 (the
 baseline), PODS max_variance 16/4, PODS random 16/4 (the control), PODS max_variance 8/4 and 32/4 (n scaling); seeds
-0-7 for the first two, 0-4 for the others (--seeds: the same for every arm). One run at a time on a quiet machine,
-from a committed (pinned) checkout; 256 greedy held-out prompts every 100 s of training in every arm.
+0-7 for the first two, 0-4 for random, 0-2, 4 and 5 for 8/4 and 32/4 (--seeds: the same for every arm). One run at a
+time on a quiet machine, every arm of a seed on the same machine, from a committed (pinned) checkout; 256 greedy
+held-out prompts every 100 s of training in every arm.
 
   python study.py pods --out runs/pods --arms grpo --seeds 0 1      # the pilot: is GRPO 4/4 still rising at T/3?
   python study.py pods --out runs/pods --dry-run                    # the 31 train.py commands
   python study.py pods --out runs/pods                              # the study (~7 h: 13 min a run), then its report
   python study.py pods --out runs/pods --report-only                # the report of the runs finished so far
+  python study.py pods --out runs/more --add-to-data                # a study continued in a new --out (below)
   python study.py pods --from-data results/pods                     # the report recomputed from the data files
   python bootstrap.py --from-data results/pods --baseline-label "GRPO 4/4" --budget-s 600   # its first table alone
 
 The run writes <out>/pods.md, pods.png (the seed means) and pods_seeds.png (each seed's curve), and results/pods/
 (--data): one data file per run, study.json (budget, settings, the reporting checkout's commit) and pods.md, to
 commit. Settings: pods_study.py's PODS_TASK / PODS_SETTINGS (set the task and learning rate there after the pilot);
-arguments after -- go to every train.py run."""
+arguments after -- go to every train.py run. A study whose run folders are gone (a new machine) continues in a new
+--out with --add-to-data: the runs already in the data folder are kept and reported with the new ones (--seeds and
+--arms pick the runs left to train)."""
 
 
 def main(argv):
@@ -391,22 +423,27 @@ def main(argv):
     parser.add_argument("--from-data", metavar="DIR", help="report from data files (studydata.py); trains nothing")
     parser.add_argument("--arms", nargs="+", choices=list(PODS_ARMS), default=list(PODS_ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", help="the seeds of every arm (default: 0-7 for grpo and pods, "
-                        "0-4 for the others: PODS_SEEDS)")
+                        "0-4 for random, 0-2, 4, 5 for pods8 and pods32: PODS_SEEDS)")
     parser.add_argument("--max-time-s", type=float, help=f"training wall-clock per run (default {PODS_MAX_TIME_S:g}; "
                         "with --from-data: the budget the runs are read at, default the one study.json records)")
-    parser.add_argument("--num-threads", type=int, default=study.GA_NUM_THREADS, help="torch CPU threads per run (the "
-                        "study is timed: one run at a time, a quiet machine, both cores)")
+    parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS, help="torch CPU threads per "
+                        "run (the study is timed: one run at a time, a quiet machine, both cores)")
     parser.add_argument("--data", default=str(PODS_DATA), help="where the runs' data files and pods.md go")
     parser.add_argument("--plot", help="the plot's path (default <out>/pods.png; none with --from-data unless given)")
     parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs already finished "
                         "(a study under way or cut short; a run in progress is left out)")
+    parser.add_argument("--add-to-data", action="store_true", help="keep the data folder's run files and report them "
+                        "with this --out's runs (a study continued in a new --out); refused unless the data folder's "
+                        "study.json records this study's budget and settings")
     args = parser.parse_args(argv)
+    if args.report_only and args.dry_run:
+        parser.error("--report-only trains nothing and --dry-run only prints the train.py commands: give one of them")
     if args.from_data:
-        if args.out or args.dry_run or args.report_only or train_args:
-            parser.error("--from-data reports committed data: it trains nothing (no --out, --dry-run, --report-only "
-                         "or -- flags)")
+        if args.out or args.dry_run or args.report_only or args.add_to_data or train_args:
+            parser.error("--from-data reports committed data: it trains nothing (no --out, --dry-run, --report-only, "
+                         "--add-to-data or -- flags)")
         table = report_pods_data(args.from_data, args.max_time_s, args.plot, args.resamples)
         print(table)
         return table
@@ -414,4 +451,4 @@ def main(argv):
         parser.error("give --out DIR (where the runs go) or --from-data DIR (report committed data)")
     return run_pods(args.out, tuple(args.arms), args.seeds, args.max_time_s or PODS_MAX_TIME_S, train_args,
                     args.dry_run, args.num_threads, args.data, args.plot, args.resamples,
-                    report_only=args.report_only)
+                    report_only=args.report_only, add_to_data=args.add_to_data)

@@ -23,51 +23,24 @@ and the step axis with 95% bootstrap intervals over seeds (bootstrap.py): <out>/
     python study.py pods --from-data results/pods   (the report recomputed from the committed data files)
     python study.py compare RUN_DIR...            (an alias of python compare.py)
 
-Every setting the recorded tables depend on is passed explicitly (`STUDY_TRAIN_ARGS`), evaluation
+Every setting the recorded tables depend on is passed explicitly (studyrun.py's `STUDY_TRAIN_ARGS`), evaluation
 temperature included, so the documented command measures the same thing whatever the demo preset becomes.
-Resumable: a finished run has <out>/<name>/study_done.json and is skipped; an interrupted one continues
-from its checkpoint (train.py --resume) or starts over; a failed one is listed and retried on the next call.
+Resumable (studyrun.py): a finished run is skipped, an interrupted one continues from its checkpoint.
 Simplification: demo scale only; the paper-scale settings (a)-(d) are run with train.py directly.
 """
 
 import argparse
-import dataclasses
 import itertools
 import json
-import shlex
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import bootstrap
-import grpo_loss
-import rewards
-import runfolder
+import studyrun
 from compare import compare
 
 METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
 STUDY_RULES = ("max_variance", "random", "max_reward", "percentile")  # paper Fig. 5, plus the GRPO baseline
-STUDY_SYSTEM_PROMPT = "Reason inside <think> </think>, then answer inside <answer> </answer>."
-# The settings of the recorded study, all explicit (a later edit of the demo preset or of a flag's default
-# cannot change them): SmolLM2-135M with LoRA r=16 on 2-digit addition with a one-shot example, fitted to a
-# shared 2-core CPU: one prompt per step (the authors' single-GPU config), a 20-prompt greedy held-out set
-# every 3 steps, only the final checkpoint. The method flags (rule, n, m, seed) come from study_plan; flags
-# after `--` override all of these.
-STUDY_TRAIN_ARGS = (
-    "--model", "smollm2-135m-offline", "--lora-rank", "16", "--lora-alpha", "32",
-    "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--no-bf16",
-    "--no-gradient-checkpointing", "--dataset", "arithmetic", "--num-train-rows", "1000", "--one-shot",
-    "--system-prompt", STUDY_SYSTEM_PROMPT, "--max-prompt-tokens", "256", "--advantage-normalization", "selected",
-    "--reward-options", "", "--prompts-per-step", "1", "--grad-accum-steps", "1",
-    "--updates-per-batch", "1", "--clip-eps", "0.2", "--kl-coef", "0", "--learning-rate", "5e-4",
-    "--scale-rewards", "group", "--selection-scope", "prompt", "--no-drop-zero-variance", "--no-dynamic-sampling",
-    "--clip-eps-high", "0.2", "--loss-aggregation", "sequence", "--no-mask-truncated", "--report-to", "none",
-    "--weight-decay", "0", "--max-grad-norm", "1.0", "--optimizer", "adamw", "--temperature", "1.0",
-    "--top-p", "1.0", "--max-completion-tokens", "32", "--rollout-batch-size", "64", "--micro-batch-size", "16",
-    "--eval-samples", "20", "--eval-interval", "3", "--eval-interval-s", "0", "--eval-temperature", "0",
-    "--checkpoint-interval-s", "100000", "--prefix-sharing", "off")  # the recorded studies ran every row in full
 
 
 def study_plan(seeds, rules=STUDY_RULES, num_rollouts=16, update_size=4, nm_values=(4, 8, 16)):
@@ -111,14 +84,6 @@ def variants_plan(seeds, num_rollouts=16, update_size=4):
     return runs, f"PODS max_variance {num_rollouts}/{update_size}"
 
 
-def with_settings(args, settings):
-    """args with the value after each flag of settings ({flag: value}, every flag among args) replaced."""
-    args = list(args)
-    for flag, value in settings.items():
-        args[args.index(flag) + 1] = value
-    return tuple(args)
-
-
 # The PODS vs GRPO-GA study: {arm: (rule, m)} at n = 16. GRPO-GA is rule none with m = n: the label train.py writes
 # is "GRPO 16/16" (--grad-accum-steps counts rollout batches of new prompts, so the same rollouts trained in
 # parts are micro-batches: 4 of 16 rows per step).
@@ -130,12 +95,11 @@ GA_BASELINE = "GRPO 16/16"
 # resumes losing at most that).
 GA_SETTINGS = {"--prompts-per-step": "4", "--eval-samples": "256", "--eval-interval": "5",
                "--checkpoint-interval-s": "600"}
-GA_TRAIN_ARGS = with_settings(STUDY_TRAIN_ARGS, GA_SETTINGS)
+GA_TRAIN_ARGS = studyrun.with_settings(studyrun.STUDY_TRAIN_ARGS, GA_SETTINGS)
 # Training wall-clock per run: ~23 GRPO-GA steps, ~55 PODS steps on 2 quiet cores. A first GRPO-GA run of 1800 s
 # (BENCHMARKS) was on its plateau from ~200 s on, so half that budget is still ~4x its time to it; the report
 # reads every run as a run of this budget (compare.within_budget), that first one included.
 GA_MAX_TIME_S = 900.0
-GA_NUM_THREADS = 2      # one run at a time on the 2-core machine, both cores to it (BENCHMARKS: 1.5-1.85x faster)
 # Training wall-clock per run of the recorded rule / n/m study and loss-variant study (BENCHMARKS.md): the commands'
 # defaults, so that `python study.py run|variants --out DIR` trains as long as the recorded runs did.
 RUN_MAX_TIME_S = 120.0
@@ -148,74 +112,6 @@ def ga_plan(seeds, num_rollouts=16):
     return {f"{arm}-n{num_rollouts}-m{m}-s{seed}": ["--rule", rule, "--num-rollouts", str(num_rollouts),
                                                     "--update-size", str(m), "--seed", str(seed)]
             for seed in seeds for arm, (rule, m) in GA_ARMS.items()}
-
-
-def registry_pins():
-    """Pins for what the registries may gain after the tables were recorded: the paper's reward weights 1/1/1 and
-    weight 0 for any other reward term (logged, not trained on); every loss option not in STUDY_TRAIN_ARGS at its
-    LossSettings default, the paper's loss (an option whose default is None cannot be given: None is off)."""
-    weights = ["accuracy=1", "format=1", "tag_count=1"]
-    weights += [f"{name}=0" for name in rewards.REWARD_TERMS if name not in ("accuracy", "format", "tag_count")]
-    pins = ["--reward-weights", ",".join(weights)]
-    for option in dataclasses.fields(grpo_loss.LossSettings):
-        flag = grpo_loss.flag_name(option)
-        pinned = flag in STUDY_TRAIN_ARGS or "--no-" + flag[2:] in STUDY_TRAIN_ARGS
-        if option.metadata["help"] and not pinned and option.default is not None:
-            is_bool = isinstance(option.default, bool)
-            pins += [flag if option.default else "--no-" + flag[2:]] if is_bool else [flag, str(option.default)]
-    return pins
-
-
-def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=(), settings=STUDY_TRAIN_ARGS):
-    """train.py's flags for one run of the study: the pinned settings, the run's method, then the user's."""
-    return ["--preset", "demo", "--output-dir", str(run_dir), "--max-time-s", str(max_time_s), "--no-progress",
-            "--num-threads", str(num_threads), "--device", "cpu", "--max-steps", "0", *settings,
-            *registry_pins(), *method_flags, *train_args]
-
-
-def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_threads=1,
-               train_script=Path(__file__).with_name("train.py"), settings=STUDY_TRAIN_ARGS):
-    """Train every run of {name: method flags} (sequentially, one subprocess each) into <out>/<name>; returns the
-    names that failed. Resumable: a run with <out>/<name>/study_done.json is skipped; an interrupted one continues
-    from its latest checkpoint (train.py --resume) or, without one, starts over."""
-    out_dir = Path(out_dir)
-    if not dry_run:
-        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    failed = []
-    for index, (name, flags) in enumerate(runs.items(), start=1):
-        run_dir = out_dir / name
-        if (run_dir / "study_done.json").is_file():
-            continue
-        command = [sys.executable, str(train_script),
-                   *train_flags(run_dir, flags, max_time_s, num_threads, train_args, settings)]
-        if runfolder.newest_checkpoint(run_dir, readable=False)[0] is not None:  # latest.txt may be lost
-            command.append("--resume")
-        elif run_dir.exists() and not dry_run:
-            shutil.rmtree(run_dir)  # interrupted before its first checkpoint: nothing worth keeping
-        print(f"[{index}/{len(runs)}] {shlex.join(command)}", flush=True)
-        if dry_run:
-            continue
-        start = time.perf_counter()
-        with open(out_dir / "logs" / f"{name}.log", "a") as log:
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-        if code != 0:
-            failed.append(name)
-            print(f"    failed (exit {code}); see {out_dir / 'logs' / (name + '.log')}", flush=True)
-            continue
-        done = {"command": command, "wall_s": time.perf_counter() - start}
-        (run_dir / "study_done.json").write_text(json.dumps(done))
-    return failed
-
-
-def trained_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, settings):
-    """`train_runs`, then the folders of the runs that have a metrics.jsonl (None with dry_run); the failed runs are
-    said first, since the report that follows may have too few runs to be made."""
-    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script, settings)
-    if dry_run:
-        return None
-    if failed:
-        print(f"\nfailed runs: {', '.join(failed)}")
-    return [Path(out_dir) / name for name in runs if (Path(out_dir) / name / "metrics.jsonl").is_file()]
 
 
 def compare_studies(out_dir, studies, titles, baseline_label=None):
@@ -242,7 +138,7 @@ def run_study(out_dir, seeds, max_time_s, train_args=(), nm_values=(4, 8, 16), d
               train_script=Path(__file__).with_name("train.py")):
     """The rule study and the n/m study: train every planned run (`train_runs`), then compare each study."""
     runs, studies = study_plan(seeds, nm_values=nm_values)
-    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script)
+    failed = studyrun.train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script)
     if dry_run:
         return {}
     titles = {"rules": "Down-sampling rules (demo scale, paper Fig. 5)", "nm": "n/m study (demo scale)"}
@@ -256,7 +152,7 @@ def run_variants(out_dir, seeds, max_time_s, train_args=(), dry_run=False, num_t
                  train_script=Path(__file__).with_name("train.py")):
     """The loss-variant study (module docstring): train its runs, then compare them against the paper's objective."""
     runs, baseline = variants_plan(seeds)
-    failed = train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script)
+    failed = studyrun.train_runs(out_dir, runs, max_time_s, train_args, dry_run, num_threads, train_script)
     if dry_run:
         return {}
     title = f"Loss variants of {baseline} (demo scale, mu = {VARIANT_UPDATES_PER_BATCH})"
@@ -266,13 +162,14 @@ def run_variants(out_dir, seeds, max_time_s, train_args=(), dry_run=False, num_t
     return tables
 
 
-def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=False, num_threads=GA_NUM_THREADS,
-           plot=None, resamples=bootstrap.RESAMPLES, train_script=Path(__file__).with_name("train.py")):
+def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=False,
+           num_threads=studyrun.TIMED_NUM_THREADS, plot=None, resamples=bootstrap.RESAMPLES,
+           train_script=Path(__file__).with_name("train.py")):
     """PODS vs GRPO-GA (module docstring): train every arm for every seed, one run at a time, then write
     <out>/ga.md (table) and ga.json (figures with intervals) and draw the plot (None: <out>/ga.png); returns the
     table."""
-    present = trained_runs(out_dir, ga_plan(seeds), max_time_s, train_args, dry_run, num_threads, train_script,
-                           GA_TRAIN_ARGS)
+    present = studyrun.trained_runs(out_dir, ga_plan(seeds), max_time_s, train_args, dry_run, num_threads,
+                                    train_script, GA_TRAIN_ARGS)
     if dry_run:
         return None
     out_dir = Path(out_dir)
@@ -293,7 +190,7 @@ def main(argv=None):
 
         return compare_module.main(argv[1:])
     if argv[:1] == ["pods"]:
-        import pods_study  # it builds on this module's runner
+        import pods_study
 
         return pods_study.main(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):  # the commands, as the module docstring shows them
@@ -320,9 +217,9 @@ def main(argv=None):
                         default={"run": RUN_MAX_TIME_S, "variants": VARIANTS_MAX_TIME_S, "ga": GA_MAX_TIME_S}[command])
     if command == "run":
         parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
-    parser.add_argument("--num-threads", type=int, default=GA_NUM_THREADS if ga else 1, help="torch CPU threads "
-                        "per run: on a shared machine one thread avoids OpenMP spin-waits (here 2 threads were ~7x "
-                        "slower); the ga study, timed, wants a quiet machine and both of its cores")
+    parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS if ga else 1,
+                        help="torch CPU threads per run: on a shared machine one thread avoids OpenMP spin-waits (here "
+                        "2 threads were ~7x slower); the ga study, timed, wants a quiet machine and both of its cores")
     if ga:
         parser.add_argument("--plot", help="the plot's path (default: <out>/ga.png; the figure BENCHMARKS.md shows "
                             "is docs/study_ga.png)")

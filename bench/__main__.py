@@ -13,6 +13,7 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   prefix     the demo's update with prefix sharing off / on (each distinct token once), ratios  bench/prefix.py
   evalprefix held-out evaluation with prefix sharing off vs on: time ratio, same completions bench/eval_prefix.py
   save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine  bench/step.py
+  show FILE.json ...   a saved run's tables as it printed them (the GPU figures, from results/)     bench/show.py
 
 --tiny (every benchmark, not save-tokenizer; always on for the model-shape ones without CUDA) runs the code path
 at toy sizes, with a 2-layer model for asymmetry / memory / decode / step: smoke figures, what tests/test_bench.py
@@ -40,7 +41,7 @@ COMMANDS = {"selector": ("selector", "bench_selector"), "rewards": ("grading", "
             "decode": ("decode", "bench_decode"), "step": ("step", "bench_step"),
             "sampler": ("sampler", "bench_sampler"), "prefix": ("prefix", "bench_prefix"),
             "evalprefix": ("eval_prefix", "bench_evalprefix"),
-            "save-tokenizer": ("step", "save_tokenizer")}
+            "save-tokenizer": ("step", "save_tokenizer"), "show": ("show", "bench_show")}
 USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]   (python -m bench --help: the list)"
 
 

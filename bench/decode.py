@@ -8,6 +8,7 @@ the LoRA adapter (r=64, its B matrices randomised as after some training) attach
                             of train.py before the decode engine
   engine, LoRA unmerged     the decode engine (engine/) calling the peft modules (what merging saves)
   engine, merged copy       the engine over the merged bf16 copy (the default; for 4-bit: generation_copy=True)
+  engine, 4-bit modules     4-bit only: the engine calling the bitsandbytes + peft modules, eager (its default)
 
 Seconds per step = (time of a call with T new tokens - time of a call with 1) / (T - 1), best of --repeats, after
 a first call whose time (CUDA-graph recording / compilation, cuBLAS start-up) is printed apart. A greedy check
@@ -39,7 +40,8 @@ HF = dict(backend="hf")
 UNMERGED, MERGED = dict(backend="engine", generation_copy=False), dict(backend="engine", generation_copy=True)
 PATHS = {"bf16": (("generate() defaults", HF), ("engine, LoRA unmerged", UNMERGED),
                   ("engine, merged copy", dict(backend="engine"))),
-         "4bit": (("generate() defaults", HF), ("engine, bf16 merged copy", MERGED))}
+         "4bit": (("generate() defaults", HF), ("engine, 4-bit modules (default)", dict(backend="engine")),
+                  ("engine, bf16 merged copy", MERGED))}
 PATHS["fp32"] = PATHS["bf16"]
 TARGET_X_BOUND, TARGET_VS_GENERATE = 3.0, 4.0   # engine (merged) <= 3x the bound, >= 4x faster than generate()
 TODAY_4BIT_STEP_MS, TARGET_4BIT_SPEEDUP = 145.0, 5.0   # 4-bit generation before the engine: ~145 ms per step

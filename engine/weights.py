@@ -44,7 +44,15 @@ def projection(module, generation_copy, copies):
     if not deltas and not hasattr(base.weight, "quant_state"):
         return base
     copies.append((module, torch.empty_like(base_weight(module))))
-    return functools.partial(F.linear, weight=copies[-1][1], bias=base.bias)
+    return functools.partial(linear_in_copy_dtype, weight=copies[-1][1], bias=base.bias)
+
+
+def linear_in_copy_dtype(x, weight, bias):
+    """F.linear in the copy's dtype, the result in the input's: what a bitsandbytes 4-bit layer computes (input
+    and bias cast to its compute dtype, output cast back). peft's prepare_model_for_kbit_training keeps the
+    embeddings and norms, so the residual stream, in float32 while the dequantized copy is bf16; where the dtypes
+    agree both casts are no-ops."""
+    return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ import bench.__main__ as cli
 import engine.step
 import models
 import pods
-from bench import common, decode, grading, phases, sampler, selector
+from bench import common, decode, grading, phases, sampler, selector, show
 from bench import prefix as prefix_bench
 
 SMALL = ["--prompt-tokens", "4", "--completion-tokens", "4", "--device", "cpu"]
@@ -320,3 +320,19 @@ def test_the_committed_prefix_figures_are_recomputed_from_their_runs(capsys):
     assert f"{best['before']:.1f} → {best['on']:.1f} (" in text and f"**{evaluation['ratio']:.2f}×**" in text
     assert f"{best['before']:.1f} → {best['bf16']:.1f} (" in text and f"**{evaluation['ratio_bf16']:.2f}×**" in text
     assert evaluation["same_completions"] is True and f"{evaluation['bf16_same_share']:.0%} of its 256" in text
+
+
+def test_the_committed_gpu_figures_are_recomputed_from_their_runs(capsys):
+    """Every table row `bench show` prints from the committed GPU runs (results/gpu-h200) is in BENCHMARKS.md, as
+    printed: the GPU figures are recomputed from the repository on any machine."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "results/gpu-h200").glob("bench_*.json"))
+    assert {path.name for path in files} == {"bench_decode.json", "bench_memory.json", "bench_step.json"}
+    shown = cli.main(["show", *map(str, files)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == sum(len(table) + 1 for saved in shown.values()
+                            for table in show.row_tables(saved).values())
+    text = (root / "BENCHMARKS.md").read_text()
+    assert [row for row in rows if row not in text] == []
+    with pytest.raises(SystemExit, match="no file"):
+        cli.main(["show", str(root / "results/gpu-h200/absent.json")])

@@ -283,10 +283,10 @@ def test_model_generation_config_does_not_shape_the_rollouts(backend):
     assert (counts > 0).sum() > 2  # top_k=2 did not leak
 
 
-def lora_model(seed=0):
+def lora_model(seed=0, arch="llama"):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(eos_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=list(
+    model = get_peft_model(eos_model(arch), LoraConfig(r=4, lora_alpha=8, target_modules=list(
         models.DEFAULT_LORA_TARGETS)))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -324,6 +324,35 @@ def test_merged_lora_copy_equals_unmerged_and_leaves_the_adapter_alone():
     with model.disable_adapter():  # the reference policy: base weights only
         assert torch.equal(run(model, ids, mask, 1, 10, temperature=0.0)[0],
                            run(model, ids, mask, 1, 10, temperature=0.0, backend="hf")[0])
+
+
+class ComputeDtypeLinear(torch.nn.Linear):
+    """A bitsandbytes 4-bit layer's dtypes on CPU: bf16 weights, input and bias cast to bf16, output cast back."""
+
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+
+
+def test_merged_copy_of_a_4bit_layout_decodes_in_the_copys_dtype():
+    """A --load-in-4bit model after prepare_model_for_kbit_training: bf16 projections, float32 embeddings, norms,
+    biases and adapter, so a float32 residual stream. The merged copy is bf16: the engine must run it as the 4-bit
+    layer does (a plain F.linear raised "mat1 and mat2 must have the same dtype" on the GPU)."""
+    model = lora_model(arch="qwen2")   # qwen2: biased q/k/v projections, kept float32 as prepare_model_for_kbit does
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            base = module.base_layer
+            bf16 = ComputeDtypeLinear(base.in_features, base.out_features, bias=base.bias is not None)
+            bf16.load_state_dict(base.state_dict())
+            bf16.weight.data = bf16.weight.data.to(torch.bfloat16)
+            module.base_layer = bf16
+    ids, mask = left_padded_prompts([4, 6, 3])
+    reference = run(model, ids, mask, 1, 10, temperature=0.0, backend="hf")
+    merged = run(model, ids, mask, 1, 10, temperature=0.0, backend="engine", generation_copy=True)
+    assert all(copy.dtype == torch.bfloat16 for _, copy in engine.decode.engine_for(model, True).copies)
+    assert torch.equal(merged[0], reference[0])
+    assert torch.equal(run(model, ids, mask, 1, 10, temperature=0.0, backend="engine", generation_copy=False)[0],
+                       reference[0])
 
 
 def test_compile_count_is_bounded_over_varying_prompt_widths():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import models
+import prefix
 
 
 def test_missing_local_path_is_a_clear_error(tmp_path):
@@ -112,6 +113,18 @@ def test_quiet_peft_hides_bitsandbytes_and_one_warning_inside_the_block_only(mon
     assert "bitsandbytes" not in sys.modules and (importlib.util.find_spec("bitsandbytes") is not None) == installed
     with models.quiet_peft(quantized=True):  # 4-bit weights need it: nothing hidden
         assert (importlib.util.find_spec("bitsandbytes") is not None) == installed
+
+
+def test_a_4bit_model_is_checkpointed_without_reentrance_so_prefix_sharing_stays_on():
+    """peft's prepare_model_for_kbit_training checkpoints reentrantly unless told otherwise, and reentrant
+    checkpointing cuts the gradient through a shared prefix's cache (prefix.unsupported_reason): on a GPU,
+    --load-in-4bit --gradient-checkpointing computed every row's prompt in full. CPU stand-in: a tiny model flagged
+    as loaded in 4-bit (what peft reads; the NF4 weights themselves need CUDA)."""
+    base = models.tiny_random_model("llama")
+    base.is_loaded_in_4bit = True
+    model = models.prepare_for_training(base, lora_rank=4, gradient_checkpointing=True, quantized=True)
+    assert sum(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()) >= 1
+    assert prefix.unsupported_reason(model) is None
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])

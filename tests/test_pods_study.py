@@ -8,6 +8,7 @@ import pytest
 
 import pods_study
 import study
+import studyrun
 import studydata
 from test_study import FAKE_TRAIN
 
@@ -15,18 +16,21 @@ from test_study import FAKE_TRAIN
 @pytest.mark.filterwarnings("ignore:--clip-eps-high 0.2 cannot act")  # the study's pinned default, inert at mu = 1
 def test_pods_plan_arms_train_m_4_rows_of_the_same_prompts_with_the_same_settings(tmp_path):
     """GRPO 4/4, max-variance 16/4, random 16/4, max-variance 8/4 and 32/4: 8 seeds for the first two, 5 for the
-    others, seed-major; every setting but the method and seed the same, evaluated on 256 greedy held-out prompts
-    every 100 s of training and never by step."""
+    others (the n arms skip seed 3: every arm of a seed on one machine), seed-major; every setting but the method
+    and seed the same, evaluated on 256 greedy held-out prompts every 100 s of training and never by step."""
     import config
 
     runs = pods_study.pods_plan()
     assert len(runs) == 8 + 8 + 5 + 5 + 5
     assert list(runs)[:5] == ["grpo-n4-m4-s0", "max_variance-n16-m4-s0", "random-n16-m4-s0", "max_variance-n8-m4-s0",
                               "max_variance-n32-m4-s0"]
-    assert list(runs)[-6:] == ["grpo-n4-m4-s5", "max_variance-n16-m4-s5", "grpo-n4-m4-s6", "max_variance-n16-m4-s6",
+    assert [name for name in runs if name.endswith("-s3")] == ["grpo-n4-m4-s3", "max_variance-n16-m4-s3",
+                                                               "random-n16-m4-s3"]
+    assert list(runs)[-8:] == ["grpo-n4-m4-s5", "max_variance-n16-m4-s5", "max_variance-n8-m4-s5",
+                               "max_variance-n32-m4-s5", "grpo-n4-m4-s6", "max_variance-n16-m4-s6",
                                "grpo-n4-m4-s7", "max_variance-n16-m4-s7"]
-    parsed = {name: config.parse_args(study.train_flags(tmp_path / name, flags, 900, 2, (), pods_study.PODS_TRAIN_ARGS))
-              for name, flags in runs.items()}
+    parsed = {name: config.parse_args(studyrun.train_flags(tmp_path / name, flags, 900, 2, (),
+                                                           pods_study.PODS_TRAIN_ARGS)) for name, flags in runs.items()}
     labels = {config.method_label(args) for args in parsed.values()}
     assert labels == {pods_study.PODS_BASELINE, *pods_study.PODS_CONTROL, "PODS max_variance 8/4", "PODS max_variance 32/4"}
     per_run = {"rule", "num_rollouts", "seed", "output_dir"}
@@ -209,6 +213,45 @@ def test_report_only_reports_the_finished_runs_and_trains_nothing(tmp_path, caps
     assert "removing " in printed and (data_dir / "study.json").exists()
     with pytest.raises(SystemExit):
         study.main(["pods", "--from-data", str(data_dir), "--report-only"])
+
+
+def test_a_study_continued_in_a_new_out_adds_its_runs_to_the_data_folder(tmp_path, capsys):
+    """The first runs' folders are gone (another machine), their data files remain: --add-to-data trains the runs
+    left in a new --out, keeps the data folder's files and recorded costs, and reports them all (without it the
+    export removes them). A data folder of another budget, or with no study.json, is refused before any training."""
+    import json
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    data_dir = tmp_path / "data"
+    pods_study.run_pods(tmp_path / "first", ("grpo", "pods"), [0], 100.0, data_dir=data_dir, resamples=20,
+                        train_script=script)
+    first = json.loads((data_dir / "study.json").read_text())
+    pods_study.run_pods(tmp_path / "second", ("grpo", "pods"), [1], 100.0, data_dir=data_dir, resamples=20,
+                        train_script=script, add_to_data=True)
+    names = sorted(path.stem for path in data_dir.glob("*-s*.json"))
+    assert names == ["grpo-n4-m4-s0", "grpo-n4-m4-s1", "max_variance-n16-m4-s0", "max_variance-n16-m4-s1"]
+    recorded = json.loads((data_dir / "study.json").read_text())
+    assert sorted(recorded["run_wall_s"]) == names and sorted(recorded["run_eval_s"]) == names
+    assert recorded["earlier"] == [{"command": first["command"], "commit": first["commit"]}]
+    assert "--add-to-data" in recorded["command"]
+    table = (data_dir / "pods.md").read_text()
+    assert "| GRPO 4/4 | 2 |" in table and "| PODS max_variance 16/4 | 2 |" in table
+    capsys.readouterr()
+    study.main(["pods", "--out", str(tmp_path / "second"), "--arms", "grpo", "pods", "--seeds", "0", "1",
+                "--max-time-s", "100", "--data", str(data_dir), "--resamples", "20", "--report-only", "--add-to-data"])
+    assert f"reporting the 2 finished runs of 4 and 2 from {data_dir}'s data files\n" in capsys.readouterr().out
+    assert len(json.loads((data_dir / "study.json").read_text())["earlier"]) == 2
+    with pytest.raises(ValueError, match="records another budget_s than this study's"):
+        pods_study.run_pods(tmp_path / "third", ("grpo",), [2], 200.0, data_dir=data_dir, resamples=20,
+                            train_script=script, add_to_data=True)
+    with pytest.raises(ValueError, match="has no study.json"):
+        pods_study.run_pods(tmp_path / "third", ("grpo",), [2], 100.0, data_dir=tmp_path / "empty", resamples=20,
+                            train_script=script, add_to_data=True)
+    assert not (tmp_path / "third").exists()  # refused before training
+    with pytest.raises(SystemExit):
+        study.main(["pods", "--out", str(tmp_path / "second"), "--report-only", "--dry-run"])
+    assert "--report-only trains nothing and --dry-run" in capsys.readouterr().err
 
 
 def test_the_committed_study_data_reproduce_the_report_and_benchmarks_quotes_it():

@@ -5,6 +5,7 @@ import pytest
 
 import pods_study
 import study
+import studyrun
 
 FAKE_TRAIN = r'''
 import argparse, json, pathlib, sys
@@ -79,26 +80,26 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     unset = object()
     parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
     runs, _ = study.study_plan([0])
-    plans = [(flags, study.STUDY_TRAIN_ARGS) for flags in [*runs.values(), *study.variants_plan([0])[0].values()]]
+    plans = [(flags, studyrun.STUDY_TRAIN_ARGS) for flags in [*runs.values(), *study.variants_plan([0])[0].values()]]
     plans += [(flags, study.GA_TRAIN_ARGS) for flags in study.ga_plan([0]).values()]
     plans += [(flags, pods_study.PODS_TRAIN_ARGS) for flags in pods_study.pods_plan(seeds=[0]).values()]
     for flags, settings in plans:
-        args = parser.parse_args(study.train_flags("runs/x", flags, 120, settings=settings))
+        args = parser.parse_args(studyrun.train_flags("runs/x", flags, 120, settings=settings))
         unpinned = {name for name, value in vars(args).items() if value is unset}
         unpinned -= {grpo_loss.flag_name(option)[2:].replace("-", "_")  # a loss option whose default is None (off)
                      for option in config.LOSS_FLAGS if option.default is None}
-        assert unpinned <= UNPINNED_OK, f"pin these in study.STUDY_TRAIN_ARGS: {sorted(unpinned - UNPINNED_OK)}"
-    args = parser.parse_args(study.train_flags("runs/x", runs["grpo-n4-m4-s0"], 120))
+        assert unpinned <= UNPINNED_OK, f"pin these in studyrun.STUDY_TRAIN_ARGS: {sorted(unpinned - UNPINNED_OK)}"
+    args = parser.parse_args(studyrun.train_flags("runs/x", runs["grpo-n4-m4-s0"], 120))
     assert args.eval_temperature == 0 and args.eval_samples == 20 and args.eval_interval == 3  # greedy, as recorded
     assert args.prompts_per_step == 1 and args.max_completion_tokens == 32 and args.num_threads == 1
-    assert args.system_prompt == study.STUDY_SYSTEM_PROMPT and args.learning_rate == 5e-4
+    assert args.system_prompt == studyrun.STUDY_SYSTEM_PROMPT and args.learning_rate == 5e-4
 
 
 def test_the_variant_studys_baseline_label_is_the_label_train_py_writes(tmp_path):
     import config
 
     runs, baseline = study.variants_plan([0])
-    labels = {name: config.method_label(config.parse_args(study.train_flags(tmp_path / name, flags, 120)))
+    labels = {name: config.method_label(config.parse_args(studyrun.train_flags(tmp_path / name, flags, 120)))
               for name, flags in runs.items()}
     assert labels == {"paper-n16-m4-s0": baseline, "token-n16-m4-s0": baseline + " + token loss",
                       "cliphigh-n16-m4-s0": baseline + " + clip-high 0.28"}
@@ -186,7 +187,7 @@ def test_ga_plan_arms_differ_only_in_the_method_and_seed_and_evaluate_the_same_p
 
     runs = study.ga_plan([0, 1, 2, 3, 4])
     assert len(runs) == 15 and list(runs)[:3] == ["grpo_ga-n16-m16-s0", "pods-n16-m4-s0", "random-n16-m4-s0"]
-    parsed = {name: config.parse_args(study.train_flags(tmp_path / name, flags, 1800, 2, (), study.GA_TRAIN_ARGS))
+    parsed = {name: config.parse_args(studyrun.train_flags(tmp_path / name, flags, 1800, 2, (), study.GA_TRAIN_ARGS))
               for name, flags in runs.items()}
     labels = {name.rsplit("-s", 1)[0]: config.method_label(args) for name, args in parsed.items()}
     assert labels == {"grpo_ga-n16-m16": study.GA_BASELINE, "pods-n16-m4": "PODS max_variance 16/4",

@@ -1,0 +1,40 @@
+"""A saved benchmark run's tables, as the run printed them: `python -m bench show FILE.json ...`.
+
+Benchmarks that need a GPU save every row they print (bench_<name>.json, common.save_json); the GPU figures in
+BENCHMARKS.md are these tables, recomputed from the JSON files committed under results/ on any machine.
+"""
+
+import json
+from pathlib import Path
+
+from bench.common import print_header, print_row
+
+
+def row_tables(saved):
+    """{key: rows} for every list of row dicts in a saved result, in the order it was saved."""
+    return {key: value for key, value in saved.items()
+            if isinstance(value, list) and value and all(isinstance(row, dict) for row in value)}
+
+
+def bench_show(argv):
+    """Print each file's row tables (columns in the rows' own order) and its summary dicts as one line each."""
+    if not argv or any(arg.startswith("-") for arg in argv):
+        raise SystemExit("usage: python -m bench show FILE.json [FILE.json ...]   (a benchmark's saved results)")
+    shown = {}
+    for path in map(Path, argv):
+        if not path.is_file():
+            raise SystemExit(f"python -m bench show: no file {path}")
+        saved = json.loads(path.read_text())
+        print(f"# {path}")
+        for key, rows in row_tables(saved).items():
+            columns = list(dict.fromkeys(column for row in rows for column in row))
+            print(f"\n## {key}")
+            print_header(columns)
+            for row in rows:
+                print_row(row, columns)
+        for key, value in saved.items():
+            if isinstance(value, dict) and key != "args":
+                print(f"\n{key}: {json.dumps(value, default=str)}")
+        print()
+        shown[str(path)] = saved
+    return shown
