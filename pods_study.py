@@ -301,9 +301,15 @@ def cost_line(runs, wall_s, eval_s):
             f"plus its evaluations ({np.mean(evaluation):.0f} s a run on average) and loading.")
 
 
-def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RESAMPLES):
-    """The report recomputed from data files (studydata.py): the budget recorded in study.json unless given."""
+def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RESAMPLES, seeds=None):
+    """The report recomputed from data files (studydata.py): the budget recorded in study.json unless given; seeds:
+    only those seeds' runs (a part of the study, e.g. the seeds one machine ran)."""
     runs, _ = studydata.read_study([data_dir])
+    if seeds is not None:
+        absent = sorted(set(seeds) - {r.seed for r in runs})
+        if absent:
+            raise ValueError(f"--seeds: {data_dir} holds no run of seed {', '.join(map(str, absent))}")
+        runs = [r for r in runs if r.seed in set(seeds)]
     study_file = Path(data_dir) / studydata.STUDY_FILE
     recorded = json.loads(study_file.read_text()) if study_file.is_file() else {}
     budget_s = recorded.get("budget_s") if budget_s is None else budget_s
@@ -403,6 +409,7 @@ held-out prompts every 100 s of training in every arm.
   python study.py pods --out runs/pods --report-only                # the report of the runs finished so far
   python study.py pods --out runs/more --add-to-data                # a study continued in a new --out (below)
   python study.py pods --from-data results/pods                     # the report recomputed from the data files
+  python study.py pods --from-data results/pods --seeds 4 5 6 7     # ... from some seeds' runs only
   python bootstrap.py --from-data results/pods --baseline-label "GRPO 4/4" --budget-s 600   # its first table alone
 
 The run writes <out>/pods.md, pods.png (the seed means) and pods_seeds.png (each seed's curve), and results/pods/
@@ -423,7 +430,8 @@ def main(argv):
     parser.add_argument("--from-data", metavar="DIR", help="report from data files (studydata.py); trains nothing")
     parser.add_argument("--arms", nargs="+", choices=list(PODS_ARMS), default=list(PODS_ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", help="the seeds of every arm (default: 0-7 for grpo and pods, "
-                        "0-4 for random, 0-2, 4, 5 for pods8 and pods32: PODS_SEEDS)")
+                        "0-4 for random, 0-2, 4, 5 for pods8 and pods32: PODS_SEEDS); with --from-data: report only "
+                        "these seeds' runs")
     parser.add_argument("--max-time-s", type=float, help=f"training wall-clock per run (default {PODS_MAX_TIME_S:g}; "
                         "with --from-data: the budget the runs are read at, default the one study.json records)")
     parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS, help="torch CPU threads per "
@@ -444,7 +452,7 @@ def main(argv):
         if args.out or args.dry_run or args.report_only or args.add_to_data or train_args:
             parser.error("--from-data reports committed data: it trains nothing (no --out, --dry-run, --report-only, "
                          "--add-to-data or -- flags)")
-        table = report_pods_data(args.from_data, args.max_time_s, args.plot, args.resamples)
+        table = report_pods_data(args.from_data, args.max_time_s, args.plot, args.resamples, args.seeds)
         print(table)
         return table
     if not args.out:

@@ -141,6 +141,11 @@ def test_pods_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
     record = json.loads((data_dir / "max_variance-n16-m4-s1.json").read_text())
     assert record["label"] == "PODS max_variance 16/4" and len(record["generate_s"]) == 3
     assert pods_study.report_pods_data(data_dir, resamples=20) == table
+    one_seed = pods_study.report_pods_data(data_dir, resamples=20, seeds=[1])  # a part of the study: seed 1's runs
+    assert f"| {pods_study.PODS_BASELINE} | 1 | 3 |" in one_seed and f"| {pods_study.PODS_BASELINE} | 2 |" not in one_seed
+    assert "Cost: 2 runs" in one_seed or "Cost: not recorded" in one_seed
+    with pytest.raises(ValueError, match="--seeds: .* no run of seed 5"):
+        pods_study.report_pods_data(data_dir, resamples=20, seeds=[1, 5])
 
 
 def test_pods_clock_lines_say_how_much_of_the_clock_difference_is_generation_and_the_pilot_line_a_plateau():
