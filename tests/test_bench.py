@@ -287,10 +287,12 @@ def test_prefix_tiny_times_the_update_off_and_on_with_the_same_loss(tmp_path, sm
         {key: part[key] for key in ("ratios", "cpu_ratios")}   # the figures, recomputed from the saved rows
 
 
-def test_prefix_presets_table_from_token_counts(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
+def test_prefix_presets_table_from_token_counts(tmp_path, smollm2_tokenizer, data_dir, monkeypatch, capsys):
     """`python -m bench prefix --presets`: the paper's presets' expected saving from their real prompts' lengths; with
-    one prompt per step and m rows of it the update's ratio is (P + m C) / (m (P + C)), checked by hand."""
+    one prompt per step and m rows of it the update's ratio is (P + m C) / (m (P + C)), checked by hand. Reads the
+    presets' datasets from the data folder (skipped without one: never the Hub)."""
     monkeypatch.setattr(models, "load_tokenizer", lambda name: smollm2_tokenizer)
+    monkeypatch.setenv("PODS_DATA_DIR", str(data_dir))
     result = cli.main(["prefix", "--presets", "--out-dir", str(tmp_path)])
     assert "| preset | dataset |" in capsys.readouterr().out
     rows = {row["preset"]: row for row in result["presets"]}
