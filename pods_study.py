@@ -306,10 +306,11 @@ def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RES
     only those seeds' runs (a part of the study, e.g. the seeds one machine ran)."""
     runs, _ = studydata.read_study([data_dir])
     if seeds is not None:
-        absent = sorted(set(seeds) - {r.seed for r in runs})
+        seeds = set(seeds)
+        absent = sorted(seeds - {r.seed for r in runs})
         if absent:
             raise ValueError(f"--seeds: {data_dir} holds no run of seed {', '.join(map(str, absent))}")
-        runs = [r for r in runs if r.seed in set(seeds)]
+        runs = [r for r in runs if r.seed in seeds]
     study_file = Path(data_dir) / studydata.STUDY_FILE
     recorded = json.loads(study_file.read_text()) if study_file.is_file() else {}
     budget_s = recorded.get("budget_s") if budget_s is None else budget_s
