@@ -2,8 +2,9 @@
 
 For every --log-completions-interval-th step, <out>/completions/step_XXXXXX.jsonl holds each prompt once (marked when
 --dynamic-sampling set it aside) and each rollout with its completion, every reward function's value and the
-weighted total, length, truncation, whether the rule kept it, the advantage the loss used and its mean ratio
-pi / pi_sampler (rollout_check.py); eval_step_XXXXXX.jsonl holds a sample of each evaluation's completions and
+weighted total, whether its answer comparison timed out twice (accuracy 0, unverified), length, truncation, whether
+the rule kept it, the advantage the loss used and its mean ratio pi / pi_sampler (rollout_check.py);
+eval_step_XXXXXX.jsonl holds a sample of each evaluation's completions and
 grades. `rollout_table` prints one prompt's rollouts sorted by reward (`python eval.py rollouts RUN`); report.py's
 sinks send the same to TensorBoard as text and to W&B as a table. Files are written atomically (checkpoint.py), and a
 resumed run drops those past its checkpoint, so no step is logged twice or lost.
@@ -47,6 +48,7 @@ def completions_record(step, scored):
                              "rewards": {name: _finite_or_none(values[r])
                                          for name, values in scored_round.per_func.items()},
                              "length": int(scored_round.lengths[r]), "truncated": bool(scored_round.truncated[r]),
+                             "grader_timeout": bool(scored_round.grader_timeouts[r]),
                              "kept": bool(kept[r]), "advantage": _finite_or_none(scored_round.advantages[r]),
                              "sampler_ratio": None if scored_round.sampler_ratios is None else
                              _finite_or_none(scored_round.sampler_ratios[r])})

@@ -42,6 +42,7 @@ class EvalResult:
     mean_completion_length: float  # tokens, up to and including the first EOS
     num_samples: int
     elapsed_s: float
+    grader_timeouts: int = 0      # samples scored incorrect because their answer comparison timed out twice
 
 
 def _check_args(prompts, answers, samples_per_prompt, repeats, temperature):
@@ -88,7 +89,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
     results = []
     for repeat in range(repeats):
         start_time = time.perf_counter()
-        correct, formatted, both, total_tokens, count = 0, 0, 0, 0, 0
+        correct, formatted, both, total_tokens, count, timed_out = 0, 0, 0, 0, 0, 0
         for chunk_index, start in enumerate(chunk_starts):
             chunk_prompts = list(prompts[start:start + prompts_per_chunk])
             chunk_seed = seed + 100_003 * repeat + chunk_index
@@ -106,7 +107,9 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
             # model's output start after "<think>\n": grade prefill + generated text.
             texts = [data.graded_completion(text, prompts[i].endswith(rewards.THINK_PREFILL))
                      for i, text in zip(rows, rollouts.texts)]
-            is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows])
+            with rewards.timeouts_counted() as timeouts:
+                is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows])
+            timed_out += len(timeouts.positions)
             is_formatted = rewards.format_rewards(None, texts)
             if samples_out is not None and repeat == 0:
                 samples_out.extend({"prompt": prompts[i], "answer": answers[i], "completion": text, "correct": a > 0,
@@ -119,7 +122,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
             if bar is not None:
                 bar.update(len(rollouts.texts))
         results.append(EvalResult(correct / count, formatted / count, both / count, total_tokens / count,
-                                  count, time.perf_counter() - start_time))
+                                  count, time.perf_counter() - start_time, timed_out))
     if bar is not None:
         bar.close()
     return results
@@ -137,7 +140,7 @@ def _pool(per_repeat):
     mean = lambda name: sum(getattr(r, name) for r in per_repeat) / len(per_repeat)  # noqa: E731
     return EvalResult(mean("accuracy"), mean("format_accuracy"), mean("both_accuracy"),
                       mean("mean_completion_length"), sum(r.num_samples for r in per_repeat),
-                      sum(r.elapsed_s for r in per_repeat))
+                      sum(r.elapsed_s for r in per_repeat), sum(r.grader_timeouts for r in per_repeat))
 
 
 def summarize_repeats(per_repeat):
@@ -149,6 +152,7 @@ def summarize_repeats(per_repeat):
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
         summary[name] = {"mean": mean, "std": std, "per_repeat": values}
     summary["num_samples"] = sum(r.num_samples for r in per_repeat)
+    summary["grader_timeouts"] = sum(r.grader_timeouts for r in per_repeat)  # scored incorrect, unverified
     summary["eval_s"] = sum(r.elapsed_s for r in per_repeat)
     return summary
 

@@ -7,13 +7,17 @@ may grade from any thread), and sympy can hang on adversarial model output, some
 no signal interrupts. So, for each (gold, prediction) pair that rewards.py could not decide cheaply:
   1. a verdict cache answers repeats (rollouts of one prompt repeat answers); timed-out pairs are not
      cached, since a busy machine must not fix a wrong 0 for the whole run;
-  2. math-verify runs in worker processes with its signal timeouts off and our own soft timer (SIGALRM
-     works there: it is the worker's main thread); a timed-out pair gets None (the caller scores 0);
-  3. a hard deadline for C code deaf to signals: a worker silent past the limit is SIGKILLed and replaced
-     (and a kernel CPU limit ends such a worker even if we are gone).
+  2. math-verify runs in worker processes with its signal timeouts off and our own soft timer; the limit
+     is CPU time of the worker (ITIMER_PROF), not wall time, so a machine busy with other work slows a
+     comparison down without timing it out. A pair that times out is tried once more with a limit
+     RETRY_FACTOR times longer; if that times out too it gets None (the caller scores 0 and counts it:
+     `timeouts_counted`);
+  3. hard limits for C code deaf to signals: a kernel CPU-time limit (RLIMIT_CPU) ends such a worker, and a
+     worker that stays silent for WALL_FACTOR times its limit in wall time (stopped, or starved) is
+     SIGKILLed and replaced.
 Workers are forked by a small grading server (a fresh interpreter that imported and warmed math-verify
 once), so a replacement is ready in milliseconds and the caller's process (threads, CUDA) never forks.
-POSIX only; where no worker can start, math-verify runs in-process under SIGALRM on the main thread, and
+POSIX only; where no worker can start, math-verify runs in-process under SIGPROF on the main thread, and
 off the main thread such pairs get None.
 """
 
@@ -36,7 +40,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_connections
 # `resource` is POSIX only: imported inside the server and worker, so `import grader` works anywhere.
 
-_KILL_GRACE_S = 0.25  # a worker silent this long past the soft timeout is killed
+RETRY_FACTOR = 4  # a timed-out pair is tried once more with this many times the limit
+WALL_FACTOR = 20  # a worker silent for this many times its CPU limit (+ _KILL_GRACE_S) in wall time is killed:
+# 16 busy processes on 2 cores leave a worker ~1/9 of a core, so its CPU limit passes in ~9x the wall time
+_KILL_GRACE_S = 0.25
 _STARTUP_TIMEOUT_S = 60.0  # the grader server imports sympy and warms up once (~2 s; more when busy)
 _WORKER_MEMORY_BYTES = 4 << 30  # RLIMIT_AS of a worker: a huge integer raises MemoryError there
 _CACHE_SIZE = 1 << 16
@@ -88,10 +95,11 @@ _WARMUP = (("72", "72"), ("\\frac{1}{2}", "0.5"), ("(3, \\frac{\\pi}{2})", "(3,\
 
 
 def _timed_verdict(gold, prediction, timeout_s):
-    """math-verify under our soft timer (the caller, on the main thread, has made _on_alarm the SIGALRM handler):
-    True/False, "timeout", or None (MemoryError, RecursionError: no verdict)."""
+    """math-verify under our soft timer of timeout_s seconds of this process's CPU time (the caller, on the main
+    thread, has made _on_alarm the SIGPROF handler): True/False, "timeout", or None (MemoryError, RecursionError:
+    no verdict)."""
     try:
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        signal.setitimer(signal.ITIMER_PROF, timeout_s)
         return bool(_math_verify_equal(gold, prediction))
     except (MemoryError, RecursionError):
         return None
@@ -100,7 +108,7 @@ def _timed_verdict(gold, prediction, timeout_s):
     except _SoftTimeout:
         return "timeout"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
 
 
 def _worker_loop(conn):
@@ -108,13 +116,13 @@ def _worker_loop(conn):
     we stay usable and warm; after None (MemoryError, RecursionError) the parent replaces us."""
     import resource
 
-    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGPROF, _on_alarm)
     while True:
         try:
             gold, prediction, timeout_s = conn.recv()
         except (EOFError, OSError):
             return
-        # kernel backstop for C code deaf to SIGALRM, which also ends an orphaned worker
+        # kernel backstop for C code deaf to SIGPROF, which also ends an orphaned worker
         with contextlib.suppress(ValueError, OSError):
             used_s = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
             resource.setrlimit(resource.RLIMIT_CPU, (int(used_s + timeout_s) + 2, resource.RLIM_INFINITY))
@@ -265,8 +273,9 @@ def _replace_worker(pool, slot):
 
 
 def _verify_in_workers(items, num_workers, timeout_s):
-    """True/False per (gold, prediction) item from max(1, num_workers) workers, each under a hard deadline;
-    None where it timed out (a worker silent past timeout_s + grace is killed and replaced) or crashed."""
+    """True/False per (gold, prediction) item from max(1, num_workers) workers, each under a CPU-time limit;
+    "timeout" where it ran out of time (its soft timer, or silent for WALL_FACTOR x timeout_s + grace of wall time:
+    killed and replaced), None where it crashed."""
     verdicts = [None] * len(items)
     with _workers_lock:
         pool = None if _workers_broken else _worker_pool(max(1, num_workers))
@@ -281,7 +290,8 @@ def _verify_in_workers(items, num_workers, timeout_s):
                     except (OSError, ValueError):  # died between batches: replace, resend next round
                         _replace_worker(pool, slot)
                         continue
-                    busy[slot] = (pending.popleft(), time.monotonic() + timeout_s + _KILL_GRACE_S)
+                    wall_limit_s = WALL_FACTOR * timeout_s + _KILL_GRACE_S
+                    busy[slot] = (pending.popleft(), time.monotonic() + wall_limit_s)
             if not busy:
                 continue
             nearest = min(deadline for _, deadline in busy.values())
@@ -295,25 +305,27 @@ def _verify_in_workers(items, num_workers, timeout_s):
                         verdict = pool[slot].conn.recv()
                     except (EOFError, OSError):
                         verdict = None
-                    verdicts[index] = verdict if isinstance(verdict, bool) else None
+                    verdicts[index] = verdict if isinstance(verdict, bool) or verdict == "timeout" else None
                     if verdict is None:  # crashed or ran out of memory: start afresh
                         _replace_worker(pool, slot)
-                elif time.monotonic() >= deadline:  # stuck in C code or swallowed the alarm: kill
+                elif time.monotonic() >= deadline:  # stopped, starved, or stuck deaf to signals: kill
                     del busy[slot]
+                    verdicts[index] = "timeout"
                     _replace_worker(pool, slot)
     return verdicts
 
 
 def _verify_in_process(gold, prediction, timeout_s):
-    """Fallback when no worker process can run: SIGALRM timer on the main thread, else refuse (None)."""
+    """Fallback when no worker process can run: our CPU-time timer (SIGPROF) on the main thread, else refuse (None);
+    "timeout" as in the workers."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    previous = signal.signal(signal.SIGPROF, _on_alarm)
     try:
         verdict = _timed_verdict(gold, prediction, timeout_s)
     finally:
-        signal.signal(signal.SIGALRM, previous)
-    return verdict if isinstance(verdict, bool) else None
+        signal.signal(signal.SIGPROF, previous)
+    return verdict if isinstance(verdict, bool) or verdict == "timeout" else None
 
 
 # ---------------------------------------------------------------------------- entry point, cache
@@ -321,10 +333,19 @@ _verdict_cache: OrderedDict = OrderedDict()  # (gold, prediction) -> bool, least
 _cache_lock = threading.Lock()
 
 
+def _verify(pairs, num_workers, timeout_s):
+    """One round of verdicts (True/False/"timeout"/None) for distinct pairs, never raising."""
+    try:
+        return _verify_in_workers(pairs, num_workers, timeout_s)
+    except (Exception, _SoftTimeout):  # noqa: BLE001  (_SoftTimeout: an alarm firing in a `finally`)
+        logger.exception("math-verify workers failed; scoring 0")
+        return [None] * len(pairs)
+
+
 def verify_pairs(pairs, timeout_s, num_workers=0):
-    """math-verify verdict for each (gold, prediction) pair: True/False, or None where the comparison timed
-    out (soft timer after timeout_s, kill _KILL_GRACE_S later) or crashed. Uncached pairs go to
-    max(1, num_workers) worker processes in parallel. Never raises, never waits past the deadlines."""
+    """math-verify verdict for each (gold, prediction) pair: True/False, "timeout" where the comparison timed out
+    twice (timeout_s, then RETRY_FACTOR x timeout_s seconds of the worker's CPU time), None where it crashed (out of
+    memory, say). Uncached pairs go to max(1, num_workers) worker processes in parallel. Never raises."""
     verdicts, missing = {}, []
     with _cache_lock:
         for pair in pairs:
@@ -335,15 +356,14 @@ def verify_pairs(pairs, timeout_s, num_workers=0):
                 verdicts[pair] = None
                 missing.append(pair)
     if missing:
-        try:
-            fresh = _verify_in_workers(missing, num_workers, timeout_s)
-        except (Exception, _SoftTimeout):  # noqa: BLE001  (_SoftTimeout: an alarm firing in a `finally`)
-            logger.exception("math-verify workers failed; scoring 0")
-            fresh = [None] * len(missing)
+        fresh = dict(zip(missing, _verify(missing, num_workers, timeout_s)))
+        again = [pair for pair in missing if fresh[pair] == "timeout"]  # a busy moment, or a hard pair: once more
+        if again:
+            fresh.update(zip(again, _verify(again, num_workers, RETRY_FACTOR * timeout_s)))
+        verdicts.update(fresh)
         with _cache_lock:
-            for pair, verdict in zip(missing, fresh):
-                verdicts[pair] = verdict
-                if verdict is not None:
+            for pair, verdict in fresh.items():
+                if isinstance(verdict, bool):  # a timed-out pair is not cached: it may be decided next time
                     _verdict_cache[pair] = verdict
             while len(_verdict_cache) > _CACHE_SIZE:
                 _verdict_cache.popitem(last=False)

@@ -56,14 +56,16 @@ class ScoredRound:
     texts: list                  # [P*n] completions
     filtered: torch.Tensor       # [P] bool: set aside by --dynamic-sampling (no reward spread), not trained on
     set_aside: torch.Tensor      # [P] bool: a spread, but left out by --dynamic-sampling to even out processes' rows
+    grader_timeouts: torch.Tensor  # [P*n] bool: accuracy scored 0 because the answer comparison timed out twice
     sampler_ratios: torch.Tensor | None = None  # [P*n] mean pi / pi_sampler over a kept rollout's tokens (NaN: not
                                                 # kept); set by train_step after the update
 
     @classmethod
     def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped,
-           filtered=None, set_aside=None):
+           filtered=None, set_aside=None, grader_timeouts=None):
         """From a sampling.Rollouts, its data.Examples and what was computed from them (kept_advantages: one per
-        kept row, in kept_rows order, as the update received them; filtered, set_aside: [P] bool, None: none)."""
+        kept row, in kept_rows order, as the update received them; filtered, set_aside: [P] bool, grader_timeouts:
+        [P*n] bool; None: none)."""
         advantages = torch.full((rewards.numel(),), math.nan)
         advantages[kept_rows] = kept_advantages.float()
         none = torch.zeros(rewards.shape[0], dtype=torch.bool)
@@ -71,6 +73,7 @@ class ScoredRound:
                    rollouts.truncated, int(rollouts.prompt_mask.sum()) * rewards.shape[1],
                    [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts),
                    none if filtered is None else filtered, none if set_aside is None else set_aside,
+                   torch.zeros(rewards.numel(), dtype=torch.bool) if grader_timeouts is None else grader_timeouts,
                    torch.full((rewards.numel(),), math.nan))
 
 
@@ -102,6 +105,7 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
                "frac_reward_zero_std": float((rewards_all.amax(dim=1) == rewards_all.amin(dim=1)).float().mean())}
     for name in scored[0].per_func:
         metrics[f"rewards/{name}/mean"] = float(torch.cat([s.per_func[name] for s in scored]).nanmean())
+    metrics["rewards/grader_timeouts"] = sum(int(s.grader_timeouts.sum()) for s in scored)  # accuracy 0, unverified
     metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                     "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
                     float(torch.cat([s.truncated for s in scored]).float().mean())})
@@ -237,8 +241,9 @@ def start_line(label, args, run_dir):
 
 def eval_line(step, result):
     """One held-out evaluation's result (eval.EvalResult)."""
+    timeouts = f", {result.grader_timeouts} scored 0 for a grader time-out" if result.grader_timeouts else ""
     return (f"step {step}: held-out accuracy {result.accuracy:.2f}, format {result.format_accuracy:.2f} "
-            f"({result.num_samples} samples, {result.elapsed_s:.0f} s)")
+            f"({result.num_samples} samples, {result.elapsed_s:.0f} s{timeouts})")
 
 
 def finish_lines(run_dir, args, steps, elapsed_s):

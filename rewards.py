@@ -9,8 +9,10 @@ truth is a multiple-choice letter A-D. format: the whole completion is `<think>\
 Grading never hangs and never raises, on any thread. Cheap fast paths (answers.py, which also reads the answer out)
 decide most items without sympy: letters, plain numbers compared exactly as fractions (GSM8K never needs sympy),
 and pre-filters that score 0 on inputs able to stall sympy in C code (`9^9^9^9`, deep nesting, over-long
-answers). The rest go to grader.py: a verdict cache, then math-verify in worker processes under a hard per-comparison
-time limit (VERIFY_TIMEOUT_S); a timed-out item scores 0.
+answers). The rest go to grader.py: a verdict cache, then math-verify in worker processes under a per-comparison
+limit of the worker's CPU time (VERIFY_TIMEOUT_S, once more 4x longer after a time-out), so a busy machine does not
+turn a correct answer into 0; an item that times out twice scores 0 and is counted (`RewardResult.grader_timeouts`,
+the step's rewards/grader_timeouts).
 Simplification: completions longer than MAX_COMPLETION_CHARS are graded on their tail.
 
 Reward terms are a registry, `REWARD_TERMS` (name -> `RewardTerm`: TRL-shaped function, default weight, its own
@@ -20,8 +22,10 @@ options), filled by `@register_reward`: train.py computes every registered term,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -32,12 +36,13 @@ from answers import (MAX_COMPLETION_CHARS, choice_letter, normalize_latex, patho
 if TYPE_CHECKING:  # torch is imported where it is used: grading alone does not need it
     import torch
 
-VERIFY_TIMEOUT_S = 0.5  # per comparison (a MATH one takes ~5 ms, <0.3 s on a 3x-oversubscribed machine);
-# the worker is killed grader._KILL_GRACE_S later. Raise it (rewards.VERIFY_TIMEOUT_S = 2.0) on a busy
-# machine: grade_accuracy reads it at call time and passes it to the grader.
+VERIFY_TIMEOUT_S = 0.5  # CPU seconds of the grading worker per comparison (a MATH one takes ~5 ms), whatever else
+# runs on the machine; a time-out is retried once with grader.RETRY_FACTOR times as much. grade_accuracy reads it at
+# call time (rewards.VERIFY_TIMEOUT_S = 2.0 raises it).
 THINK_PREFILL = "<think>\n"  # what data.render_prompts(prefill_think=True) appends to the prompt
 
 logger = logging.getLogger(__name__)
+_counting = threading.local()  # .counters: this thread's open `timeouts_counted` records
 
 
 # ------------------------------------------------------------------------------------------ grading
@@ -61,10 +66,31 @@ def _grade_cheaply(completion, answer):
     return None, (gold, prediction)
 
 
+@dataclass
+class GraderTimeouts:
+    """Completions scored 0 because their comparison timed out twice, while `timeouts_counted` was open: their
+    positions in the list each grade_accuracy call graded."""
+    positions: set = field(default_factory=set)
+
+
+@contextlib.contextmanager
+def timeouts_counted():
+    """Collect the completions this thread's grade_accuracy calls score 0 for want of a verdict (a time-out, twice):
+    a possibly wrong reward, said (rewards/grader_timeouts, the completions log), not hidden."""
+    count = GraderTimeouts()
+    counters = _counting.__dict__.setdefault("counters", [])
+    counters.append(count)
+    try:
+        yield count
+    finally:
+        counters.remove(count)
+
+
 def grade_accuracy(completions, answers, num_workers=0, timeout_s=None):
     """Accuracy (1.0/0.0) of each completion against its ground truth; math-verify items go to
     max(1, num_workers) worker processes in parallel. Never raises on model output, never waits past the
-    deadlines; a timed-out item scores 0 and is not cached (a busy machine must not fix a wrong 0)."""
+    deadlines; an item timed out twice scores 0, is counted (`timeouts_counted`) and is not cached (a busy machine
+    must not fix a wrong 0)."""
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
     timeout_s = VERIFY_TIMEOUT_S if timeout_s is None else timeout_s  # read at call time: settable
@@ -83,6 +109,10 @@ def grade_accuracy(completions, answers, num_workers=0, timeout_s=None):
         for item, verdict in zip(slow, verdicts):
             for position in slow[item]:
                 scores[position] = float(verdict is True)
+        timed_out = [position for item, verdict in zip(slow, verdicts) if verdict == "timeout"
+                     for position in slow[item]]
+        for count in getattr(_counting, "counters", []):
+            count.positions.update(timed_out)
     return [float(score or 0.0) for score in scores]
 
 
@@ -219,12 +249,15 @@ def tag_count_rewards(prompts, completions, answer=None, **kwargs) -> list[float
 class RewardResult:
     total: torch.Tensor  # [N] float32, weighted sum over functions (NaN entries of a function skipped)
     per_func: dict = field(default_factory=dict)  # name -> [N] float32
+    grader_timeouts: torch.Tensor | None = None  # [N] bool: the answer comparison timed out twice, scored 0
 
     def metrics(self) -> dict[str, float]:
         """TRL-named means: "reward" and "rewards/<fn>/mean"."""
         out = {"reward": float(self.total.mean())}
         for name, values in self.per_func.items():
             out[f"rewards/{name}/mean"] = float(values.nanmean())
+        if self.grader_timeouts is not None:
+            out["rewards/grader_timeouts"] = int(self.grader_timeouts.sum())
         return out
 
 
@@ -255,21 +288,24 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers: "
                          "give one prompt and one answer per completion")
     per_func, total = {}, torch.zeros(len(completions), dtype=torch.float32)
-    for name, func in reward_funcs.items():
-        try:
-            own = {**(REWARD_TERMS[name].options if name in REWARD_TERMS else {}), **options.get(name, {})}
-            values = func(prompts=list(prompts), completions=list(completions), answer=list(answers),
-                          completion_ids=completion_ids, num_workers=num_workers, **own)
-        except Exception as error:
-            error.add_note(f"(in reward function {name!r})")
-            raise
-        if len(values) != len(completions):
-            raise ValueError(f"reward function {name!r} returned {len(values)} values for "
-                             f"{len(completions)} completions")
-        try:
-            tensor = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"reward function {name!r} returned a non-number: {error}") from None
-        per_func[name] = tensor
-        total += weights[name] * torch.nan_to_num(tensor, nan=0.0)
-    return RewardResult(total=total, per_func=per_func)
+    with timeouts_counted() as timeouts:  # completions scored 0 for want of a verdict
+        for name, func in reward_funcs.items():
+            try:
+                own = {**(REWARD_TERMS[name].options if name in REWARD_TERMS else {}), **options.get(name, {})}
+                values = func(prompts=list(prompts), completions=list(completions), answer=list(answers),
+                              completion_ids=completion_ids, num_workers=num_workers, **own)
+            except Exception as error:
+                error.add_note(f"(in reward function {name!r})")
+                raise
+            if len(values) != len(completions):
+                raise ValueError(f"reward function {name!r} returned {len(values)} values for "
+                                 f"{len(completions)} completions")
+            try:
+                tensor = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"reward function {name!r} returned a non-number: {error}") from None
+            per_func[name] = tensor
+            total += weights[name] * torch.nan_to_num(tensor, nan=0.0)
+    timed_out = torch.zeros(len(completions), dtype=torch.bool)
+    timed_out[sorted(timeouts.positions)] = True
+    return RewardResult(total=total, per_func=per_func, grader_timeouts=timed_out)

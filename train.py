@@ -30,6 +30,7 @@ import config
 import data
 import dynamic_sampling
 import eval as heldout
+import grader
 import models
 import pods
 import report
@@ -134,7 +135,7 @@ def stop_on_signal():
 # ------------------------------------------------------------------------------------------ one step
 
 def score(rollouts, examples, args):
-    """([P, n] weighted rewards, per-function values) of every rollout; a prefilled "<think>\\n" is graded too."""
+    """(rewards.RewardResult, [P, n] weighted rewards) of every rollout; a prefilled "<think>\\n" is graded too."""
     rows = rollouts.prompt_index.tolist()
     completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
     result = rewards.compute_rewards([examples[i].prompt for i in rows],
@@ -142,7 +143,7 @@ def score(rollouts, examples, args):
                                      [examples[i].answer for i in rows], weights=args.reward_weights,
                                      options=args.reward_options, completion_ids=completion_ids)
     n = len(rows) // len(examples) if examples else args.num_rollouts  # none: a refill only other processes needed
-    return result.total.view(len(examples), n), result.per_func
+    return result, result.total.view(len(examples), n)
 
 
 @dataclass
@@ -155,11 +156,14 @@ class Generated:
     first_chunk: int                # this process's first generation chunk (its rollouts' seeds)
     filtered: torch.Tensor = None   # [P] bool: no reward spread, set aside by --dynamic-sampling; None: none
     set_aside: torch.Tensor = None  # [P] bool: a spread, but left out to even out the processes' rows; None: none
+    grader_timeouts: torch.Tensor = None  # [P*n] bool: accuracy scored 0 for want of a verdict; None: none
 
     def __post_init__(self):
         for name in ("filtered", "set_aside"):
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros(self.rewards.shape[0], dtype=torch.bool))
+        if self.grader_timeouts is None:
+            self.grader_timeouts = torch.zeros(self.rewards.numel(), dtype=torch.bool)
 
     @property
     def entered(self):
@@ -175,8 +179,9 @@ def generate_and_score(model, tokenizer, examples, args, seed, costs, processes,
                                               config.generation_settings(args), seed, first_chunk) if examples \
             else dynamic_sampling.no_rollouts()  # a --dynamic-sampling refill only other processes needed
     with report.timed(costs, "reward_s"):
-        reward_matrix, per_func = score(rollouts, examples, args)
-    return Generated(examples, rollouts, reward_matrix, per_func, first_chunk)
+        result, reward_matrix = score(rollouts, examples, args)
+    return Generated(examples, rollouts, reward_matrix, result.per_func, first_chunk,
+                     grader_timeouts=result.grader_timeouts)
 
 
 def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess(), draw=None):
@@ -228,7 +233,7 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
             for part, (batch, kept_rows) in zip(generated, part_batches):
                 batch_rounds[-1].append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards,
                                                               part.per_func, kept_rows, batch.advantages, dropped,
-                                                              part.filtered, part.set_aside))
+                                                              part.filtered, part.set_aside, part.grader_timeouts))
                 dropped = 0  # counted once per rollout batch
             scored += batch_rounds[-1]
     # Rollouts of the decode engine are checked before the optimizer step: off-policy ones are not trained on.
@@ -245,6 +250,10 @@ def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OnePro
     metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
     if args.dynamic_sampling:
         metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
+    if metrics["rewards/grader_timeouts"]:  # possibly wrong rewards, said where the run is watched
+        say(f"{metrics['rewards/grader_timeouts']} completions scored accuracy 0 because their answer comparison "
+            f"timed out twice ({rewards.VERIFY_TIMEOUT_S:g} s, then {grader.RETRY_FACTOR}x, of the grader's CPU "
+            "time): rewards/grader_timeouts")
     if result.rows == 0:  # the update_rows 0 of its metrics line, said where the run is watched
         say("trained nothing: " + ("no group had a reward spread within --max-generation-rounds" if
                                    args.dynamic_sampling else "every prompt was dropped") + " (no optimizer step)")
@@ -309,7 +318,7 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, 
     write({"type": "eval", "step": state.step, "elapsed_s": state.elapsed_s, "eval/accuracy": result.accuracy,
            "eval/format_accuracy": result.format_accuracy, "eval/both_accuracy": result.both_accuracy,
            "eval/mean_completion_length": result.mean_completion_length, "eval/num_samples": result.num_samples,
-           "eval/eval_s": result.elapsed_s})
+           "eval/grader_timeouts": result.grader_timeouts, "eval/eval_s": result.elapsed_s})
     return result.accuracy
 
 

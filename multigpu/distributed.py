@@ -268,13 +268,14 @@ def all_gather(obj):
     return gathered
 
 
-def pooled_over_ranks(record, count_key, max_keys=()):
+def pooled_over_ranks(record, count_key, max_keys=(), sum_keys=()):
     """A record of means over this rank's record[count_key] items -> the same over every rank's items (the count
-    summed, max_keys the largest). Single process: the record as is."""
+    and sum_keys summed, max_keys the largest). Single process: the record as is."""
     if not dist.is_initialized():
         return record
-    pooled = all_reduce_metrics(record, weights=record[count_key], sum_keys=(count_key,), max_keys=max_keys)
-    return dict(pooled, **{count_key: type(record[count_key])(pooled[count_key])})
+    counts = (count_key, *sum_keys)
+    pooled = all_reduce_metrics(record, weights=record[count_key], sum_keys=counts, max_keys=max_keys)
+    return dict(pooled, **{key: type(record[key])(pooled[key]) for key in counts})
 
 
 def max_over_ranks(value):

@@ -70,7 +70,8 @@ class Processes(train.OneProcess):
 
     def merged(self, record):
         if isinstance(record, heldout.EvalResult):
-            pooled = distributed.pooled_over_ranks(dataclasses.asdict(record), "num_samples", max_keys=("elapsed_s",))
+            pooled = distributed.pooled_over_ranks(dataclasses.asdict(record), "num_samples", max_keys=("elapsed_s",),
+                                                   sum_keys=("grader_timeouts",))
             return heldout.EvalResult(**pooled)
         return merge_ranks(distributed.all_gather(record))
 

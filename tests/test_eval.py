@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import completions
 import eval as eval_module
+import report
 import rewards
 from sampling import GenerationSettings
 
@@ -98,8 +99,11 @@ def test_bad_input_raises(prompts, answers, kwargs, message):
 
 def test_summarize_repeats_mean_and_sample_std():
     accuracies = [0.25, 0.5, 0.6]
-    per_repeat = [eval_module.EvalResult(a, 1 - a, a / 2, 10.0 + i, 8, 1.5) for i, a in enumerate(accuracies)]
+    per_repeat = [eval_module.EvalResult(a, 1 - a, a / 2, 10.0 + i, 8, 1.5, i) for i, a in enumerate(accuracies)]
     summary = eval_module.summarize_repeats(per_repeat)
+    assert summary["grader_timeouts"] == 3  # 0 + 1 + 2 samples scored incorrect for want of a verdict
+    assert "1 scored 0 for a grader time-out" in report.eval_line(4, per_repeat[1])
+    assert "time-out" not in report.eval_line(4, per_repeat[0])
     assert summary["accuracy"]["mean"] == pytest.approx(statistics.mean(accuracies))
     assert summary["accuracy"]["std"] == pytest.approx(statistics.stdev(accuracies))
     assert summary["accuracy"]["per_repeat"] == accuracies

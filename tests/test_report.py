@@ -93,7 +93,7 @@ def scored_round():
     examples = [data.Example(text="Q0?", prompt=[], answer="7"), data.Example(text="Q1?", prompt=[], answer="8")]
     per_func = {"accuracy": rewards.flatten() / 3, "format": torch.full((8,), float("nan"))}
     return report.ScoredRound.of(rollouts, examples, rewards, per_func, torch.tensor([1, 2, 4, 7]),
-                                 torch.tensor([0.7, -0.7, 0.9, -0.9]), 0)
+                                 torch.tensor([0.7, -0.7, 0.9, -0.9]), 0, grader_timeouts=torch.arange(8) == 5)
 
 
 def test_completions_rows_hold_every_rollout_and_what_was_kept():
@@ -108,6 +108,7 @@ def test_completions_rows_hold_every_rollout_and_what_was_kept():
     assert rollouts[1]["reward"] == 2.0 and rollouts[1]["rewards"] == {"accuracy": pytest.approx(2 / 3), "format": None}
     assert rollouts[7]["truncated"] and rollouts[7]["length"] == 8
     assert rollouts[3]["completion"] == "completion 3\nline 2"
+    assert [r["grader_timeout"] for r in rollouts[:8]] == [r == 5 for r in range(8)]  # accuracy 0, unverified
     json.dumps(record)  # plain JSON: no NaN, no tensors
 
 

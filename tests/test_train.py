@@ -176,6 +176,29 @@ def test_a_step_that_trains_nothing_says_so(lora_model, smollm2_tokenizer, monke
     assert "trained nothing" not in capsys.readouterr().err
 
 
+def test_a_step_whose_grader_timed_out_counts_it_and_says_so(lora_model, smollm2_tokenizer, monkeypatch, capsys):
+    """Accuracy 0 for want of a verdict is a possibly wrong reward: counted (rewards/grader_timeouts, the completions
+    log's grader_timeout) and said in one line; a step without one says nothing."""
+    def two_timed_out(prompts, completions, answers, **kwargs):
+        timed_out = torch.zeros(len(completions), dtype=torch.bool)
+        timed_out[[1, 6]] = True
+        return rewards.RewardResult(total=torch.arange(len(completions), dtype=torch.float32), per_func={},
+                                    grader_timeouts=timed_out)
+
+    monkeypatch.setattr(rewards, "compute_rewards", two_timed_out)
+    args = step_args()
+    metrics, scored = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                                       args, step=3)
+    assert metrics["rewards/grader_timeouts"] == 2
+    assert scored[0].grader_timeouts.nonzero().flatten().tolist() == [1, 6]
+    assert "step 3: 2 completions scored accuracy 0 because their answer comparison timed out twice" in \
+        capsys.readouterr().err
+    monkeypatch.undo()
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args,
+                                  step=4)
+    assert metrics["rewards/grader_timeouts"] == 0 and "timed out" not in capsys.readouterr().err
+
+
 def test_groups_of_one_rollout_count_as_zero_std(lora_model, smollm2_tokenizer):
     """-n 1: a group's std is NaN (one value), yet all its rewards are equal: frac_reward_zero_std is 1, not 0."""
     args = step_args(num_rollouts=1, update_size=1, rule="none")
