@@ -9,8 +9,15 @@ Dr. GRPO). `masked_advantages` takes any kept mask (uneven counts per prompt: th
 pods.py re-exports every name here, so `pods.selected_advantages` etc. are the same functions.
 """
 
-import torch
-from torch import Tensor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): the flags read the modes without it
+if TYPE_CHECKING:
+    from torch import Tensor
 
 NORMALIZE_MODES = ("selected", "group")
 SCALE_MODES = ("group", "batch", "none")
@@ -18,7 +25,7 @@ SCALE_MODES = ("group", "batch", "none")
 
 def check_rewards(rewards: Tensor, m: int | None = None, check_finite: bool = True) -> int:
     """Validate rewards (..., n) and subset size m; return n. Raises ValueError naming the problem."""
-    if not isinstance(rewards, Tensor):
+    if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
     if rewards.dim() == 0:
         raise ValueError("rewards must have shape (..., n), got a 0-d tensor")
@@ -80,7 +87,7 @@ def masked_advantages(
         raise ValueError(f"scale_rewards must be one of {SCALE_MODES}, got {scale_rewards!r}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0 so the division is defined, got {eps}")
-    if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.shape != rewards.shape:
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != rewards.shape:
         raise ValueError(f"keep must be a bool tensor of the rewards' shape {tuple(rewards.shape)}, got "
                          f"{getattr(keep, 'dtype', type(keep))} {tuple(getattr(keep, 'shape', ()))}")
     r = rewards.to(torch.float64)
@@ -107,7 +114,7 @@ def selected_advantages(
     scale_rewards: see `masked_advantages` ("group" = the paper).
     """
     n = check_rewards(rewards)
-    if not isinstance(indices, Tensor) or indices.dtype != torch.long:
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.long:
         raise ValueError(f"indices must be a LongTensor, got {getattr(indices, 'dtype', type(indices))}")
     if indices.shape[:-1] != rewards.shape[:-1] or indices.dim() != rewards.dim():
         raise ValueError(

@@ -166,7 +166,8 @@ def figures(grids, drawn, baseline_label, threshold):
             continue
         values.update(speedup=speedup_bounds(base["threshold_at"], base["curve_end"], arm["threshold_at"],
                                              arm["curve_end"]),
-                      mean_accuracy_difference=arm["mean_accuracy"] - base["mean_accuracy"])
+                      mean_accuracy_difference=arm["mean_accuracy"] - base["mean_accuracy"],
+                      baseline_threshold_at=base["threshold_at"])  # on the drawn seeds the arm ran too
     return result
 
 
@@ -199,22 +200,9 @@ def bootstrap(runs_by_label, baseline_label, axis="time", resamples=RESAMPLES, s
     """Per arm: the point figures on all seeds, and 95% paired-bootstrap intervals for peak, final, mean accuracy
     over the window, its difference from the baseline, and the speed-up. budget: H of the window (see the module
     docstring); give it on the clock axis only."""
-    if baseline_label not in runs_by_label:
-        raise ValueError(f"baseline {baseline_label!r} is not among the methods {sorted(runs_by_label)}")
-    evaluated = {label: [on_axis(r, axis) for r in runs if len(r.eval_times_s)] for label, runs in
-                 runs_by_label.items()}
-    if not evaluated[baseline_label]:
-        raise ValueError(f"the baseline {baseline_label!r} has no run with an evaluation: nothing to compare against")
-    for label, runs in evaluated.items():
-        seeds = [r.seed for r in runs]
-        if len(set(map(str, seeds))) < len(seeds):
-            raise ValueError(f"{label}: two runs of one seed ({', '.join(r.run_dir for r in runs)}); pairing by seed "
-                             "needs one run per seed and arm")
-    seeds = list(dict.fromkeys(r.seed for runs in evaluated.values() for r in runs))
-    window = auc_window([r for runs in evaluated.values() for r in runs], budget)
-    grids = {label: seed_grid(runs, seeds, window) for label, runs in evaluated.items()}
-    base_points, base_mean = mean_curve(grids[baseline_label], grids[baseline_label].drawn(range(len(seeds))))
-    peak = float(np.max(base_mean)) if len(base_mean) else math.nan
+    if not resamples >= 1:
+        raise ValueError(f"--resamples must be >= 1, got {resamples}")
+    evaluated, seeds, window, grids, peak = seed_grids(runs_by_label, baseline_label, axis, budget)
     threshold = fraction * peak if peak > 0 else math.nan  # fixed from here on
     point = figures(grids, range(len(seeds)), baseline_label, threshold)
     rng = np.random.default_rng(seed)
@@ -240,8 +228,68 @@ def bootstrap(runs_by_label, baseline_label, axis="time", resamples=RESAMPLES, s
         reached = np.array(drawn[label]["reached"])
         result[label] = dict(point[label], **counts, missing=False, reached_share=float(np.nanmean(reached)),
                              speedup_ci=bounded_interval(drawn[label]["speedup"]),
+                             mean_accuracy_difference_t=paired_t_interval(grids[label], grids[baseline_label]),
                              **{f"{key}_ci": interval(drawn[label][key]) for key in keys})
     return result
+
+
+def seed_grids(runs_by_label, baseline_label, axis, budget=None):
+    """(the runs with evaluations on `axis` per arm, the study's seeds, the mean-accuracy window, each arm's
+    SeedGrid, the peak of the baseline's seed-mean curve over all seeds)."""
+    if baseline_label not in runs_by_label:
+        raise ValueError(f"baseline {baseline_label!r} is not among the methods {sorted(runs_by_label)}")
+    evaluated = {label: [on_axis(r, axis) for r in runs if len(r.eval_times_s)] for label, runs in
+                 runs_by_label.items()}
+    if not evaluated[baseline_label]:
+        raise ValueError(f"the baseline {baseline_label!r} has no run with an evaluation: nothing to compare against")
+    for label, runs in evaluated.items():
+        seeds = [r.seed for r in runs]
+        if len(set(map(str, seeds))) < len(seeds):
+            raise ValueError(f"{label}: two runs of one seed ({', '.join(r.run_dir for r in runs)}); pairing by seed "
+                             "needs one run per seed and arm")
+    seeds = list(dict.fromkeys(r.seed for runs in evaluated.values() for r in runs))
+    window = auc_window([r for runs in evaluated.values() for r in runs], budget)
+    grids = {label: seed_grid(runs, seeds, window) for label, runs in evaluated.items()}
+    _, base_mean = mean_curve(grids[baseline_label], grids[baseline_label].drawn(range(len(seeds))))
+    return evaluated, seeds, window, grids, float(np.max(base_mean)) if len(base_mean) else math.nan
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); 1.96 beyond.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_t_interval(grid, base_grid):
+    """(low, high, 0): the 95% t-interval of the mean of the per-seed differences arm - baseline in mean accuracy,
+    over the seeds both ran: a check on the percentile bootstrap, which with 5-8 seeds is narrower (NaN: < 2)."""
+    shared = [i for i in grid.rows if i in base_grid.rows]
+    if len(shared) < 2:
+        return math.nan, math.nan, 0
+    differences = np.array([grid.mean_accuracy[grid.rows[i]] - base_grid.mean_accuracy[base_grid.rows[i]]
+                            for i in shared])
+    quantile = T_975[len(shared) - 2] if len(shared) - 1 <= len(T_975) else 1.96
+    half = quantile * float(np.std(differences, ddof=1)) / math.sqrt(len(shared))
+    return float(np.mean(differences)) - half, float(np.mean(differences)) + half, 0
+
+
+SENSITIVITY_FRACTIONS = (0.90, 0.95, 0.97, 0.98, 0.99, 1.00)
+
+
+def threshold_sensitivity(runs_by_label, baseline_label, label, axis, budget=None, fractions=SENSITIVITY_FRACTIONS):
+    """{fraction: the point speed-up of `label` over the baseline (bounds) with the threshold at that fraction of
+    the baseline's peak}: how much a speed-up owes to where the threshold sits (Appendix A.4 fixes 0.99)."""
+    _, seeds, _, grids, peak = seed_grids(runs_by_label, baseline_label, axis, budget)
+    return {fraction: figures(grids, range(len(seeds)), baseline_label, fraction * peak)[label]["speedup"]
+            for fraction in fractions}
+
+
+def sensitivity_line(bounds_by_fraction, axis):
+    """'0.90: 1.2x, 0.95: 1.5x, ...' (a bound where a curve does not reach the threshold)."""
+    def shown(low, high):
+        return "undefined" if math.isnan(low) else f"{_end(low, high)}x"
+    unit = "clock" if axis == "time" else "per step"
+    return f"{unit}: " + ", ".join(f"{fraction:.2f}: {shown(*bounds)}" for fraction, bounds in
+                                   bounds_by_fraction.items())
 
 
 def _sig(value, digits=2):
@@ -309,9 +357,9 @@ def axis_table(figures_by_label, runs_by_label, baseline_label, axis, clock=None
     first = figures_by_label[baseline_label]
     start, end = first["window"]
     lines = [f"| method | seeds | steps per run | generate / update / step (s) | peak | final | {unit} to threshold "
-             f"| reached in | speed-up ({'time' if axis == 'time' else 'steps'}) | mean accuracy, {_fmt_x(start)}-"
-             f"{_fmt_x(end)} {unit} | difference from {baseline_label} |",
-             "|---|---|---|---|---|---|---:|---:|---|---|---|"]
+             f"| {baseline_label}'s, same seeds | reached in | speed-up ({'time' if axis == 'time' else 'steps'}) "
+             f"| mean accuracy, {_fmt_x(start)}-{_fmt_x(end)} {unit} | difference from {baseline_label} |",
+             "|---|---|---|---|---|---|---:|---:|---:|---|---|---|"]
     for label, runs in runs_by_label.items():
         f = figures_by_label[label]
         without = f["runs"] - f["seeds"]
@@ -319,12 +367,15 @@ def axis_table(figures_by_label, runs_by_label, baseline_label, axis, clock=None
         steps = ",".join(str(len(r.step_durations_s)) for r in runs)
         cells = [label, seeds, steps, _clock(runs, (clock or {}).get(label))]
         if f["missing"]:
-            lines.append("| " + " | ".join(cells + ["missing: no evaluation"] + ["-"] * 6) + " |")
+            lines.append("| " + " | ".join(cells + ["missing: no evaluation"] + ["-"] * 7) + " |")
             continue
         at = "not reached" if f["threshold_at"] is None else _fmt_x(f["threshold_at"], axis)
+        paired = "-" if label == baseline_label or "baseline_threshold_at" not in f else \
+            "not reached" if f["baseline_threshold_at"] is None else _fmt_x(f["baseline_threshold_at"], axis)
         difference = "-" if label == baseline_label else \
-            f"{_signed(f['mean_accuracy_difference'])} {_ci(f['mean_accuracy_difference_ci'], _signed)}"
-        cells += [f"{_acc(f['peak'])} {_ci(f['peak_ci'])}", f"{_acc(f['final'])} {_ci(f['final_ci'])}", at,
+            (f"{_signed(f['mean_accuracy_difference'])} {_ci(f['mean_accuracy_difference_ci'], _signed)}, "
+             f"t {_ci(f['mean_accuracy_difference_t'], _signed)}")
+        cells += [f"{_acc(f['peak'])} {_ci(f['peak_ci'])}", f"{_acc(f['final'])} {_ci(f['final_ci'])}", at, paired,
                   f"{100 * f['reached_share']:.0f}%", speedup_text(f),
                   f"{_acc(f['mean_accuracy'])} {_ci(f['mean_accuracy_ci'])}", difference]
         lines.append("| " + " | ".join(cells) + " |")
@@ -359,9 +410,11 @@ def markdown_table(by_axis, runs_by_label, baseline_label, metric="accuracy", cl
              "Speed-up = the baseline's time (steps) to the threshold / the arm's; an arm whose curve ends below it "
              "has not reached it by that end, a bound (< x), never 0x; an interval end written '< x' ('> x') has "
              "censored resamples there, '?' resamples where neither curve reached it, 'a-b' lies between a and b; "
-             "'reached in': share of resamples whose mean curve reaches the threshold. Mean accuracy: area under "
+             "'reached in': share of resamples whose mean curve reaches the threshold; the baseline's time to it on "
+             "the arm's own seeds is beside each arm's (the speed-up pairs them). Mean accuracy: area under "
              "each seed's curve (trapezoid rule, held at its last evaluation) over the window, divided by its width; "
-             "difference: paired, arm - baseline."]
+             "difference: paired, arm - baseline, with the bootstrap's interval and the paired t-interval over the "
+             "seeds both ran ('t', wider with 5-8 seeds: the percentile bootstrap understates the spread)."]
     clock_title = f"On the clock, {clock_note}" if clock_note else "On the clock (training wall-clock)"
     for axis, title in (("steps", "Per optimizer step"), ("time", clock_title)):
         figures_by_label = by_axis.get(axis)
@@ -388,7 +441,8 @@ def plot(runs_by_label, by_axis, path, title=None, metric="accuracy"):
         scale = 60.0 if axis == "time" and longest_s > 600 else 1.0  # long runs in minutes
         for label, runs in runs_by_label.items():
             curve = compare.method_curve(label, [on_axis(r, axis) for r in runs], min_seeds=0)
-            line, = panel.plot(curve.times_s / scale, curve.mean, label=f"{label} (n={len(runs)})")
+            line, = panel.plot(curve.times_s / scale, curve.mean, marker="o", markersize=3,
+                               label=compare.seeds_label(label, runs))
             panel.fill_between(curve.times_s / scale, *compare.band_limits(curve.mean, curve.band),
                                color=line.get_color(), alpha=0.2)
         threshold = next(iter(by_axis[axis].values()))["threshold"]
@@ -485,6 +539,12 @@ def main(argv=None):
     parser.add_argument("--jitter", type=float, default=0.0, help="also show how the clock's intervals move when "
                         "each run's times are scaled by up to +- this fraction (e.g. 0.03)")
     args = parser.parse_args(argv)
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        parser.error(f"--budget-s must be a finite number > 0, got {args.budget_s}")
+    if args.resamples < 1:
+        parser.error(f"--resamples must be >= 1, got {args.resamples}")
+    if not (math.isfinite(args.jitter) and 0 <= args.jitter < 1):
+        parser.error(f"--jitter must be in [0, 1), got {args.jitter}")
     if args.estimate_clock and not args.from_data:
         parser.error("--estimate-clock is for data files whose seconds were not recorded: give --from-data")
     if args.from_data and args.export_data:

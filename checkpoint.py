@@ -46,7 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
 # What a trainer_state.pt holds besides tensors and plain values: numpy's RNG state (an array of uint32).
 _core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1

@@ -156,10 +156,11 @@ def _budget(run):
     return tuple(float(run.config.get(key) or 0) for key in ("max_time_s", "max_steps"))
 
 
-def check_budgets(runs, budget_s=None):
+def check_budgets(runs, budget_s=None, flag="--budget-s"):
     """Refuse to pool runs trained to different budgets (a 180 s and a 600 s run are not two seeds of one curve, and
     arms of different budgets are not on the same footing). With budget_s every run is read as one of budget_s
-    seconds: each must have trained at least that long, and all to the same step limit."""
+    seconds: each must have trained at least that long, and all to the same step limit. flag: the command's name
+    for budget_s, in the refusals."""
     def listing(key_of):
         groups = {}
         for run in runs:
@@ -169,15 +170,15 @@ def check_budgets(runs, budget_s=None):
     if budget_s:
         short = [f"{Path(r.run_dir).name} ({_budget(r)[0]:g} s)" for r in runs if 0 < _budget(r)[0] < budget_s]
         if short:
-            raise ValueError(f"--budget-s {budget_s:g}: runs trained for less cannot be read as runs of that budget: "
+            raise ValueError(f"{flag} {budget_s:g}: runs trained for less cannot be read as runs of that budget: "
                              f"{', '.join(short)}")
         groups, text = listing(lambda r: f"max_steps {_budget(r)[1]:g}")
         if len(groups) > 1:
-            raise ValueError(f"runs of different step limits (--budget-s cuts the clock, not the steps): {text}")
+            raise ValueError(f"runs of different step limits ({flag} cuts the clock, not the steps): {text}")
         return
     groups, text = listing(lambda r: f"max_time_s {_budget(r)[0]:g}, max_steps {_budget(r)[1]:g}")
     if len(groups) > 1:
-        raise ValueError(f"runs of different budgets are not pooled as seeds: {text}. Pass --budget-s S to read "
+        raise ValueError(f"runs of different budgets are not pooled as seeds: {text}. Pass {flag} S to read "
                          "every run as one of S seconds of training, or compare them apart")
 
 
@@ -303,25 +304,35 @@ def markdown_table(rows, baseline_label, fraction=0.99, metric="accuracy"):
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def seeds_label(label, runs):
+    """A curve's legend: its method and how many seeds its mean is over ("n" is the rollout count in the labels)."""
+    return f"{label}, {len(runs)} seed{'s' if len(runs) != 1 else ''}"
+
+
 def plot_curves(curves, path, threshold=None, title=None, metric="accuracy"):
-    """Left: accuracy vs training wall-clock (mean line, 1.96 SE band). Right: per-step time by step."""
+    """Left: accuracy vs training wall-clock (mean line through the evaluations, marked; 1.96 SE band). Right:
+    per-step time by step (each step marked: a run of one step is one point)."""
+    from matplotlib.ticker import MaxNLocator
+
     minutes = max((c.times_s[-1] for c in curves if len(c.times_s)), default=0) > 600
     scale = 60.0 if minutes else 1.0  # long runs in minutes
     fig, (left, right) = panels()
     for c in curves:
-        line, = left.plot(c.times_s / scale, c.mean, label=f"{c.label} (n={len(c.runs)})")
+        line, = left.plot(c.times_s / scale, c.mean, marker="o", markersize=3, label=seeds_label(c.label, c.runs))
         left.fill_between(c.times_s / scale, *band_limits(c.mean, c.band), color=line.get_color(), alpha=0.2)
         durations = [r.step_durations_s for r in c.runs if len(r.step_durations_s)]
         if durations:
             width = max(len(d) for d in durations)
             padded = np.array([np.pad(d, (0, width - len(d)), constant_values=np.nan) for d in durations])
-            right.plot(np.arange(1, width + 1), np.nanmean(padded, axis=0), color=line.get_color(), label=c.label)
+            right.plot(np.arange(1, width + 1), np.nanmean(padded, axis=0), color=line.get_color(), marker="o",
+                       markersize=3, label=c.label)
     if threshold is not None and _finite(threshold):
         left.axhline(threshold, color="gray", linestyle="--", linewidth=0.8, label="0.99 x baseline peak")
     left.set(xlabel=f"training wall-clock ({'min' if minutes else 's'})", ylabel=f"held-out {metric}")
     left.legend(fontsize=8)
     right.set(xlabel="step", ylabel="step time (s), mean over seeds")
-    save_figure(fig, path, title)
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
+    save_figure(fig, path, title or f"Held-out {metric} against training time (seed mean, 1.96 SE band); step time")
 
 
 def panels(rows=1, columns=2, figsize=(12, 4.5), **options):

@@ -15,7 +15,9 @@ import math
 import re
 from pathlib import Path
 
-import torch
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
 import checkpoint
 

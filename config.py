@@ -2,6 +2,10 @@
 settings (a)-(f) and the CPU demo, and their GRPO baselines), and every check that can be made before a model or a
 dataset is loaded.
 
+Importing this module loads no torch (the registries it reads import it at first use, lazy.py), and `parse_args`
+makes the checks that need none first: `--help`, a mistyped flag or a value out of range are answered in well under a
+second; the checks of the device, the run folder, the data and the model source come after.
+
 Precedence: flags > the resumed run's config.json > --baseline > the preset (`parse_args`).
 
 Simplification: the learning rate is constant (as in the authors' single-GPU config; their multi-GPU recipe
@@ -19,20 +23,21 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
 import data
-import dynamic_sampling
 import grpo_loss
 import models
 import pods
-import report
 import rewards
-import runfolder
-import sampling
-import update
 from presets import BASELINES, PRESETS
 
+# The choices of flags whose modules load torch: written here so that --help needs none of them (a test keeps each
+# equal to its module's: sampling.BACKENDS, update.OPTIMIZERS, report.REPORT_TO, dynamic_sampling.METRICS).
+BACKENDS = ("engine", "hf")
+PRESET_KEYS = {key for preset in PRESETS.values() for key in preset}  # --help: their default is "from --preset"
+OPTIMIZERS = ("adamw", "adamw8bit")
+REPORT_TO = ("none", "tensorboard", "wandb")
+DYNAMIC_SAMPLING_METRICS = ("total", "accuracy")
+MAX_GENERATION_ROUNDS = 100  # --max-generation-rounds is refused above (DAPO's, verl's default: 10)
 DEFAULT_REWARD_WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight in rewards.DEFAULT_REWARD_WEIGHTS.items())
 LOSS_FLAGS = [option for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["help"]]
 
@@ -63,6 +68,25 @@ RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha"
 RECORDED_AT_RESUME = ("learning_rate", "weight_decay", "max_grad_norm", "max_steps", "max_time_s", "bf16")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows each flag's default after its help: its value, or "from --preset" (with the demo preset's value)
+    for the flags a preset sets; a help text that already says its default is left as it is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.dest in PRESET_KEYS:
+            demo = PRESETS["demo"].get(action.dest, action.default)
+            return f"{text} (default: from --preset; the demo's: {_shown(demo)})"
+        return text if action.default is None else f"{text} (default: {_shown(action.default)})"
+
+
+def _shown(value):
+    """A default as --help writes it: on/off for a switch, '' for an empty string."""
+    return {True: "on", False: "off", "": "''"}.get(value, value) if isinstance(value, (bool, str)) else value
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line (what is wrong, and where the flags are listed), not the usage text. A
     negative number, also in scientific notation (`--lr -1e-3`) or -inf/-nan, is a value, not a flag: the range
@@ -78,36 +102,47 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser():
-    parser = OneLineParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.", epilog="Defaults not "
-                           "shown here come from --preset; --print-config prints every value a run would use.")
+    parser = OneLineParser(prog="train.py", description="Train an LLM with GRPO or GRPO-PODS.",
+                           formatter_class=DefaultsHelpFormatter,
+                           epilog="--print-config prints every value a run would use (null: the flag's own default, "
+                                  "as described above).")
     add = parser.add_argument_group("preset").add_argument
     add("--preset", choices=sorted(PRESETS), default="demo",
         help="paper setting (a)-(d), (e)/(f) (full parameter, 8 GPUs: torchrun -m multigpu) or the CPU demo")
     add("--baseline", action="store_true", help="switch the preset to its GRPO baseline (n = m, rule none)")
     add = parser.add_argument_group("model").add_argument
-    add("--model", help=f"Hub id, local folder/.gguf, or {models.SMOLLM2_ALIAS!r} (offline demo model)")
-    add("--lora-rank", type=int, default=0, help="0 = full fine-tuning")
-    add("--lora-alpha", type=int)
-    add("--lora-target-modules", default=",".join(models.DEFAULT_LORA_TARGETS), help="comma-separated")
+    add("--model", help=f"Hub id, local folder/.gguf, or {models.SMOLLM2_ALIAS!r} (the offline demo model: "
+        "SmolLM2-135M-Instruct quantised to 4 bits, Q4_1, de-quantised to float32)")
+    add("--lora-rank", type=int, default=0, help="LoRA rank r; 0 = full fine-tuning")
+    add("--lora-alpha", type=int, help="LoRA alpha (the adapter's scale is alpha / r)")
+    add("--lora-target-modules", default=",".join(models.DEFAULT_LORA_TARGETS),
+        help="comma-separated names of the projections LoRA adapts")
     add("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (QLoRA), CUDA only")
     add("--bf16", action=argparse.BooleanOptionalAction, default=False,
         help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast); "
              "the demo preset: on where the device computes bf16 natively (a CPU with AVX-512 BF16 or AMX, a CUDA "
              "GPU with bf16), else off")
-    add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    add("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+        help="recompute each layer's activations in the backward pass instead of keeping them: less memory, "
+             "~1/3 more update time")
     add("--prefix-sharing", choices=("on", "off"), default="on",
         help="each distinct token computed once: generation and evaluation run the prefix every prompt shares once; "
              "the update runs each distinct prompt once for all its rollouts, and the shared prefix once (the same "
              "completions, loss and gradients, to float rounding; off: every row runs its prompt in full)")
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--device", help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     add = parser.add_argument_group("data").add_argument
-    add("--dataset", choices=data.DATASETS)
+    add("--dataset", choices=data.DATASETS,
+        help="gsm8k, math (MATH), chemistry (SciKnowEval Chemistry L3, multiple choice) or arithmetic (synthetic "
+             "2-digit sums, the demo's); docs/rewards_and_data.md")
     add("--data-dir", help="folder with the dataset files (default: $PODS_DATA_DIR, else ../shared/data, else the Hub)")
-    add("--num-train-rows", type=int, help="use this many training rows (arithmetic: the synthetic set size)")
+    add("--num-train-rows", type=int,
+        help="use this many training rows (arithmetic: the synthetic set size; default: every row)")
     add("--one-shot", action=argparse.BooleanOptionalAction, default=False, help="one worked example in the prompt")
     add("--prefill-think", action="store_true", help="end the prompt with '<think>\\n' (scored as completion)")
-    add("--max-prompt-tokens", type=int, help="longer prompts are dropped")
-    add("--system-prompt", help="default: the paper's think/answer instruction (data.SYSTEM_PROMPT)")
+    add("--max-prompt-tokens", type=int,
+        help="training prompts longer than this many tokens are dropped (held-out prompts are kept)")
+    add("--system-prompt", help="the system turn of every prompt; '' = none (unset: the paper's think/answer "
+        "instruction, data.SYSTEM_PROMPT)")
     add = parser.add_argument_group("PODS / GRPO").add_argument
     add("--num-rollouts", "-n", type=int, help="rollouts generated per prompt (n)")
     add("--update-size", "-m", type=int, help="rollouts per prompt kept for the update (m <= n)")
@@ -123,54 +158,59 @@ def build_parser():
         help="leave prompts whose n rewards are all equal out of the update (counted: num_zero_variance_dropped)")
     add("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
         help="DAPO: set groups with all-equal rewards aside, draw more prompts until --prompts-per-step have a spread")
-    add("--dynamic-sampling-metric", choices=dynamic_sampling.METRICS, default="total",
+    add("--dynamic-sampling-metric", choices=DYNAMIC_SAMPLING_METRICS, default="total",
         help="the reward that must vary within a group: the weighted total (what the advantages use) or accuracy")
     add("--max-generation-rounds", type=int, default=10, help="--dynamic-sampling: generation rounds per rollout "
-        f"batch (at most {dynamic_sampling.MAX_GENERATION_ROUNDS})")
+        f"batch at most (<= {MAX_GENERATION_ROUNDS})")
     add("--reward-weights", default="",
         help=f"name=weight for the reward terms whose weight changes; the others keep theirs "
              f"({DEFAULT_REWARD_WEIGHTS}, the paper's; weight 0 logs a reward without training on it)")
     add("--reward-options", default="",
         help="term.option=value,... for the reward terms with options of their own (rewards.REWARD_TERMS)")
-    add("--prompts-per-step", type=int)
+    add("--prompts-per-step", type=int, help="prompts per rollout batch (P): P x n rollouts are generated")
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
     for option in LOSS_FLAGS:  # the loss options, from grpo_loss.LossSettings
         kind = option.metadata["argparse"] or dict(action=argparse.BooleanOptionalAction)  # a bool: --x / --no-x
         add(grpo_loss.flag_name(option), default=option.default, help=option.metadata["help"], **kind)
     add = parser.add_argument_group("optimizer").add_argument
-    add("--learning-rate", "--lr", type=float)
-    add("--weight-decay", type=float, default=0.0)
-    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (<= 0: off)")
-    add("--optimizer", choices=update.OPTIMIZERS, default="adamw")
+    add("--learning-rate", "--lr", type=float, help="AdamW learning rate, constant")
+    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient norm clipped to this (<= 0: off)")
+    add("--optimizer", choices=OPTIMIZERS, default="adamw",
+        help="adamw: torch's AdamW; adamw8bit: bitsandbytes' 8-bit AdamW (CUDA)")
     add = parser.add_argument_group("generation").add_argument
-    add("--temperature", type=float)
-    add("--top-p", type=float, default=1.0)
-    add("--backend", choices=sampling.BACKENDS[1:], help="engine: the decode engine, any failure or log-prob gap an "
+    add("--temperature", type=float, help="sampling temperature of the rollouts (> 0)")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling of the rollouts: keep the most likely tokens "
+        "up to this probability mass (1 = off)")
+    add("--backend", choices=BACKENDS, help="engine: the decode engine, any failure or log-prob gap an "
         "error; hf: generate(); default: the engine, falling back when it fails (docs/generation.md)")
     add("--generation-copy", action=argparse.BooleanOptionalAction, default=None,
         help="decode from a copy of the weights with LoRA merged in (plain GEMMs, CUDA graphs); default: on, except "
              "with --load-in-4bit, where the bf16 copy costs ~2 bytes per base parameter (5.5 GB for a 3B model)")
-    add("--max-completion-tokens", type=int)
-    add("--rollout-batch-size", type=int, help="sequences per generate call (memory bound of generation)")
-    add("--micro-batch-size", type=int, help="sequences per forward/backward (memory bound of the update)")
+    add("--max-completion-tokens", type=int, help="tokens generated per rollout at most (a longer one is cut: "
+        "truncated)")
+    add("--rollout-batch-size", type=int, help="sequences per generate call (bounds generation's memory)")
+    add("--micro-batch-size", type=int, help="sequences per forward/backward (bounds the update's memory)")
     add = parser.add_argument_group("run").add_argument
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="seeds LoRA's initialisation, the prompt order, sampling and the random "
+        "rule: a run is reproducible, and resumes exactly")
     add("--num-threads", type=int, default=0,
         help="CPU threads for torch (0 = torch's default, one per physical core; give 1 to runs that share a machine)")
-    add("--max-steps", type=int, default=0, help="0 = no step limit")
+    add("--max-steps", type=int, default=0, help="training steps at most; 0 = no step limit")
     add("--max-time-s", type=float, default=0.0,
         help="training wall-clock budget (evaluation excluded): no step starts that would likely end past it; "
              "0 = no time limit")
-    add("--checkpoint-interval-s", type=float, help="seconds of training between checkpoints; <0 = never")
-    add("--keep-checkpoints", type=int, default=0, help="keep only the newest K (0 = all)")
+    add("--checkpoint-interval-s", type=float, help="seconds of training between checkpoints (one also at the end); "
+        "< 0 = never")
+    add("--keep-checkpoints", type=int, default=0, help="keep only the newest K checkpoints (0 = all)")
     add("--eval-interval", type=int, help="held-out evaluation every K steps (also at step 0 and the end)")
     add("--eval-interval-s", type=float, default=0.0,
         help="also a held-out evaluation after the step whose training seconds (evaluation excluded) cross each "
              "multiple of S: the same cadence on the clock for methods of different step times (0 = off; give "
              "--eval-interval 0 for this cadence alone). Follows from the run's training seconds: a resume keeps it")
     add("--eval-samples", type=int, help="held-out prompts (fixed sample of the test split); 0 = no eval")
-    add("--eval-temperature", type=float, help="0 = greedy")
+    add("--eval-temperature", type=float, help="sampling temperature of the held-out evaluation; 0 = greedy")
     add("--log-completions-interval", type=int,
         help="every K-th step, write each rollout (prompt, completion, rewards, kept or not, advantage) to "
              "<out>/completions/, and each evaluation a sample of its graded completions (default: --eval-interval; "
@@ -179,14 +219,17 @@ def build_parser():
     add("--resume", action="store_true",
         help="continue the run in --output-dir from its newest readable checkpoint; budget, logging and optimizer "
              "flags given now win, flags that change what the run is are refused (docs/training.md, section 5)")
-    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar")
+    add("--progress", action=argparse.BooleanOptionalAction, default=True,
+        help="a progress bar: training seconds against --max-time-s (else steps against --max-steps) with its ETA; "
+             "reward: the step's mean total reward, acc: the latest held-out accuracy")
     add("--print-config", action="store_true",
         help="print every resolved value (preset, --baseline, flags; as config.json holds them) and exit")
-    add("--report-to", choices=report.REPORT_TO, default="none",
+    add("--report-to", choices=REPORT_TO, default="none",
         help="also send the metrics.jsonl lines, same names, to TensorBoard (<out>/tensorboard) or Weights & Biases")
     add = parser.add_argument_group("several GPUs (torchrun -m multigpu)").add_argument
     add("--dist-timeout-s", type=float, default=1800.0,
-        help="a collective waiting longer ends the run with an error (must exceed one process's generation)")
+        help="seconds a collective may wait before the run ends with an error (must exceed one process's "
+             "generation)")
     return parser
 
 
@@ -196,7 +239,9 @@ def parse_args(argv=None, restarted=False):
     started this run again (torchrun --max-restarts): it resumes from its latest checkpoint, or starts over."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    first = parser.parse_args(argv)
+    first = parser.parse_args(argv)  # --help, an unknown flag, a bad choice or number: answered before any import
+    if first.output_dir:
+        import runfolder  # torch, safetensors: a run folder's checkpoints
     checkpointed = first.output_dir and runfolder.newest_checkpoint(first.output_dir, readable=False)[0]
     if not first.resume and restarted and checkpointed:
         argv, first.resume = argv + ["--resume"], True
@@ -217,14 +262,17 @@ def parse_args(argv=None, restarted=False):
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
-    args.bf16 = resolved_bf16(args.bf16, args.device)
-    unrecorded["bf16"] = resolved_bf16(unrecorded["bf16"], args.device)
     if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
-        resolve_defaults(args)  # as config.json will hold them
-        print(json.dumps(vars(args), indent=1))
+        resolve_device(args)
+        resolve_defaults(args)  # as config.json will hold them, with the run's label and folder
+        print(json.dumps(dict(vars(args), label=method_label(args), output_dir=str(run_dir(args))), indent=1))
         parser.exit()
+    check_values(args)  # no torch yet: a value out of range is refused at once
+    resolve_device(args)
+    unrecorded["bf16"] = resolved_bf16(unrecorded["bf16"], args.device)
     check_args(args, restarted)
     if args.resume:
+        import runfolder
         saved = dict({key: unrecorded[key] for key in RUN_IDENTITY + RECORDED_AT_RESUME}, **saved)
         _check_reward_terms(args, saved)
         weights = saved["reward_weights"]  # older runs saved the flag's text: the terms then unknown, parsed now
@@ -234,6 +282,21 @@ def parse_args(argv=None, restarted=False):
             saved["reward_options"] = rewards.parse_reward_options(saved["reward_options"])
     args.changes = runfolder.resume_changes(args, saved, RUN_IDENTITY, RECORDED_AT_RESUME) if args.resume else []
     return args
+
+
+def parse_args_or_exit(prog, argv=None):
+    """parse_args for a command line: a wrong flag, value, folder or data source ends the process with the one line
+    `prog: error: ...` (exit status 1), as argparse's own errors do (status 2)."""
+    try:
+        return parse_args(argv)
+    except (ValueError, OSError, data.HubUnavailable) as error:
+        sys.exit(f"{prog}: error: {error}")
+
+
+def resolve_device(args):
+    """--device (default: cuda where torch sees a GPU, else cpu) and --bf16 as the run records them (imports torch)."""
+    args.device = args.device or models.default_device()
+    args.bf16 = resolved_bf16(args.bf16, args.device)
 
 
 def resolved_bf16(value, device):
@@ -293,9 +356,8 @@ def resolve_defaults(args):
     args.reward_terms = reward_terms(args.reward_weights, args.reward_options)  # recorded in config.json
 
 
-def check_args(args, restarted=False):
-    """Every error visible before loading anything: flag values and combinations, reward weights (resolve_defaults),
-    the run folder, the data and the model source."""
+def check_values(args):
+    """The errors of flag values and combinations, and of the reward weights (resolve_defaults): none needs torch."""
     resolve_defaults(args)
     for action in build_parser()._actions:  # NaN passes every `x < 0` test below; no flag gives infinity a meaning
         value = getattr(args, action.dest, None)
@@ -326,6 +388,17 @@ def check_args(args, restarted=False):
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
     _check_dynamic_sampling(args)
+    if args.report_to not in REPORT_TO:  # a resumed run's config.json value is not checked by argparse
+        raise ValueError(f"--report-to must be one of {REPORT_TO}, got {args.report_to!r}")
+
+
+def check_args(args, restarted=False):
+    """The errors that need the machine (device, sinks) or the files: the run folder, the data and the model source
+    (check_values first; `args.device` resolved)."""
+    import report
+    import runfolder
+
+    report.check_report_to(args.report_to)
     _check_device_flags(args)
     runfolder.check_run_dir(args, restarted)
     _check_data(args)
@@ -336,6 +409,8 @@ def check_args(args, restarted=False):
 
 
 def _check_device_flags(args):
+    import torch
+
     cuda = str(args.device).startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
@@ -350,8 +425,8 @@ def _check_device_flags(args):
 
 def _check_dynamic_sampling(args):
     """--dynamic-sampling needs groups that can have a spread, and a bound on the rounds looking for them."""
-    if args.max_generation_rounds > dynamic_sampling.MAX_GENERATION_ROUNDS:
-        raise ValueError(f"--max-generation-rounds must be <= {dynamic_sampling.MAX_GENERATION_ROUNDS}, got "
+    if args.max_generation_rounds > MAX_GENERATION_ROUNDS:
+        raise ValueError(f"--max-generation-rounds must be <= {MAX_GENERATION_ROUNDS}, got "
                          f"{args.max_generation_rounds}: a step that finds too few groups with a spread trains on "
                          "what it has after that many rounds")
     if not args.dynamic_sampling:
@@ -399,7 +474,6 @@ def _check_variant_flags(args):
     if args.selection_scope == "batch" and args.rule not in pods.batch_scope_rules():
         raise ValueError(f"incompatible flags: --selection-scope batch balances a rule across prompts; it needs "
                          f"--rule {' or '.join(pods.batch_scope_rules())}, got --rule {args.rule}")
-    report.check_report_to(args.report_to)
 
 
 def _check_data(args):
@@ -476,6 +550,8 @@ def generation_settings(args, **overrides):
     """The flags of generation as sampling.GenerationSettings (overrides: e.g. the evaluation's temperature). On
     CUDA one KV-cache length for every call (longest prompt + completion), so training and evaluation share one set
     of recorded decode graphs; elsewhere nothing is recorded and each call attends over its own prompts' length."""
+    import sampling
+
     cuda = str(args.device).startswith("cuda")
     settings = dict(max_new_tokens=args.max_completion_tokens, temperature=args.temperature, top_p=args.top_p,
                     rollout_batch_size=args.rollout_batch_size, generation_copy=args.generation_copy,
@@ -492,6 +568,8 @@ def loss_settings(args):
 
 def update_settings(args):
     """The flags of the update phase as update.UpdateSettings."""
+    import update
+
     return update.UpdateSettings(
         micro_batch_size=args.micro_batch_size, temperature=args.temperature, updates_per_batch=args.updates_per_batch,
         max_grad_norm=args.max_grad_norm, autocast_dtype=models.compute_dtypes(args.bf16, args.lora_rank)[1],

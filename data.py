@@ -246,6 +246,11 @@ def _arithmetic_rows(split, num_rows, seed, max_digits):
     return rows
 
 
+def system_prompt_of(flag):
+    """The system turn of --system-prompt: unset (None) is the paper's (SYSTEM_PROMPT), '' is none."""
+    return SYSTEM_PROMPT if flag is None else flag
+
+
 def _messages(system_prompt, example, user_content):
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     if example:

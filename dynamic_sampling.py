@@ -32,7 +32,6 @@ import sampling
 import update
 
 METRICS = ("total", "accuracy")  # --dynamic-sampling-metric
-MAX_GENERATION_ROUNDS = 100  # --max-generation-rounds is refused above (DAPO's, verl's default: 10)
 ROUNDS_BETWEEN_NOTES = 10  # a rollout batch still short of groups with a spread says so every this many rounds
 
 

@@ -31,7 +31,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): --help and the flags need none
 
 
 @dataclass
@@ -174,6 +176,28 @@ def load_results(path, eval_config):
     return saved
 
 
+def load_adapter(base, folder, base_name):
+    """The LoRA adapter in `folder` on `base` (the model named base_name); an adapter of another model is one
+    ValueError line naming both, not peft's list of size mismatches."""
+    import models
+
+    with models.quiet_peft():
+        from peft import PeftModel
+
+        try:
+            return PeftModel.from_pretrained(base, str(folder))
+        except RuntimeError as error:
+            if "size mismatch" not in str(error):
+                raise
+    try:
+        trained = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        trained = None
+    raise ValueError(f"--checkpoint {folder.parent}: its adapter does not fit {base_name} (its layers' shapes differ)"
+                     f"{f'; it was trained on {trained}' if trained else ''}: give --base-model the model the run "
+                     "trained, or check the run's config.json") from None
+
+
 def parse_args(argv):
     import config
     import data
@@ -209,29 +233,29 @@ def parse_args(argv):
                         help="compute the tokens every prompt of a generation call starts with once (on, the default: "
                              "the same completions, log-probs equal to rounding) or once per prompt (off)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the model's own")
     parser.add_argument("--out", help="results JSON (default: <run>/eval_<split>.json, or eval_<split>.json)")
     parser.add_argument("--num-threads", type=int, default=0,
                         help="torch CPU threads (0 = torch's default, one per physical core)")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help, a mistyped flag or value: answered before torch loads (the device)
     if args.preset and args.checkpoint:
         parser.error("--preset is for --model: a checkpoint is evaluated with its own run's settings (config.json)")
     if args.preset:  # the preset's evaluation settings as defaults; flags given still win
         preset = config.PRESETS[args.preset]
         parser.set_defaults(model=preset["model"], num_prompts=preset["eval_samples"],
-                            temperature=preset["eval_temperature"], batch_size=preset["rollout_batch_size"],
-                            dtype=str(models.compute_dtypes(config.resolved_bf16(preset.get("bf16", False),
-                                                                                 args.device),
-                                                            preset.get("lora_rank", 0))[0])
-                            .removeprefix("torch."))  # the dtype the run's policy generates in
+                            temperature=preset["eval_temperature"], batch_size=preset["rollout_batch_size"])
         args = parser.parse_args(argv)
     if not (args.checkpoint or args.model):
         parser.error("one of the arguments --checkpoint --model --preset is required")
     problem = flag_problem(args)
     if problem:
         parser.error(problem)
+    args.device = args.device or models.default_device()
+    if args.preset and args.dtype is None:  # the dtype the preset's policy generates in
+        bf16 = config.resolved_bf16(preset.get("bf16", False), args.device)
+        args.dtype = str(models.compute_dtypes(bf16, preset.get("lora_rank", 0))[0]).removeprefix("torch.")
     return args
 
 
@@ -263,7 +287,7 @@ def run_settings(args, checkpoints):
                 "dataset": args.dataset or run_config.get("dataset") or "gsm8k",
                 "data_dir": args.data_dir or run_config.get("data_dir"),
                 "one_shot": bool(run_config.get("one_shot", False)),
-                "system_prompt": run_config.get("system_prompt") or data.SYSTEM_PROMPT,
+                "system_prompt": data.system_prompt_of(run_config.get("system_prompt")),
                 "prefill_think": bool(run_config.get("prefill_think", False)),
                 "max_completion_tokens": args.max_completion_tokens or run_config.get("max_completion_tokens") or 256}
     if not settings["model"]:
@@ -405,10 +429,7 @@ def main(argv=None, load_sharded=None):
             base = base or models.load_policy(settings["model"], dtype=dtype, device=args.device)
             model = base
             if path is not None:
-                with models.quiet_peft():
-                    from peft import PeftModel
-
-                    model = PeftModel.from_pretrained(base, str(path / "adapter"))
+                model = load_adapter(base, path / "adapter", settings["model"])
         generation = sampling.GenerationSettings(settings["max_completion_tokens"], args.temperature, args.top_p,
                                                  args.batch_size, backend=args.backend,
                                                  prefix_sharing=args.prefix_sharing == "on")
@@ -425,7 +446,8 @@ def main(argv=None, load_sharded=None):
         saved["results"][name] = entry
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(saved, indent=1))  # after every checkpoint: a crash loses one at most
-        print(f"{name}: accuracy {entry['accuracy']['mean']:.4f} ± {entry['accuracy']['std']:.4f} "
+        spread = f" ± {entry['accuracy']['std']:.4f}" if args.repeats > 1 else " (1 repeat: no spread)"
+        print(f"{name}: accuracy {entry['accuracy']['mean']:.4f}{spread} "
               f"format {entry['format_accuracy']['mean']:.4f} both {entry['both_accuracy']['mean']:.4f} "
               f"length {entry['mean_completion_length']['mean']:.1f} ({entry['num_samples']} samples) -> {out_path}")
         if model is not base:
@@ -436,9 +458,11 @@ def main(argv=None, load_sharded=None):
 
 
 if __name__ == "__main__":
-    import sampling
-
     try:
         main()
-    except (ValueError, OSError, sampling.SamplerError) as error:  # bad flags, paths, data, the disk; no fallback
+    except Exception as error:
+        import sampling  # imported here: --help and a mistyped flag are answered before torch loads
+
+        if not isinstance(error, (ValueError, OSError, sampling.SamplerError)):  # flags, paths, data, the disk, no
+            raise                                                                # fallback of the decode engine
         sys.exit(f"eval.py: error: {error}")

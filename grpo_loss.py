@@ -29,11 +29,17 @@ checks come from the field's metadata) plus its use here.
 Simplification: the KL term is optional (paper and TRL default beta = 0) and uses TRL's k3 estimator.
 """
 
+from __future__ import annotations
+
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): the flags read LossSettings without it
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # Completion logits are converted to float32 this many elements at a time (~256 MiB), which bounds
 # the transient memory of the log-softmax on top of the [B, C+1, V] logits the model returns.
@@ -249,7 +255,7 @@ def loss_denominator(
     then 0 too): divide by max(denominator, 1).
     """
     _check_aggregation(aggregation)
-    masks = [completion_masks] if isinstance(completion_masks, Tensor) else list(completion_masks)
+    masks = [completion_masks] if isinstance(completion_masks, torch.Tensor) else list(completion_masks)
     if any(mask.dim() != 2 for mask in masks):
         raise ValueError(f"completion masks must be [B, C]; got shapes {[tuple(m.shape) for m in masks]}")
     rows = sum(mask.shape[0] for mask in masks)

@@ -17,6 +17,8 @@ for 4-bit weights or 8-bit Adam (`quiet_peft`). The demo model's GGUF file is co
 Simplifications: one device (multigpu/ shards this same model with FSDP2); 4-bit is bitsandbytes NF4 (QLoRA) only.
 """
 
+from __future__ import annotations
+
 import contextlib
 import fnmatch
 import importlib.util
@@ -28,8 +30,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from lazy import lazy_module
+
+# Imported at their first use: presets and the flags read this module's names without loading them (lazy.py).
+torch = lazy_module("torch", globals())
+transformers = lazy_module("transformers", globals())
 
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,8 +78,8 @@ def smollm2_cached_folder():
     staging = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
     try:
         with _output_kept_unless_failed(), quiet_loading():
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-            model = _drop_gguf_quantizer(AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file))
+            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            model = _drop_gguf_quantizer(transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file))
             model.to(torch.float32).save_pretrained(staging)
             tokenizer.save_pretrained(staging)
         os.replace(staging, target)  # rename: a crash mid-save never leaves a half-written cache
@@ -182,7 +187,7 @@ def max_positions(name_or_path):
     if "gguf_file" in kwargs:
         return None
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
     except (OSError, ValueError):
         return None
     return getattr(config, "max_position_embeddings", None)
@@ -218,6 +223,11 @@ def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=
                          f"exceed the {limit} positions {name_or_path} was built for")
 
 
+def default_device():
+    """The --device of train.py and eval.py when none is given: cuda where torch sees a GPU, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def native_bf16(device) -> bool:
     """Whether `device` has bf16 arithmetic of its own: a CUDA GPU that supports it, or a CPU with AVX-512 BF16 or
     AMX instructions (elsewhere bf16 products are emulated: slower than float32)."""
@@ -241,7 +251,7 @@ def load_tokenizer(name_or_path):
     Many chat models have no pad token; we reuse EOS. Pad == EOS means padding cannot be told from a
     real EOS by id, which is why completion masks are cut at the *first* EOS (sampling.py)."""
     source, kwargs = _light_source(name_or_path)
-    tokenizer = _from_pretrained(AutoTokenizer, source, name_or_path, **kwargs)
+    tokenizer = _from_pretrained(transformers.AutoTokenizer, source, name_or_path, **kwargs)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -279,7 +289,7 @@ def load_policy(name_or_path, *, dtype=None, device="cpu", load_in_4bit=False, l
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype or torch.bfloat16)
         kwargs["device_map"] = {"": device}
-    model = _from_pretrained(AutoModelForCausalLM, source, name_or_path, dtype=dtype or "auto", **kwargs)
+    model = _from_pretrained(transformers.AutoModelForCausalLM, source, name_or_path, dtype=dtype or "auto", **kwargs)
     if "gguf_file" in kwargs:
         model = _drop_gguf_quantizer(model).to(dtype or torch.float32)
     if not load_in_4bit:
@@ -327,7 +337,7 @@ def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
                     bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
     settings.update(overrides)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)
 
 
 def hf_model(model):

@@ -31,14 +31,18 @@ distinct positions along the last dim. Deterministic rules return them in ascend
 (max_reward: descending); random_indices in random order.
 """
 
-from dataclasses import dataclass
-from typing import Callable
+from __future__ import annotations
 
-import torch
-from torch import Tensor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from advantages import (NORMALIZE_MODES, SCALE_MODES, check_rewards, group_advantages, masked_advantages,  # noqa: F401
                         raise_non_finite, selected_advantages)
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): the flags read RULES without it
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SELECTION_SCOPES = ("prompt", "batch")
 

@@ -65,6 +65,7 @@ PODS_TRAIN_ARGS = (studyrun.with_settings(studyrun.STUDY_TRAIN_ARGS, PODS_SETTIN
                    + ("--log-completions-interval", "10"))
 PODS_MAX_TIME_S = 600.0
 PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
+DATA_SUBFOLDER = "data"  # a study's own data files go to <out>/data unless --data names another folder
 # The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 10%: on this
 # shared machine GRPO 4/4's median update took 2.5-3.1 s in its first four seeds, at the same completion lengths.
 PODS_CLOCK_JITTER = 0.10
@@ -119,6 +120,31 @@ def clock_lines(runs, baseline_label=PODS_BASELINE):
             line += (f"; {step:+.1f} s per step against {baseline_label}, of which generation {generate:+.1f} s "
                      f"({share})")
         lines.append(line)
+    return lines
+
+
+CONTROL_NOTE = (f"Per optimizer step, {PODS_CONTROL[1]} trains on 4 of 16 independent rollouts chosen uniformly at "
+                f"random: distributed exactly as {PODS_BASELINE}'s 4 fresh rollouts, so random against "
+                f"{PODS_BASELINE} per step is a null (A/A) comparison by construction, and its spread above is the "
+                "noise of this many seeds. Whether the rule matters is this direct comparison, on the seeds both "
+                "ran: max-variance against random, the same extra rollouts chosen by the rule or by chance.")
+
+
+def sensitivity_lines(runs, label, budget_s, baseline_label=PODS_BASELINE):
+    """How much `label`'s speed-up over the baseline owes to where the threshold sits (0.99 x the baseline's peak
+    above): the point speed-up at other fractions, per step and on the clock. The mean accuracy over the window
+    (the difference column) needs no threshold: it is the figure to lead with where this moves."""
+    by_label = {}
+    for run in runs:
+        by_label.setdefault(run.label, []).append(run)
+    lines = [f"Threshold sensitivity of {label}'s speed-up over {baseline_label} (point figures at each fraction "
+             "of the baseline's peak; the tables use 0.99):", ""]
+    for axis in ("steps", "time"):
+        if axis == "time" and not all(np.isfinite(r.eval_times_s).all() for r in runs):
+            continue
+        bounds = bootstrap.threshold_sensitivity(by_label, baseline_label, label, axis,
+                                                 budget_s if axis == "time" else None)
+        lines.append("- " + bootstrap.sensitivity_line(bounds, axis))
     return lines
 
 
@@ -216,11 +242,13 @@ def pods_report(runs, budget_s, plot=None, resamples=bootstrap.RESAMPLES, cost=N
     _, table = bootstrap.report_runs(runs, PODS_BASELINE, plot, title, resamples=resamples, budget_s=budget_s,
                                      jitter=PODS_CLOCK_JITTER)
     parts = [f"## Every arm against {PODS_BASELINE}", "", table]
+    if PODS_CONTROL[0] in labels:
+        parts += ["", *sensitivity_lines(runs, PODS_CONTROL[0], budget_s)]
     if set(PODS_CONTROL) <= labels:
         control = [r for r in runs if r.label in PODS_CONTROL]
         _, control_table = bootstrap.report_runs(control, PODS_CONTROL[0], resamples=resamples, budget_s=budget_s)
         parts += ["", f"## {PODS_CONTROL[1]} against {PODS_CONTROL[0]} (does max-variance matter?)", "",
-                  control_table]
+                  CONTROL_NOTE, "", control_table]
     parts += ["", *clock_lines(runs), "", rising_line(runs, budget_s), *(["", cost] if cost else []), "",
               *run_table(runs)]
     if plot:
@@ -237,20 +265,23 @@ def write_pods_data(run_dirs, data_dir, budget_s, command, add=False):
     already there that this export does not write (an earlier export's run) is removed: the report reads every data
     file of the folder, and must read this study's runs only. add: a study continued in another --out, whose earlier
     runs are in data_dir's files only: they are kept with their recorded costs, and the earlier export's command
-    and commit go to study.json's "earlier"; refused unless study.json records this study's budget and settings."""
+    and commit go to study.json's "earlier"; refused unless study.json records this study's budget and settings.
+    A run data file that git tracks (committed data) is never removed: the export is refused first, naming it."""
     study_file = Path(data_dir) / studydata.STUDY_FILE
     earlier = earlier_export(data_dir, budget_s) if add else {}
-    written = {path.resolve() for path in studydata.export_runs(run_dirs, data_dir)}
-    for path in sorted(Path(data_dir).glob("*.json")):
-        if add or path.resolve() in written or path.name == studydata.STUDY_FILE:
-            continue
-        try:
-            is_run_data = json.loads(path.read_text()).get("format") == studydata.FORMAT
-        except (ValueError, AttributeError):
-            is_run_data = False
-        if is_run_data:
-            print(f"removing {path}: not among the runs reported now", flush=True)
-            path.unlink()
+    names = {f"{Path(run_dir).name}.json" for run_dir in run_dirs}
+    stale = [] if add else [path for path in sorted(Path(data_dir).glob("*.json"))
+                            if path.name not in names and path.name != studydata.STUDY_FILE and _is_run_data(path)]
+    committed = studydata.tracked_by_git(stale)
+    if committed:
+        raise ValueError(f"--data {data_dir} holds committed run data that this study's runs would replace "
+                         f"({', '.join(p.name for p in committed[:3])}{', ...' if len(committed) > 3 else ''}): "
+                         "give a --data folder of its own (default: <out>/data), or --add-to-data to report them "
+                         "together")
+    studydata.export_runs(run_dirs, data_dir)
+    for path in stale:
+        print(f"removing {path}: not among the runs reported now", flush=True)
+        path.unlink()
     commit = subprocess.run(["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"],
                             capture_output=True, text=True).stdout.strip() or None
     costs = {key: {**earlier.get(key, {}), **values} for key, values in run_costs(run_dirs).items()}
@@ -261,13 +292,20 @@ def write_pods_data(run_dirs, data_dir, budget_s, command, add=False):
                             **({"earlier": history} if history else {})}, study_file)
 
 
+def _is_run_data(path):
+    try:
+        return studydata.read_json_object(path).get("format") == studydata.FORMAT
+    except ValueError:
+        return False
+
+
 def earlier_export(data_dir, budget_s):
     """The study.json of the export a study continued in a new --out adds to (--add-to-data), refused unless it
     records this study's budget and settings: its runs and the new ones must be one study."""
     study_file = Path(data_dir) / studydata.STUDY_FILE
     if not study_file.is_file():
         raise ValueError(f"--add-to-data: {data_dir} has no {studydata.STUDY_FILE} (no earlier export to add to)")
-    earlier = json.loads(study_file.read_text())
+    earlier = studydata.read_json_object(study_file)
     for key, now in (("budget_s", budget_s), ("train_args", list(PODS_TRAIN_ARGS))):
         if earlier.get(key) != now:
             raise ValueError(f"--add-to-data: {study_file} records another {key} than this study's: its runs and "
@@ -312,9 +350,9 @@ def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RES
             raise ValueError(f"--seeds: {data_dir} holds no run of seed {', '.join(map(str, absent))}")
         runs = [r for r in runs if r.seed in seeds]
     study_file = Path(data_dir) / studydata.STUDY_FILE
-    recorded = json.loads(study_file.read_text()) if study_file.is_file() else {}
+    recorded = studydata.read_json_object(study_file) if study_file.is_file() else {}
     budget_s = recorded.get("budget_s") if budget_s is None else budget_s
-    compare_module.check_budgets(runs, budget_s)
+    compare_module.check_budgets(runs, budget_s, flag="--max-time-s")
     cost = cost_line(runs, recorded.get("run_wall_s", {}), recorded.get("run_eval_s", {}))
     return pods_report([compare_module.within_budget(r, budget_s) for r in runs], budget_s, plot, resamples, cost)
 
@@ -339,11 +377,12 @@ def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):
 
 
 def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIME_S, train_args=(), dry_run=False,
-             num_threads=studyrun.TIMED_NUM_THREADS, data_dir=PODS_DATA, plot=None, resamples=bootstrap.RESAMPLES,
+             num_threads=studyrun.TIMED_NUM_THREADS, data_dir=None, plot=None, resamples=bootstrap.RESAMPLES,
              train_script=Path(__file__).with_name("train.py"), report_only=False, add_to_data=False):
     """Does PODS help? Train every run of pods_plan (one at a time), then write the report to <out>/pods.md and
-    <data_dir>/pods.md, the plot to <out>/pods.png (or `plot`), and each run's data file to data_dir; returns the
-    report. report_only: train nothing and report the finished runs (study_done.json) of a study still under way
+    <data_dir>/pods.md, the plot to <out>/pods.png (or `plot`), and each run's data file to data_dir (None:
+    <out>/data; the committed data are PODS_DATA, given as data_dir only on purpose); returns the report.
+    report_only: train nothing and report the finished runs (study_done.json) of a study still under way
     or cut short, leaving out a run in progress. add_to_data: keep data_dir's run files, the report covering them
     and this --out's runs (write_pods_data's add: a study continued in a new --out).
 
@@ -367,6 +406,7 @@ def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIM
     mean curve still rises at a third of the budget. If not, lower the learning rate (or make the task harder) in
     PODS_TASK, or shorten the budget, commit, and run the pilot again; then run the study from that commit."""
     runs = pods_plan(arms, seeds)
+    data_dir = Path(out_dir) / DATA_SUBFOLDER if data_dir is None else data_dir
     command = ["python", "study.py", "pods", "--out", str(out_dir), "--arms", *arms] + \
         (["--seeds", *map(str, seeds)] if seeds is not None else []) + ["--max-time-s", f"{max_time_s:g}"] + \
         (["--add-to-data"] if add_to_data else []) + (["--", *train_args] if train_args else [])
@@ -413,10 +453,11 @@ held-out prompts every 100 s of training in every arm.
   python study.py pods --from-data results/pods --seeds 4 5 6 7     # ... from some seeds' runs only
   python bootstrap.py --from-data results/pods --baseline-label "GRPO 4/4" --budget-s 600   # its first table alone
 
-The run writes <out>/pods.md, pods.png (the seed means) and pods_seeds.png (each seed's curve), and results/pods/
+The run writes <out>/pods.md, pods.png (the seed means) and pods_seeds.png (each seed's curve), and <out>/data/
 (--data): one data file per run, study.json (budget, settings, the reporting checkout's commit) and pods.md, to
-commit. Settings: pods_study.py's PODS_TASK / PODS_SETTINGS (set the task and learning rate there after the pilot);
-arguments after -- go to every train.py run. A study whose run folders are gone (a new machine) continues in a new
+commit as results/pods (--data results/pods writes there; committed data files are never removed). Settings:
+pods_study.py's PODS_TASK / PODS_SETTINGS (set the task and learning rate there after the pilot); arguments after --
+go to every train.py run. A study whose run folders are gone (a new machine) continues in a new
 --out with --add-to-data: the runs already in the data folder are kept and reported with the new ones (--seeds and
 --arms pick the runs left to train)."""
 
@@ -437,7 +478,8 @@ def main(argv):
                         "with --from-data: the budget the runs are read at, default the one study.json records)")
     parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS, help="torch CPU threads per "
                         "run (the study is timed: one run at a time, a quiet machine, both cores)")
-    parser.add_argument("--data", default=str(PODS_DATA), help="where the runs' data files and pods.md go")
+    parser.add_argument("--data", help="where the runs' data files, study.json and pods.md go (default: <out>/data; "
+                        "the committed ones are results/pods: give it to replace them on purpose)")
     parser.add_argument("--plot", help="the plot's path (default <out>/pods.png; none with --from-data unless given)")
     parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
@@ -447,6 +489,10 @@ def main(argv):
                         "with this --out's runs (a study continued in a new --out); refused unless the data folder's "
                         "study.json records this study's budget and settings")
     args = parser.parse_args(argv)
+    if args.max_time_s is not None and not (math.isfinite(args.max_time_s) and args.max_time_s > 0):
+        parser.error(f"--max-time-s must be a finite number > 0, got {args.max_time_s}")
+    if args.resamples < 1:
+        parser.error(f"--resamples must be >= 1, got {args.resamples}")
     if args.report_only and args.dry_run:
         parser.error("--report-only trains nothing and --dry-run only prints the train.py commands: give one of them")
     if args.from_data:

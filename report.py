@@ -18,6 +18,8 @@ long, where; each held-out evaluation; where the results are and the commands th
 (engine/), the benchmarks.
 """
 
+from __future__ import annotations
+
 import contextlib
 import importlib.util
 import io
@@ -28,7 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
 import checkpoint
 import completions
@@ -132,6 +136,27 @@ def record_step(state, metrics, step_s):
     state.nonfinite_streak = state.nonfinite_streak + 1 if skipped else 0
     return {"type": "train", "step": state.step, "elapsed_s": state.elapsed_s, **metrics,
             "num_tokens": state.num_tokens, "skipped_steps": state.skipped_steps, "step_s": step_s}
+
+
+def progress_bar(args, state, label, enabled):
+    """The run's progress bar (closed before an error): training seconds against --max-time-s, else steps against
+    --max-steps, with the ETA tqdm estimates from the wall clock so far (evaluations included)."""
+    from tqdm import tqdm
+
+    if args.max_time_s:
+        total_s = round(args.max_time_s)
+        return tqdm(total=total_s, initial=min(round(state.elapsed_s), total_s), desc=label, disable=not enabled,
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s of training "
+                               "[{elapsed}<{remaining}{postfix}]")
+    return tqdm(total=args.max_steps or None, initial=state.step, desc=label, unit="step", disable=not enabled)
+
+
+def show_progress(bar, args, state, reward, accuracy):
+    """Advance the bar to the run's state after a step; its fields: step (on the time bar), reward (the step's mean
+    total reward), acc (the latest held-out accuracy, "-" before the first)."""
+    bar.update((min(round(state.elapsed_s), bar.total) if args.max_time_s else state.step) - bar.n)
+    fields = dict(step=state.step) if args.max_time_s else {}
+    bar.set_postfix(fields, reward=f"{reward:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}")
 
 
 def check_report_to(report_to):

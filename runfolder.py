@@ -3,9 +3,10 @@ full disk, a folder that cannot be written.
 
 - One writer: train.py holds <out>/train.lock (the host, process id and the process's start time) while it runs; a
   second run on the folder is refused with one line. A lock whose process is gone (killed, even with SIGKILL), or
-  whose process id now names a process started at another time, is stale and taken over; one written on another
-  host cannot be checked from here: the message says to delete it if that run is over. A lock that could not be
-  written (a full disk) is removed at once.
+  whose process id now names a process started at another time, is stale and taken over, as is garbage (any bytes)
+  and a lock of the older format (no start time) whose process started after it was written or is no Python; one
+  written on another host cannot be checked from here: the message says to delete it if that run is over. A lock
+  that could not be written (a full disk) is removed at once; a run that cannot start for a full disk says where.
 - The newest readable checkpoint (`newest_checkpoint`): latest.txt names it; when latest.txt is missing or garbage,
   or the checkpoint it names has an empty or cut file (a disk failing, a copy interrupted), the newest earlier one
   that is whole is used instead, and the passed-over ones are named. Saves are atomic, so an earlier one is intact.
@@ -29,7 +30,9 @@ import zipfile
 from pathlib import Path
 
 import safetensors
-import torch
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
 import checkpoint
 
@@ -59,6 +62,21 @@ def process_start(pid):
         return "-"
 
 
+def could_be_a_run(pid, written):
+    """Whether process `pid` could be the run that wrote a lock of the older format (host and pid, no start time)
+    at `written` (seconds since the epoch): not if it started after that, or is no Python process (pids are
+    reused); True where /proc cannot tell."""
+    try:
+        started_ticks = int(process_start(pid))
+        boot_s = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                      if line.startswith("btime "))
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except (OSError, ValueError, StopIteration):
+        return True
+    started_s = boot_s + started_ticks / os.sysconf("SC_CLK_TCK")
+    return started_s <= written + 1 and "python" in Path(command.decode(errors="replace")).name
+
+
 def lock_text():
     """What this process writes into a run's lock: host, process id, and the process's start time."""
     return f"{socket.gethostname()} {os.getpid()} {process_start(os.getpid())}\n"
@@ -70,7 +88,7 @@ def check_not_in_use(run_dir):
     time), the file is garbage, or it was left empty for EMPTY_LOCK_STALE_S."""
     lock = Path(run_dir) / LOCK_FILE
     try:
-        text, written = lock.read_text(), lock.stat().st_mtime
+        text, written = lock.read_bytes().decode(errors="replace"), lock.stat().st_mtime  # bytes: garbage is stale
     except FileNotFoundError:
         return False
     if not text:  # created, not yet written: a run starting this very moment, unless it was left so long ago
@@ -82,7 +100,8 @@ def check_not_in_use(run_dir):
         pid = int(pid)
     except ValueError:
         return True  # garbage: stale
-    if host == socket.gethostname() and (not _alive(pid) or started[:1] not in ([], ["-"], [process_start(pid)])):
+    if host == socket.gethostname() and (not _alive(pid) or started[:1] not in ([], ["-"], [process_start(pid)])
+                                         or (not started and not could_be_a_run(pid, written))):
         return True
     where = "" if host == socket.gethostname() else f" on {host} (delete {lock} if that run is over)"
     raise ValueError(f"{run_dir} is in use by another train.py run (process {pid}{where}); wait for it to end or "
@@ -113,7 +132,7 @@ def folder_lock(run_dir):
     try:
         yield lock
     finally:
-        if lock.is_file() and lock.read_text() == me:
+        if lock.is_file() and lock.read_bytes() == me.encode():
             lock.unlink()
 
 
@@ -170,16 +189,22 @@ def _size(num_bytes):
     return f"{num_bytes / 2 ** 30:.2f} GiB" if num_bytes >= 2 ** 30 else f"{num_bytes / 2 ** 20:.1f} MiB"
 
 
+def _out_of_space(error):
+    """ENOSPC however the library that wrote said it (an OSError, or safetensors' own error with the same text)."""
+    return getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error)
+
+
 @contextlib.contextmanager
 def disk_full_said(run_dir, needed_bytes):
-    """Around a checkpoint save: when it fails for lack of space (ENOSPC, or torch.save's "unexpected pos" with less
-    free than the checkpoint needs), remove the partial copy and raise one OSError line saying what to do."""
+    """Around a checkpoint save: when it fails for lack of space (ENOSPC from any writer, safetensors' included, or
+    torch.save's "unexpected pos" with less free than the checkpoint needs), remove the partial copy and raise one
+    OSError line saying what to do."""
     try:
         yield
-    except (OSError, RuntimeError) as error:
+    except Exception as error:  # noqa: BLE001  re-raised below unless the disk is full
         root = checkpoint.checkpoint_root(run_dir)
         free = shutil.disk_usage(root).free
-        if getattr(error, "errno", None) != errno.ENOSPC and free >= needed_bytes:
+        if not _out_of_space(error) and (not isinstance(error, (OSError, RuntimeError)) or free >= needed_bytes):
             raise
         for partial in root.glob(checkpoint.TMP_PREFIX + "*"):  # we hold the lock: nobody else is writing here
             shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
@@ -188,6 +213,19 @@ def disk_full_said(run_dir, needed_bytes):
             f"there is no checkpoint to resume. Free some space; {start_over(run_dir)}"
         raise OSError(f"disk full: a checkpoint needs ~{_size(needed_bytes)} in {root} "
                       f"({_size(shutil.disk_usage(root).free)} free); the partial copy is removed and {then}") from None
+
+
+@contextlib.contextmanager
+def disk_full_at_start(run_dir):
+    """Around a new run's first writes (its folder, lock, config.json, metrics.jsonl): a full disk is one OSError
+    line naming the folder, instead of a bare "[Errno 28] No space left on device"."""
+    try:
+        yield
+    except OSError as error:
+        if not _out_of_space(error):
+            raise
+        raise OSError(f"disk full: no space left to start the run in {run_dir} (its lock and config.json); free "
+                      "some space or pass another --output-dir") from None
 
 
 def start_over(run_dir):

@@ -14,6 +14,7 @@ times were not kept).
 
 import json
 import math
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,14 +62,48 @@ def export_runs(paths, out_dir, metric="accuracy"):
     return [export_run(path, out_dir, metric) for path in compare.expand_run_dirs(paths)]
 
 
+def tracked_by_git(paths):
+    """The paths among `paths` that git tracks (committed data, never to be deleted by a study); none outside a git
+    checkout or without git."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        return []
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--", *(p.name for p in paths)], cwd=paths[0].parent,
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    names = set(listed.stdout.split("\0")) if listed.returncode == 0 else set()
+    return [p for p in paths if p.name in names]
+
+
+def read_json_object(path):
+    """The JSON object a results file holds; ValueError (one line naming the file) for one cut short, not UTF-8, not
+    JSON, or holding something else than an object."""
+    try:
+        record = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON, cut short or corrupt ({error.msg}, line {error.lineno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: holds a JSON {type(record).__name__}, not the object a results file holds")
+    return record
+
+
 def read_data(path, metric="accuracy"):
     """A data file as compare.RunData (null values as NaN; per-step times, when only their count was kept, NaN)."""
-    record = json.loads(Path(path).read_text())
+    record = read_json_object(path)
     if record.get("format") != FORMAT:
         raise ValueError(f"{path}: not a run data file (format {record.get('format')!r}, expected {FORMAT!r})")
+    missing = [key for key in ("label", "seed", "steps", "evaluations") if key not in record]
+    if missing or not isinstance(record["evaluations"], dict):
+        raise ValueError(f"{path}: a run data file without {', '.join(missing) or 'its evaluations table'}")
     evaluations = record["evaluations"]
     if metric not in evaluations:
-        raise ValueError(f"{path}: holds {record['metric']}, not {metric}")
+        raise ValueError(f"{path}: holds {record.get('metric')}, not {metric}")
+    if any(key not in evaluations for key in ("elapsed_s", "step")):
+        raise ValueError(f"{path}: its evaluations lack elapsed_s or step")
 
     def floats(values):
         return np.array([math.nan if v is None else v for v in values], dtype=float)
@@ -105,7 +140,7 @@ def read_study(paths, metric="accuracy"):
         if path.is_dir():
             files = sorted(p for p in path.glob("*.json") if p.name != STUDY_FILE)
             if (path / STUDY_FILE).is_file():
-                clock.update(json.loads((path / STUDY_FILE).read_text()).get("arm_clock_s", {}))
+                clock.update(read_json_object(path / STUDY_FILE).get("arm_clock_s", {}))
             if not files:
                 raise ValueError(f"{path}: no run data files (*.json)")
         else:

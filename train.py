@@ -11,11 +11,20 @@ Several GPUs (settings (e), (f)): `torchrun ... -m multigpu` runs this same loop
 Flags: config.py; presets: presets.py; the run folder and its checkpoints: checkpoint.py; more in docs/training.md.
 """
 
+import os
+import sys
+
+import config  # the flags; importing it loads no torch
+
+if __name__ == "__main__":  # the flags parsed and checked before the imports below, which take seconds
+    if "RANK" in os.environ:  # started by torchrun
+        sys.exit("train.py: error: train.py runs one process; under torchrun run the multigpu package instead, "
+                 "e.g. torchrun --nproc-per-node 8 -m multigpu --preset e")
+    ARGS = config.parse_args_or_exit("train.py")
+
 import contextlib
 import json
-import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -26,7 +35,6 @@ from tqdm import tqdm
 
 import checkpoint
 import completions
-import config
 import data
 import dynamic_sampling
 import eval as heldout
@@ -280,7 +288,7 @@ def load(args, processes):
     """(tokenizer, training prompts, held-out prompts (long ones kept, as eval.py does), policy, optimizer)."""
     tokenizer = models.load_tokenizer(args.model)
     common = dict(data_dir=args.data_dir, one_shot=args.one_shot, prefill_think=args.prefill_think,
-                  system_prompt=args.system_prompt or data.SYSTEM_PROMPT)
+                  system_prompt=data.system_prompt_of(args.system_prompt))
     train_set = data.build_prompt_set(args.dataset, "train", tokenizer, num_rows=args.num_train_rows,
                                       max_prompt_tokens=args.max_prompt_tokens, **common)
     if args.prompts_per_step > len(train_set):  # a step would repeat prompts (a typo's count: fill the memory)
@@ -359,8 +367,11 @@ def resume(run_dir, model, optimizer, args, processes):
 def train(args, processes=OneProcess()):
     """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder."""
     run_dir = config.run_dir(args)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with runfolder.folder_lock(run_dir) if processes.is_main else contextlib.nullcontext():  # one writer
+    with contextlib.ExitStack() as held:
+        with runfolder.disk_full_at_start(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if processes.is_main:
+                held.enter_context(runfolder.folder_lock(run_dir))  # one writer
         return run(args, run_dir, processes)
 
 
@@ -378,7 +389,8 @@ def run(args, run_dir, processes):
         changed_now["step"] = state.step
     run_config = dict(vars(args), label=label, output_dir=str(run_dir))
     if processes.is_main:  # strict JSON: config.parse_args lets no NaN or inf through
-        checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
+        with runfolder.disk_full_at_start(run_dir):
+            checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
     start_step = state.step  # evaluations check the sampler until this process's own steps do (evaluate_heldout)
     step_s, accuracy, stop = state.last_step_s, None, None  # a resume foresees its next step as the uninterrupted run
@@ -410,8 +422,7 @@ def run(args, run_dir, processes):
             if processes.is_main:
                 print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
             accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
-        bar = closing.enter_context(tqdm(total=args.max_steps or None, initial=state.step, desc=label,
-                                         disable=not (args.progress and processes.is_main)))  # closed before an error
+        bar = closing.enter_context(report.progress_bar(args, state, label, args.progress and processes.is_main))
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
                 not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):
@@ -434,9 +445,7 @@ def run(args, run_dir, processes):
                                             check_sampler=False)  # this step's update checked the sampler
             if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:
                 save()
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}",
-                            t=f"{state.elapsed_s:.0f}s")
+            report.show_progress(bar, args, state, metrics["reward"], accuracy)
         bar.close()
         stop = stop or signalled_stop()  # a signal during the last step: stopped as during any other
         if eval_set and state.evaluated_step != state.step and stop is None:
@@ -462,11 +471,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # started by torchrun
-        sys.exit("train.py: error: train.py runs one process; under torchrun run the multigpu package instead, "
-                 "e.g. torchrun --nproc-per-node 8 -m multigpu --preset e")
     try:
-        main()
+        train(ARGS)
     except (ValueError, OSError, update.TrainingError, data.HubUnavailable,
             sampling.SamplerError) as error:  # one line (OSError: the disk)
         sys.exit(f"train.py: error: {error}")

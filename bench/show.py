@@ -7,6 +7,7 @@ BENCHMARKS.md are these tables, recomputed from the JSON files committed under r
 import json
 from pathlib import Path
 
+import studydata
 from bench.common import print_header, print_row
 
 
@@ -24,7 +25,15 @@ def bench_show(argv):
     for path in map(Path, argv):
         if not path.is_file():
             raise SystemExit(f"python -m bench show: no file {path}")
-        saved = json.loads(path.read_text())
+        try:
+            saved = studydata.read_json_object(path)
+        except ValueError as error:
+            raise SystemExit(f"python -m bench show: {error}") from None
+        for key, value in saved.items():  # a list that is not a table of rows is a damaged file, said, not skipped
+            if isinstance(value, list) and value and key not in row_tables(saved):
+                bad = next(i for i, row in enumerate(value) if not isinstance(row, dict))
+                raise SystemExit(f"python -m bench show: {path}: {key!r} is not a table of rows (item {bad} is "
+                                 f"{value[bad]!r})")
         print(f"# {path}")
         for key, rows in row_tables(saved).items():
             columns = list(dict.fromkeys(column for row in rows for column in row))
@@ -33,7 +42,7 @@ def bench_show(argv):
             for row in rows:
                 print_row(row, columns)
         for key, value in saved.items():
-            if isinstance(value, dict) and key != "args":
+            if key != "args" and not isinstance(value, list):  # summaries (and any single value) one line each
                 print(f"\n{key}: {json.dumps(value, default=str)}")
         print()
         shown[str(path)] = saved

@@ -551,8 +551,10 @@ def test_print_config_prints_the_values_the_run_uses(argv, capsys):
         config.parse_args([*argv, "--print-config"])
     assert stopped.value.code in (0, None)
     printed = json.loads(capsys.readouterr().out)
-    resolved = json.loads(json.dumps(vars(config.parse_args(argv))))
-    assert printed == {key: value for key, value in resolved.items() if key != "changes"}
+    resolved = config.parse_args(argv)
+    run_config = dict(vars(resolved), label=config.method_label(resolved), output_dir=printed["output_dir"])
+    assert printed == {key: value for key, value in json.loads(json.dumps(run_config)).items() if key != "changes"}
+    assert printed["output_dir"].startswith(f"runs/{resolved.preset}-") and printed["label"]  # what config.json holds
     assert set(printed["reward_weights"]) == set(rewards.REWARD_TERMS)
     assert isinstance(printed["log_completions_interval"], int)
 

@@ -102,7 +102,7 @@ def test_rounds_that_keep_finding_no_spread_say_so_and_end_at_the_bound():
     assert len(rounds) == 25 and calls == list(range(1, 25)) and dynamic_sampling.entered(rounds) == 0
     assert lines == [f"dynamic sampling: {count} generation rounds so far and 0 of 2 groups with a spread; at most 25 "
                      "rounds (--max-generation-rounds), then the step trains on what it has" for count in (10, 20)]
-    assert dynamic_sampling.ROUNDS_BETWEEN_NOTES == 10 and dynamic_sampling.MAX_GENERATION_ROUNDS == 100
+    assert dynamic_sampling.ROUNDS_BETWEEN_NOTES == 10 and config.MAX_GENERATION_ROUNDS == 100
 
 
 def test_groups_set_aside_to_even_out_the_processes_are_not_counted_as_filtered():

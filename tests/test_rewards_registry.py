@@ -77,5 +77,5 @@ def test_train_score_passes_each_completions_token_ids(too_long_term):
     example = argparse.Namespace(prompt=[], answer="2")
     args = argparse.Namespace(prefill_think=False, reward_weights=dict(rewards.DEFAULT_REWARD_WEIGHTS),
                               reward_options={"too_long": {"max_tokens": 1}})
-    matrix, per_func = train.score(rollouts, [example], args)
-    assert per_func["too_long"].tolist() == [-2.5, -0.5] and matrix.shape == (1, 2)
+    result, matrix = train.score(rollouts, [example], args)
+    assert result.per_func["too_long"].tolist() == [-2.5, -0.5] and matrix.shape == (1, 2)

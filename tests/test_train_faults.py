@@ -191,12 +191,12 @@ def test_a_new_run_on_a_full_disk_leaves_nothing_that_blocks_the_next_run(tiny_m
     with monkeypatch.context() as patch:
         patch.setattr(os, "fdopen", lambda fd, *args, **kwargs: type("Full", (), dict(
             __enter__=lambda self: self, __exit__=lambda self, *exc: os.close(fd), write=full))())
-        with pytest.raises(OSError, match="No space left on device"):
+        with pytest.raises(OSError, match="disk full: no space left to start the run in .*run"):  # the folder named
             train.main(argv)
     assert os.listdir(tmp_path / "run") == []
     with monkeypatch.context() as patch:  # the lock fits, config.json does not
         patch.setattr(os, "fsync", full)
-        with pytest.raises(OSError, match="No space left on device"):
+        with pytest.raises(OSError, match="disk full: no space left to start the run in .*run"):
             train.main(argv)
     assert os.listdir(tmp_path / "run") == []
     assert os.fdopen is real_fdopen and os.fsync is real_fsync
@@ -227,7 +227,8 @@ def test_sizes_beyond_the_dataset_and_a_held_folder_are_refused_before_the_model
         train.main(tiny_argv(tiny_model_dir, run_dir, "--prompts-per-step", "1000000000"))
     with pytest.raises(ValueError, match="arithmetic: 100000000 rows asked"):
         train.main(tiny_argv(tiny_model_dir, run_dir, "--eval-samples", "100000000"))
-    (run_dir / runfolder.LOCK_FILE).write_text(f"{socket.gethostname()} {os.getppid()}\n")  # a live process
+    parent = os.getppid()  # a live process, in the lock's format
+    (run_dir / runfolder.LOCK_FILE).write_text(f"{socket.gethostname()} {parent} {runfolder.process_start(parent)}\n")
     with pytest.raises(ValueError, match=f"{run_dir} is in use by another train.py run"):
         train.main(tiny_argv(tiny_model_dir, run_dir))
     assert sorted(os.listdir(run_dir)) == [runfolder.LOCK_FILE]  # nothing written: the run can be started again

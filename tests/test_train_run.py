@@ -194,13 +194,15 @@ def test_a_run_stopped_by_an_error_closes_its_progress_bar_before_the_error_is_p
     __main__) prints it, not when the bar is collected later."""
     events = []
 
-    class Bar(train.tqdm):
+    import tqdm
+
+    class Bar(tqdm.tqdm):
         def close(self):
             if "bar closed" not in events:
                 events.append("bar closed")
             super().close()
 
-    monkeypatch.setattr(train, "tqdm", Bar)
+    monkeypatch.setattr(tqdm, "tqdm", Bar)  # report.progress_bar's
     nan_loss_on({1, 2, 3}, monkeypatch)
     with pytest.raises(update.TrainingError, match="3 steps in a row"):
         try:
