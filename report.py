@@ -103,8 +103,11 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
     kept_rewards = torch.cat([s.rewards.flatten()[s.kept_rows] for s in scored])
     lengths = torch.cat([s.lengths for s in scored]).float()
     group_std = rewards_all.std(dim=1) if rewards_all.shape[1] > 1 else torch.zeros(len(rewards_all))  # -n 1: 0
+    kept_std = [rewards.std() for s in scored for rewards in kept_groups(s) if len(rewards) > 1]
     metrics = {"reward": float(rewards_all.mean()), "reward_std": float(group_std.mean()),
                **({"reward_selected": float(kept_rewards.mean())} if len(kept_rewards) else {}),
+               # what max-variance maximises: the spread of the kept rewards within each prompt
+               **({"reward_std_selected": float(torch.stack(kept_std).mean())} if kept_std else {}),
                # all n rewards equal (a group of one rollout too, whose std is NaN)
                "frac_reward_zero_std": float((rewards_all.amax(dim=1) == rewards_all.amin(dim=1)).float().mean())}
     for name in scored[0].per_func:
@@ -123,6 +126,13 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
                    num_zero_variance_dropped=sum(s.zero_variance_dropped for s in scored), num_truncated_masked=masked,
                    step_skipped=result.skipped_steps, **costs)
     return metrics
+
+
+def kept_groups(scored_round):
+    """[each prompt's kept rewards] of a ScoredRound (prompts with none kept: empty)."""
+    num_prompts, n = scored_round.rewards.shape
+    kept = scored_round.kept_rows
+    return [scored_round.rewards.flatten()[kept[kept // n == i]] for i in range(num_prompts)]
 
 
 def record_step(state, metrics, step_s):

@@ -29,8 +29,8 @@ def bench_show(argv):
             saved = studydata.read_json_object(path)
         except ValueError as error:
             raise SystemExit(f"python -m bench show: {error}") from None
-        for key, value in saved.items():  # a list that is not a table of rows is a damaged file, said, not skipped
-            if isinstance(value, list) and value and key not in row_tables(saved):
+        for key, value in saved.items():  # rows mixed with other values: a damaged table, said, not skipped
+            if isinstance(value, list) and any(isinstance(row, dict) for row in value) and key not in row_tables(saved):
                 bad = next(i for i, row in enumerate(value) if not isinstance(row, dict))
                 raise SystemExit(f"python -m bench show: {path}: {key!r} is not a table of rows (item {bad} is "
                                  f"{value[bad]!r})")
@@ -42,7 +42,7 @@ def bench_show(argv):
             for row in rows:
                 print_row(row, columns)
         for key, value in saved.items():
-            if key != "args" and not isinstance(value, list):  # summaries (and any single value) one line each
+            if key != "args" and key not in row_tables(saved):  # summaries and other values, one line each
                 print(f"\n{key}: {json.dumps(value, default=str)}")
         print()
         shown[str(path)] = saved

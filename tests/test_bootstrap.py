@@ -129,7 +129,25 @@ def test_mean_accuracy_over_the_budget_and_its_paired_difference(tmp_path):
     by_axis = {axis: bootstrap.bootstrap(runs, "GRPO", axis, resamples=50) for axis in bootstrap.AXES}
     table = bootstrap.markdown_table(by_axis, runs, "GRPO")
     assert "| mean accuracy, 0-100 s | difference from GRPO |" in table
-    assert "| 0.30 [0.20, 0.40] | +0.10 [+0.10, +0.10] |" in table
+    assert "| 0.30 [0.20, 0.40] | +0.10 [+0.10, +0.10], t [+0.10, +0.10] |" in table  # paired t: sd 0
+    assert result["PODS"]["mean_accuracy_difference_t"] == pytest.approx((0.1, 0.1, 0))
+
+
+def test_the_paired_t_interval_and_the_baselines_crossing_on_the_arms_own_seeds(tmp_path):
+    """Differences +0.1 and +0.3 on 2 seeds: mean 0.2, sd 0.1414, t(1) = 12.706: 0.2 -/+ 12.706 x 0.1. An arm run
+    on seed 1 only is paired with the baseline's seed 1: its crossing beside the arm's is that seed's, not the
+    mean over both."""
+    runs = runs_by_label(tmp_path, {"GRPO": [[(0, 0.1), (100, 0.1)], [(0, 0.0), (50, 0.5), (100, 0.5)]],
+                                    "PODS": [[(0, 0.2), (100, 0.2)], [(0, 0.3), (100, 0.4)]]})
+    low, high, _ = bootstrap.bootstrap(runs, "GRPO", resamples=10)["PODS"]["mean_accuracy_difference_t"]
+    differences = np.array([0.2 - 0.1, 0.35 - 0.375])
+    half = 12.706 * differences.std(ddof=1) / math.sqrt(2)
+    assert (low, high) == pytest.approx((differences.mean() - half, differences.mean() + half))
+    one_seed = {"GRPO": runs["GRPO"], "PODS": runs["PODS"][1:]}
+    result = bootstrap.bootstrap(one_seed, "GRPO", resamples=10)
+    threshold = result["GRPO"]["threshold"]  # 0.99 x the mean curve's peak (0.3)
+    assert result["PODS"]["baseline_threshold_at"] == pytest.approx(50 * threshold / 0.5)  # seed 1 alone
+    assert result["GRPO"]["threshold_at"] != pytest.approx(result["PODS"]["baseline_threshold_at"])
 
 
 def test_figures_are_quoted_at_two_significant_digits():

@@ -176,3 +176,15 @@ def test_an_adapter_of_another_model_is_one_line_naming_both(tmp_path):
     with pytest.raises(ValueError, match=r"--checkpoint .*step_000001: its adapter does not fit other-model \(its "
                                          r"layers' shapes differ\).*: give --base-model the model the run trained"):
         heldout.load_adapter(other, tmp_path / "step_000001" / "adapter", "other-model")
+
+
+def test_a_conversion_killed_mid_way_leaves_no_staging_folder_for_the_next_one(tmp_path):
+    import models
+
+    old, running = tmp_path / ".tmp-killed", tmp_path / ".tmp-running"
+    for folder in (old, running):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+    os.utime(old, (time.time() - 2 * models.STALE_STAGING_S,) * 2)
+    models.remove_stale_staging(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-running"]  # a conversion under way is left alone

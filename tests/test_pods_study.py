@@ -61,6 +61,8 @@ def test_run_pods_reports_exports_data_and_recomputes_from_it(tmp_path, capsys):
     assert "## Every arm against GRPO 4/4" in table and "Baseline: GRPO 4/4" in table
     assert "Clock jitter: 10 draws, each run's times x U[0.9, 1.1]" in table  # how far the clock's ends move
     assert "## PODS random 16/4 against PODS max_variance 16/4" in table and "Baseline: PODS max_variance 16/4" in table
+    assert "- per step: 0.90: 4.0x, 0.95: 4.0x" in table  # the speed-up at other thresholds: the same, here
+    assert "null (A/A) comparison by construction" in table  # why random vs GRPO per step is no evidence
     pods_rows = [line for line in table.splitlines() if line.startswith("| PODS max_variance 16/4 | 2 |")]
     assert len(pods_rows) >= 2 and all("| 4.0x [4.0, 4.0] |" in row for row in pods_rows[:2])  # per step and clock
     assert "- GRPO 4/4: not recorded" in table  # the fake logs no per-step phases

@@ -105,10 +105,14 @@ def test_step_trains_on_the_kept_rows_with_kept_subset_advantages(lora_model, sm
     monkeypatch.setattr(sampling, "generate_rollouts", spy_generate)
     monkeypatch.setattr(update, "update_policy", spy_update)
     args = step_args()
-    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args,
+                                  step=1)
     rollouts, [batch] = seen["rollouts"], seen["batches"]
     reward_matrix = fake_compute_rewards(None, rollouts.texts, None).total.view(2, 4)
     kept = pods.max_variance_indices(reward_matrix, 2)
+    kept_std = reward_matrix.gather(1, kept).std(dim=1).mean()  # what max-variance maximises, logged
+    assert metrics["reward_std_selected"] == pytest.approx(float(kept_std))
+    assert metrics["reward_std_selected"] >= metrics["reward_std"] - 1e-6  # kept: the widest spread of the group
     rows = [i * 4 + int(j) for i in range(2) for j in kept[i]]
     assert torch.equal(batch.completion_ids, rollouts.completion_ids[rows])
     assert torch.equal(batch.prompt_ids, rollouts.prompt_ids[[0, 0, 1, 1]])
