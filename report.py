@@ -274,6 +274,19 @@ def start_line(label, args, run_dir):
     return f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation} -> {run_dir}"
 
 
+def eta_line(args, state, step_s):
+    """Said once, after a run's first step: what that step took and what the budget then means in time, so a slow
+    machine shows its pace at once, not at the end (None: no budget)."""
+    if args.max_steps:
+        left = args.max_steps - state.step
+        return (f"step {state.step} took {step_s:.0f} s: the {left} steps left take about {left * step_s / 60:.1f} min "
+                "more, plus the held-out evaluations")
+    if args.max_time_s:
+        fit = max(0, int((args.max_time_s - state.elapsed_s) // max(step_s, 1e-9)))
+        return f"step {state.step} took {step_s:.0f} s: about {fit} more fit in the {args.max_time_s:g} s budget"
+    return None
+
+
 def eval_line(step, result):
     """One held-out evaluation's result (eval.EvalResult)."""
     timeouts = f", {result.grader_timeouts} scored 0 for a grader time-out" if result.grader_timeouts else ""

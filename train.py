@@ -434,6 +434,8 @@ def run(args, run_dir, processes):
             metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes, draw)
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
+            if state.step == start_step + 1 and processes.is_main and (eta := report.eta_line(args, state, step_s)):
+                tqdm.write(eta)  # above the progress bar: the machine's pace, at once
             if args.log_completions_interval and state.step % args.log_completions_interval == 0:
                 write(completions.completions_record(state.step, scored))  # what PODS kept, and with what advantage
             if state.nonfinite_streak >= NONFINITE_STOP:

@@ -97,3 +97,13 @@ def test_the_progress_bar_shows_training_seconds_against_a_time_budget_and_steps
     assert "reward=1.88" in timed and "acc=0.50" in timed
     counted = bar_output(capsys, 0.0, 40, 99.6, 10)
     assert "10/40" in counted and "s of training" not in counted and "reward=1.88" in counted
+
+
+def test_after_its_first_step_a_run_says_what_the_budget_means_in_time():
+    steps = argparse.Namespace(max_steps=16, max_time_s=0.0)
+    assert report.eta_line(steps, TrainerState(step=1, elapsed_s=24.0), 24.0) == (
+        "step 1 took 24 s: the 15 steps left take about 6.0 min more, plus the held-out evaluations")
+    timed = argparse.Namespace(max_steps=0, max_time_s=330.0)
+    assert report.eta_line(timed, TrainerState(step=1, elapsed_s=10.0), 10.0) == (
+        "step 1 took 10 s: about 32 more fit in the 330 s budget")
+    assert report.eta_line(argparse.Namespace(max_steps=0, max_time_s=0.0), TrainerState(step=1), 5.0) is None

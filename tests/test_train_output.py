@@ -31,7 +31,7 @@ def test_a_run_prints_what_it_does_and_where_its_results_are_and_nothing_else(ti
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # --no-progress: not one line from a library (bars, warnings, log messages)
     lines = done.stdout.splitlines()
-    assert lines[0].startswith(f"PODS max_variance 4/2: {tiny_model_dir} on arithmetic, 330 s of training or 2 steps; "
+    assert lines[0].startswith(f"PODS max_variance 4/2: {tiny_model_dir} on arithmetic, 2 steps; "
                                "held-out evaluation of 2 prompts at step 0, every 1 steps")
     assert lines[0].endswith(f"-> {run_dir}")
     assert lines[1] == "evaluating 2 held-out prompts at step 0 ..."
@@ -58,8 +58,8 @@ def test_the_demo_starts_up_quietly_from_the_gguf_file(tmp_path):
                      timeout=900)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("PODS max_variance 4/2: smollm2-135m-offline on arithmetic, 330 s of training or "
-                               "1 steps; held-out evaluation of 4 prompts") and lines[0].endswith(f"-> {run_dir}")
+    assert lines[0].startswith("PODS max_variance 4/2: smollm2-135m-offline on arithmetic, 1 steps; held-out "
+                               "evaluation of 4 prompts") and lines[0].endswith(f"-> {run_dir}")
     assert lines[1].startswith(f"converting the demo model's GGUF file once into {cache}")
     assert lines[2] == "evaluating 4 held-out prompts at step 0 ..." and lines[3].startswith("step 0: held-out")
     assert "bitsandbytes imported: False" in lines and "done: 1 steps" in done.stdout
