@@ -3,6 +3,7 @@ buckets, CUDA-graph recording, and `generate`, which prefills, decodes step by s
 """
 
 import functools
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # The step's operations (engine/ops.py): None = fused kernels on CUDA (each checked against its reference first),
 # plain PyTorch elsewhere; "reference" = the plain-PyTorch step with separate projections (what the fused one is
 # measured and checked against: bench decode); "fused" = the fused ops on any device (a CPU runs their reference
-# behind each op: the census counts the kernels a GPU launches).
-KERNELS = None
+# behind each op: `PODS_DECODE_KERNELS=fused python -m bench census` counts the kernels a GPU launches).
+KERNELS = os.environ.get("PODS_DECODE_KERNELS") or None
 # Eager decoding reads only the cache columns written so far, the shared prefix once (State.attend_len, shared_len);
 # benchmarks switch it off to time decoding as it was before (every row's whole bucketed cache: bench evalprefix).
 EAGER_WINDOW = True

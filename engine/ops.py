@@ -185,7 +185,8 @@ def kernels_for(device, mode=None):
     """mode None: on CUDA with triton importable every op fused but those DISABLED, else the reference ops (with
     stacked projections); "reference": REFERENCE; "fused": every op fused but those DISABLED, on any device."""
     if mode not in (None, "reference", "fused"):
-        raise ValueError(f"decode kernels must be None, 'reference' or 'fused', got {mode!r}")
+        raise ValueError(f"PODS_DECODE_KERNELS (engine.decode.KERNELS) must be unset, 'reference' or 'fused', "
+                         f"got {mode!r}")
     if mode == "reference":
         return REFERENCE
     if mode is None and not (device.type == "cuda" and triton_available()):
