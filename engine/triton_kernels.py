@@ -15,7 +15,7 @@ import triton.language as tl
 
 import engine.ops as ops
 
-BLOCK_N = 64        # cache columns per step of the attention's loop
+BLOCK_N = 64        # cache columns per step of the attention's loop (32 for float32 caches: shared memory)
 BLOCK_V = 4096      # vocabulary entries per step of the sampler's loops
 PROGRAMS_PER_SM = 4  # attention splits: enough (row, KV head, split) programs to fill the GPU at small batches
 
@@ -99,7 +99,7 @@ def _rotary_cache_write(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, key_pt
     """Program (row * tokens + token, part): part 0 rotates q's heads into q_out [B, Hq, T, hd], part 1 k's into
     the key cache at the token's slot, part 2 copies v's into the value cache."""
     position, part = tl.program_id(0), tl.program_id(1)
-    row, token = position // tokens, position % tokens
+    row, token = (position // tokens).to(tl.int64), position % tokens
     slot = tl.load(slots_ptr + token)
     cos_at, sin_at = cos_ptr + row * cos_row + token * cos_token, sin_ptr + row * sin_row + token * sin_token
     if part == 0:
@@ -143,7 +143,7 @@ def _attend_block(first, q, best, total, acc, key_ptr, value_ptr, row, kv_head, 
     columns = first + tl.arange(0, BLOCK_N)
     in_prefix = columns < shared
     readable = (in_prefix | (columns >= start)) & (columns < high)
-    source_row = tl.where(in_prefix, 0, row)
+    source_row = tl.where(in_prefix, 0, row).to(tl.int64)   # 64-bit offsets: a cache may pass 2**31 elements
     where = readable[:, None] & in_dims[None, :]
     keys = tl.load(key_ptr + source_row[:, None] * key_row + kv_head * key_head + columns[:, None] * key_column
                    + dims[None, :], mask=where, other=0.0)
@@ -175,7 +175,7 @@ def _attention_split(q_ptr, key_ptr, value_ptr, start_ptr, shared_ptr, slot_ptr,
     far. Readable: [0, shared) from row 0 (the prefix every row holds: read once, from one place) and
     [start[row], slot] of the row's own. Online softmax in float32; one split writes the output itself.
     WHILE_LOOP: the interpreter's loop (its range() cannot take bounds loaded from memory)."""
-    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, kv_head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     group, dims = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     in_group, in_dims = group < GROUP, dims < HEAD_DIM
     heads = kv_head * GROUP + group
@@ -244,6 +244,7 @@ def decode_attention(q, key_cache, value_cache, start, shared, slot, scaling, sp
     kv_heads, columns = key_cache.shape[1], key_cache.shape[2]
     if q.shape[2] != 1 or not all(t.stride(-1) == 1 for t in (q, key_cache, value_cache)):
         raise ValueError("decode_attention takes one query per row and contiguous last dimensions")
+    block = BLOCK_N if q.element_size() < 4 else BLOCK_N // 2
     splits = splits or attention_splits(batch, kv_heads, columns, q.device)
     out = torch.empty(batch, 1, q_heads * head_dim, dtype=q.dtype, device=q.device)
     partial = torch.empty(batch * q_heads * splits, head_dim if splits > 1 else 1, dtype=torch.float32,
@@ -254,7 +255,7 @@ def decode_attention(q, key_cache, value_cache, start, shared, slot, scaling, sp
         q, key_cache, value_cache, start, shared, slot, out, partial, maxima, sums, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
         value_cache.stride(2), scaling, q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16),
-        BLOCK_D=pow2(head_dim, 16), BLOCK_N=BLOCK_N, SPLITS=splits, DOT_FP32=dot_in_fp32(q),
+        BLOCK_D=pow2(head_dim, 16), BLOCK_N=block, SPLITS=splits, DOT_FP32=dot_in_fp32(q),
         WHILE_LOOP=ops.interpreting(), num_warps=4)
     if splits > 1:
         _attention_combine[(batch * q_heads,)](out, partial, maxima, sums, HEAD_DIM=head_dim, SPLITS=splits,

@@ -273,3 +273,77 @@ def interpreted():
                                    "a fault inside a Triton kernel is caught"])
 def test_the_triton_kernels_under_the_interpreter(interpreted, check):
     assert interpreted[check] == "ok", interpreted[check]
+
+
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+                torch.int32: "i32", torch.bool: "i1"}
+
+
+def launches(kernels, call):
+    """[(kernel, its arguments by name, constexprs)] that call() launches, recorded instead of run."""
+    recorded = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                constexprs = {name: value for name, value in kwargs.items() if name not in ("num_warps", "num_stages")}
+                recorded.append((self.kernel, dict(zip(self.kernel.arg_names, args)), constexprs))
+            return launch
+
+    with pytest.MonkeyPatch.context() as patch:   # undone before compiling: kernels call the helpers by name
+        for name in [name for name in vars(kernels) if name.startswith("_") and hasattr(getattr(kernels, name),
+                                                                                         "run")]:
+            patch.setattr(kernels, name, Recorder(getattr(kernels, name)))
+        call()
+    return recorded
+
+
+def test_every_triton_kernel_compiles_for_an_h100_at_setting_a_shapes():
+    """The launchers' calls at Qwen2.5-3B's shapes (64 rows, a 1024-column cache, 151 936-token vocabulary, bf16),
+    compiled by triton to sm_90 machine code here, without a GPU: what the GPU will compile, minus running it."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import engine.triton_kernels as kernels
+
+    if ops.interpreting():
+        pytest.skip("TRITON_INTERPRET=1 decorates the kernels for the interpreter")
+    rows, heads, kv_heads, head_dim, length, hidden, inner, vocab = 64, 16, 2, 128, 1024, 2048, 11008, 151936
+    bf16 = dict(dtype=torch.bfloat16)
+    q, k, v = torch.zeros(rows, 1, (heads + 2 * kv_heads) * head_dim, **bf16).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    cache = torch.zeros(rows, kv_heads, length, head_dim, **bf16)
+    gate, up = torch.zeros(rows, 1, 2 * inner, **bf16).split([inner, inner], -1)
+    counters = torch.zeros(rows, dtype=torch.long)
+    index = torch.zeros(1, dtype=torch.long)
+
+    def every_launch():
+        residual = torch.zeros(rows, 1, hidden, **bf16)
+        for x in (None, residual.clone()):
+            kernels.add_rms_norm(x, residual, torch.ones(hidden, **bf16), 1e-6)
+        cos = torch.zeros(rows, 1, head_dim, **bf16)
+        kernels.rotary_cache_write(q, k, v, cos, cos, cache, cache, index)
+        for splits in (1, 4):
+            kernels.decode_attention(torch.zeros(rows, heads, 1, head_dim, **bf16), cache, cache, counters, index,
+                                     index, 0.088, splits=splits)
+        kernels.act_mul(gate, up)
+        for sample in (False, True):
+            kernels.finish_step(torch.zeros(rows, 1, vocab, **bf16)[:, -1], torch.tensor(0.9),
+                                torch.zeros(rows, length), index, counters, torch.zeros(8, dtype=torch.long),
+                                torch.tensor(0), torch.zeros(rows, dtype=torch.bool),
+                                torch.zeros(rows, length, dtype=torch.long), torch.zeros(rows, length), counters,
+                                counters, sample)
+
+    recorded = launches(kernels, every_launch)
+    assert len(recorded) == 2 + 1 + 2 + 1 + 1 + 2   # the attention's second pass when split
+    for kernel, args, constexprs in recorded:
+        signature = {name: f"*{TRITON_TYPES[value.dtype]}" if isinstance(value, torch.Tensor) else
+                     "fp32" if isinstance(value, float) else "i32" for name, value in args.items()}
+        signature.update({name: "constexpr" for name in constexprs})
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, kernel
