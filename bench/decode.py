@@ -58,6 +58,8 @@ KERNEL_COLUMNS = ["precision", "kernels", "batch", "context", "step_ms", "bound_
                   "kernels_per_step", "kernel_ms_per_step", "tokens_equal_hf_frac", "engine_is_argmax_frac",
                   "max_logit_gap", "fused_ops"]
 GENERATION_COLUMNS = ["precision", "kernels", "rollouts", "prompt", "new_tokens", "seconds", "ms_per_step"]
+EXACTNESS_COLUMNS = ["model", "rows", "steps", "greedy_tokens_equal", "sampled_tokens_equal", "logprob_max_diff",
+                     "fused_ops"]
 PARTS, KERNEL_MODES = ("paths", "kernels", "lengths"), ("reference", "fused")
 SMALL_BATCH = {False: 16, True: 2}            # the kernels part's second batch
 PODS_GENERATION = {False: (200, 512), True: (4, 8)}   # prompt tokens, new tokens; rollouts: the shapes' pods_n
@@ -230,11 +232,12 @@ def bench_decode(argv):
         print_header(CHECK_COLUMNS)
         for check in checks:
             print_row(check, CHECK_COLUMNS)
+    exactness = device_exactness(args) if "kernels" in parts else []
     if kernel_rows:
         print_kernel_targets(kernel_rows, generation_rows, args.tiny)
     result = {"args": vars(args), "bandwidth_spec": bandwidth_spec, "bandwidth_copy": bandwidth_copy,
               "weight_bytes": weights, "kv_bytes": kv_bytes, "rows": rows, "checks": checks, "kernels": kernel_rows,
-              "generation": generation_rows, "lengths": length_rows,
+              "generation": generation_rows, "exactness": exactness, "lengths": length_rows,
               "fused_ops_disabled": dict(engine.ops.DISABLED)}
     common.save_json(args.out_dir, "decode", result)
     return result
@@ -387,6 +390,40 @@ def pods_generation(model, precision, args):
         engine.decode.KERNELS = saved
         engine.release()
     return result
+
+
+def device_exactness(args, rows=6, steps=12):
+    """The fused step against the plain one on this device, in float32 where both should agree to rounding: a
+    2-layer Qwen2 with a LoRA adapter (merged copy), greedy and sampled tokens and the sampler's log-probs."""
+    trainer, saved = common.trainer_args(args.device, tiny=True, lora_rank=4), engine.decode.KERNELS
+    model = common.build_policy(args.model, tiny=True, device=args.device, precision="fp32", args=trainer,
+                                seed=args.seed)
+    perturb_adapters(model, args.seed, std=0.1)
+    ids = common.random_prompts(models.hf_model(model).config.vocab_size, rows, 9, args.seed).to(args.device)
+    outputs = {}
+    try:
+        for mode in KERNEL_MODES:
+            engine.release()
+            engine.decode.KERNELS = mode
+            with models.dropout_off(model):
+                for temperature in (0.0, 1.0):
+                    outputs[mode, temperature] = engine.generate(
+                        model, ids, torch.ones_like(ids), torch.arange(rows), steps, [], EOS,
+                        temperature=temperature, seed=args.seed, return_logprobs=True)
+        fused = engine.engine_for(model, refresh_weights=False).kernels.fused
+    finally:
+        engine.decode.KERNELS = saved
+        engine.release()
+    row = {"model": "2-layer qwen2 fp32 + LoRA", "rows": rows, "steps": steps,
+           **{f"{name}_tokens_equal": bool(torch.equal(outputs["reference", t][0], outputs["fused", t][0]))
+              for name, t in (("greedy", 0.0), ("sampled", 1.0))},
+           "logprob_max_diff": max(float((outputs["reference", t][1] - outputs["fused", t][1]).abs().max())
+                                   for t in (0.0, 1.0)),
+           "fused_ops": ",".join(sorted(fused)) or "none"}
+    print(f"\n## The fused step against the plain one on {args.device.type}, float32 (equal up to rounding)")
+    print_header(EXACTNESS_COLUMNS)
+    print_row(row, EXACTNESS_COLUMNS)
+    return [row]
 
 
 def print_kernel_targets(rows, generation, tiny):

@@ -347,3 +347,31 @@ def test_every_triton_kernel_compiles_for_an_h100_at_setting_a_shapes():
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))
         assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, kernel
+
+
+def test_bench_decode_kernels_part_runs_on_cpu(tmp_path, capsys):
+    """`python -m bench decode --parts kernels` (the GPU check's new part) at toy sizes: the plain and the fused step
+    at two batches with their bound, bandwidth and greedy check, PODS's generation with each, the float32 agreement
+    of the two on the device, the verdict lines; kernel counts come from the CUDA profiler (n/a here)."""
+    import bench.__main__ as cli
+
+    result = cli.main(["decode", "--device", "cpu", "--prompt-tokens", "4", "--batch", "4", "--new-tokens", "6",
+                       "--bandwidth-gbs", "10", "--repeats", "1", "--parts", "kernels", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert result["rows"] == [] and result["lengths"] == [] and "## Decode step's kernels (fp32)" in out
+    assert [(row["kernels"], row["batch"]) for row in result["kernels"]] == [("reference", 2), ("reference", 4),
+                                                                             ("fused", 2), ("fused", 4)]
+    for row in result["kernels"]:
+        assert row["fused_ops"] == ("none" if row["kernels"] == "reference" else ",".join(sorted(ops.OPS)))
+        assert row["kernels_per_step"] is None and row["bound_ms"] > 0
+        assert (row["tokens_equal_hf_frac"] is None) == (row["batch"] == 2)
+        if row["step_ms"] is not None:
+            assert row["bandwidth_gbs"] == pytest.approx(10 * row["bound_ms"] / row["step_ms"])
+    assert [row["kernels"] for row in result["generation"]] == ["reference", "fused"]
+    [exact] = result["exactness"]
+    assert exact["greedy_tokens_equal"] and exact["sampled_tokens_equal"] and exact["logprob_max_diff"] < 1e-4
+    assert "targets (fused)" in out and "PODS generation" in out and result["fused_ops_disabled"] == {}
+    with pytest.raises(ValueError, match="--parts"):
+        cli.main(["decode", "--device", "cpu", "--parts", "speed"])
+    with pytest.raises(ValueError, match="--kernels"):
+        cli.main(["decode", "--device", "cpu", "--kernels", "triton"])
