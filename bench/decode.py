@@ -28,6 +28,7 @@ steps vs never; the work (row-steps) against the ideal sum of lengths. --parts p
 """
 
 import argparse
+import contextlib
 
 import torch
 
@@ -296,19 +297,36 @@ def print_targets(rows, tiny):
                   f"{vs or 0:.2f}x vs generate() defaults ({verdict(bool(vs) and vs >= TARGET_VS_GENERATE)})")
 
 
+@contextlib.contextmanager
+def kernel_sets(modes):
+    """Yields the kernel sets `modes` to loop over: at each one the engines are released, so the next call builds
+    its engine with that set (engine.decode.KERNELS); the setting before is restored on leaving."""
+    saved = engine.decode.KERNELS
+
+    def each():
+        for mode in modes:
+            engine.release()
+            engine.decode.KERNELS = mode
+            yield mode
+
+    try:
+        yield each()
+    finally:
+        engine.decode.KERNELS = saved
+        engine.release()
+
+
 def kernels_part(model, prompt_ids, precision, args, weights, bandwidth):
     """The merged-copy engine with each kernel set of args.kernels at batch 16 and 64: step time, bound, bandwidth
     reached, CUDA kernels per step, the greedy check, the ops that ran fused."""
-    shapes, device, trainer, saved = args.shapes, args.device, args.trainer, engine.decode.KERNELS
+    shapes, device, trainer = args.shapes, args.device, args.trainer
     width, new_tokens = shapes.decode_prompt_tokens, shapes.decode_new_tokens
     context, model_config = width + new_tokens // 2, models.hf_model(model).config
     print(f"\n## Decode step's kernels ({precision}): the plain PyTorch step (reference) vs the fused one, merged copy")
     print_header(KERNEL_COLUMNS)
     result = []
-    try:
-        for mode in args.kernels:
-            engine.release()
-            engine.decode.KERNELS = mode
+    with kernel_sets(args.kernels) as modes:
+        for mode in modes:
             for batch in sorted({min(SMALL_BATCH[args.tiny], shapes.decode_batch), shapes.decode_batch}):
                 ids = prompt_ids[:batch]
 
@@ -332,9 +350,6 @@ def kernels_part(model, prompt_ids, precision, args, weights, bandwidth):
                                                                   "max_logit_gap")},
                                "fused_ops": ",".join(sorted(fused)) or "none"})
                 print_row(result[-1], KERNEL_COLUMNS)
-    finally:
-        engine.decode.KERNELS = saved
-        engine.release()
     return result
 
 
@@ -367,17 +382,14 @@ def pods_generation(model, precision, args):
     """PODS's generation (setting (a): 64 rollouts of one 200-token prompt, 512 new tokens, no EOS) through the
     trainer's sampling path (common.generate), with each kernel set: seconds, best of 2 after a first call."""
     prompt_tokens, new_tokens = PODS_GENERATION[args.tiny]
-    rollouts, saved = args.shapes.pods_n, engine.decode.KERNELS
+    rollouts = args.shapes.pods_n
     prompt = common.random_prompts(models.hf_model(model).config.vocab_size, 1, prompt_tokens, args.seed + 1)
     print(f"\n## PODS generation ({precision}): {rollouts} rollouts of one {prompt_tokens}-token prompt, {new_tokens} "
           "new tokens")
     print_header(GENERATION_COLUMNS)
     result = []
-    try:
-        for mode in args.kernels:
-            engine.release()
-            engine.decode.KERNELS = mode
-
+    with kernel_sets(args.kernels) as modes:
+        for mode in modes:
             def run():
                 return common.generate(model, prompt, rollouts, new_tokens, args.trainer, args.seed)
 
@@ -386,34 +398,26 @@ def pods_generation(model, precision, args):
             result.append({"precision": precision, "kernels": mode, "rollouts": rollouts, "prompt": prompt_tokens,
                            "new_tokens": new_tokens, "seconds": seconds, "ms_per_step": 1e3 * seconds / new_tokens})
             print_row(result[-1], GENERATION_COLUMNS)
-    finally:
-        engine.decode.KERNELS = saved
-        engine.release()
     return result
 
 
 def device_exactness(args, rows=6, steps=12):
     """The fused step against the plain one on this device, in float32 where both should agree to rounding: a
     2-layer Qwen2 with a LoRA adapter (merged copy), greedy and sampled tokens and the sampler's log-probs."""
-    trainer, saved = common.trainer_args(args.device, tiny=True, lora_rank=4), engine.decode.KERNELS
+    trainer = common.trainer_args(args.device, tiny=True, lora_rank=4)
     model = common.build_policy(args.model, tiny=True, device=args.device, precision="fp32", args=trainer,
                                 seed=args.seed)
     perturb_adapters(model, args.seed, std=0.1)
     ids = common.random_prompts(models.hf_model(model).config.vocab_size, rows, 9, args.seed).to(args.device)
     outputs = {}
-    try:
-        for mode in KERNEL_MODES:
-            engine.release()
-            engine.decode.KERNELS = mode
+    with kernel_sets(KERNEL_MODES) as modes:
+        for mode in modes:
             with models.dropout_off(model):
                 for temperature in (0.0, 1.0):
                     outputs[mode, temperature] = engine.generate(
                         model, ids, torch.ones_like(ids), torch.arange(rows), steps, [], EOS,
                         temperature=temperature, seed=args.seed, return_logprobs=True)
         fused = engine.engine_for(model, refresh_weights=False).kernels.fused
-    finally:
-        engine.decode.KERNELS = saved
-        engine.release()
     row = {"model": "2-layer qwen2 fp32 + LoRA", "rows": rows, "steps": steps,
            **{f"{name}_tokens_equal": bool(torch.equal(outputs["reference", t][0], outputs["fused", t][0]))
               for name, t in (("greedy", 0.0), ("sampled", 1.0))},

@@ -169,7 +169,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
-        kernels = ops.kernels_for(device, KERNELS)
+        kernels = decode_step.PLAIN if KERNELS is None and device.type != "cuda" else ops.kernels_for(device, KERNELS)
         config, copies = hf.config, []
         attention = hf.model.layers[0].self_attn
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attention.head_dim

@@ -1,11 +1,13 @@
-"""The model families the decode engine runs (paper §4 trains Qwen2.5 and Llama-3 models): where each keeps the
-modules of a decoder layer. A registry: a family whose layer is pre-norm RMSNorm, rotary attention (grouped query
-heads) and a gated MLP is one entry here; any other model type generates through Hugging Face `generate`
-(sampling.py says so in one line).
+"""The model families the decode engine runs, and where each keeps a decoder layer's modules.
+
+Paper §4 trains Qwen2.5 and Llama-3 models. A registry: a family whose layer is pre-norm RMSNorm, rotary attention
+(grouped query heads) and a gated MLP is one entry here; any other model type generates through Hugging Face
+`generate` (sampling.py says so in one line).
 
 - Llama, Qwen2, Mistral: separate q, k, v and gate, up projections (the engine's merged copy joins them).
 - Phi-3: q|k|v and gate|up already fused into one projection each (its rotary may cover part of a head).
-Simplification: the layer's norms are HF's LlamaRMSNorm formula in every family listed (engine/ops.py computes it).
+Simplification: every family listed normalises with HF's LlamaRMSNorm formula (the fused norm computes it; its run-time
+check compares it with the model's module).
 """
 
 from dataclasses import dataclass

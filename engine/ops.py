@@ -1,7 +1,9 @@
-"""The decode step's operations (engine/step.py calls them through a `Kernels` record): each written once in plain
-PyTorch, the reference (what a CPU runs, and what every other implementation is checked against), and, on CUDA, as
-one Triton kernel (engine/triton_kernels.py) behind a torch custom op, so that a recorded step launches one kernel
-where the reference launches several (paper Algorithm 1, line 1: sampling must be cheap next to the update).
+"""The decode step's fused operations, each checked against its plain PyTorch reference before it runs.
+
+Paper Algorithm 1, line 1: sampling must be cheap next to the update. engine/step.py calls five operations through
+a `Kernels` record; each is written once in plain PyTorch there (the reference: what a CPU runs, and what every
+other implementation is checked against) and, on CUDA, as one Triton kernel (engine/triton_kernels.py) behind a
+torch custom op, so that a recorded step launches one kernel where the reference launches several:
 
   add_rms_norm        residual += x, then RMSNorm of it (Hugging Face's formula)      reference: ~9 kernels
   rotary_cache_write  rotary on q and k; k and v written into the cache column        ~12
@@ -12,12 +14,13 @@ where the reference launches several (paper Algorithm 1, line 1: sampling must b
   finish_step         the token (argmax or inverse CDF of softmax(logits / T)), its log-prob, EOS bookkeeping,
                       the row's next input and position                               ~25
 
-Which run: REFERENCE everywhere by default on a CPU; on CUDA with triton importable, FUSED, each fused op first
-compared with its reference on random inputs of every bucket's shapes (`check`, before a bucket's step is recorded):
-an op that disagrees or raises is replaced by its reference for the rest of the process, with one warning line.
-The top-p nucleus (a sort) and activations other than SiLU always run the reference. `engine.decode.KERNELS` forces
-one set ("reference": the step as plain PyTorch, separate projections included; "fused": the custom ops on any
-device; on a CPU each runs its reference behind the op, or its Triton kernel under TRITON_INTERPRET=1).
+Which run: the references by default on a CPU; on CUDA with triton importable, the fused ops, each first compared
+with its reference on random inputs of every bucket's shapes (`check`, before a bucket's step is recorded): an op
+that disagrees or raises is replaced by its reference for the rest of the process, with one warning line. The
+top-p nucleus (a sort) and activations other than SiLU always run the reference. `engine.decode.KERNELS` (the
+PODS_DECODE_KERNELS environment variable) forces one set: "reference" (the step as plain PyTorch, separate
+projections included) or "fused" (the custom ops on any device; a CPU runs each one's reference behind the op, or
+its Triton kernel under TRITON_INTERPRET=1).
 """
 
 import copy
@@ -190,7 +193,7 @@ def kernels_for(device, mode=None):
     if mode == "reference":
         return REFERENCE
     if mode is None and not (device.type == "cuda" and triton_available()):
-        return Kernels()
+        return Kernels()   # what engine.decode takes on a CPU without asking
     return with_fused(set(OPS) - set(DISABLED))
 
 

@@ -9,6 +9,7 @@ interpreter, on CPU tensors) pass the run-time check and decode generate()'s tok
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -375,3 +376,33 @@ def test_bench_decode_kernels_part_runs_on_cpu(tmp_path, capsys):
         cli.main(["decode", "--device", "cpu", "--parts", "speed"])
     with pytest.raises(ValueError, match="--kernels"):
         cli.main(["decode", "--device", "cpu", "--kernels", "triton"])
+
+
+def test_the_decode_census_in_benchmarks_is_recomputed_from_the_committed_records(capsys):
+    """Each row of BENCHMARKS.md's census table is what `python -m bench show` prints from the records it names:
+    kernels per layer and per step, and per operation class."""
+    import bench.__main__ as cli
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "results/census/census_before.json", *sorted((root / "results/decode-census").glob("*.json"))]
+    assert len(files) == 4
+    cli.main(["show", *map(str, files)])
+    printed = {}
+    for name, block in re.findall(r"^# \S*/(\S+\.json)\n(.*?)(?=^# \S+\.json\n|\Z)", capsys.readouterr().out,
+                                  re.M | re.S):
+        classes = block.split("## decode_classes")[1].split("\n\n")[0]
+        figures = {row.split(" | ")[0].strip("| "): row.split(" | ")[1] for row in classes.splitlines()
+                   if row.startswith("| ") and "---" not in row and "operation class" not in row}
+        for key in ("decode_kernels_per_layer", "decode_kernels_per_step"):
+            figures[key] = block.split(f"\n{key}: ")[1].split()[0]
+        printed[name] = figures
+    section = (root / "BENCHMARKS.md").read_text().split("## The decode step's kernels (census)")[1].split("\n## ")[0]
+    header, *rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    assert [name for name in printed if not any(name in row for row in rows)] == []
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        figures = printed[next(name for name in printed if name in cells[0])]
+        want = [figures["decode_kernels_per_layer"], figures["decode_kernels_per_step"],
+                *(figures.get(column, "0") for column in columns[3:])]
+        assert cells[1:] == want, cells[0]
