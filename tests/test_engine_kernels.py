@@ -3,8 +3,9 @@ decode step (custom ops; a CPU runs each op's reference behind it) gives the pla
 step of it runs 9 operations a layer and builds no mask (counted by bench census); a fused op that disagrees with its
 reference (a planted fault in each) or raises is replaced by it with one warning line, before anything runs it, so
 the tokens stay the reference's; q|k|v and gate|up come from one merged copy each; Mistral and Phi-3 (fused
-projections, partial rotary) decode as generate() does; with triton installed, the Triton kernels themselves (its
-interpreter, on CPU tensors) pass the run-time check and decode generate()'s tokens."""
+projections, partial rotary) decode as generate() does; with triton installed, every Triton kernel compiles to sm_90
+machine code, and (`-m slow`) the Triton kernels themselves, under its interpreter on CPU tensors, equal their
+references, pass the run-time check and decode generate()'s tokens."""
 
 import collections
 import json
@@ -267,6 +268,7 @@ def interpreted():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # ~20-30 s: a fresh process and the interpreter (the default run compiles the kernels instead)
 @pytest.mark.parametrize("check", ["each kernel equals its reference (float32)", "each kernel equals its reference "
                                    "(bfloat16)", "the sampler equals the reference (greedy)",
                                    "the sampler equals the reference (sampled)",
