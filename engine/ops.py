@@ -193,7 +193,7 @@ def kernels_for(device, mode=None):
     if mode == "reference":
         return REFERENCE
     if mode is None and not (device.type == "cuda" and triton_available()):
-        return Kernels()   # what engine.decode takes on a CPU without asking
+        return Kernels()   # the plain step, projections stacked (a CPU; a GPU without triton)
     return with_fused(set(OPS) - set(DISABLED))
 
 
