@@ -10,28 +10,37 @@ replayed per token.
   every distinct prompt of the chunk starts with (found from the ids: prefix.shared_prefix_layout) runs once for all.
 - Decode: a preallocated cache [rows, kv_heads, cache_len, head_dim] per layer (cache_len = prompt width - 1 +
   max_new_tokens, or the caller's cache_tokens if larger, rounded up to CACHE_BUCKET_TOKENS; rows = the next of
-  `row_buckets`). A step embeds the last tokens, writes their K/V, attends over the valid positions, samples
-  (inverse CDF with one uniform per row hashed from (seed, row, step): no RNG state to capture, and a row's tokens
-  do not depend on its batch) and records the token, in place. Every `check_every` steps the host checks the rows
-  left; when they fit a smaller bucket they are gathered into it, so a chunk costs about the sum of its rows'
-  lengths, not rows x the longest.
-- Weights: LoRA is merged into a separate copy of the adapted projections, refreshed at every call (Qwen2.5-3B:
-  2.77 B params, 5.5 GB in bf16). The training weights are never touched (peft's in-place merge_adapter() /
-  unmerge_adapter() would leave a bf16 rounding error in the frozen base weights at every step). 4-bit models:
-  the copy (dequantized + merged, bf16: the same 5.5 GB next to ~1.4 GB of 4-bit projections) is opt-in with
-  generation_copy=True; without it the bitsandbytes modules run eagerly.
+  `row_buckets`). A step embeds the last tokens, writes their K/V, attends over the columns each row may read (the
+  shared prefix, then its own from its first real token to the newest; no mask tensor on a GPU), samples (inverse
+  CDF with one uniform per row hashed from (seed, row, step): no RNG state to capture, and a row's tokens do not
+  depend on its batch) and records the token, in place. Every `check_every` steps the host checks the rows left;
+  when they fit a smaller bucket they are gathered into it, so a chunk costs about the sum of its rows' lengths,
+  not rows x the longest.
+- The step's kernels (ops.py): on CUDA (triton importable) the residual add + RMSNorm, rotary + cache write, the
+  attention, SiLU x up and the sampler's whole step are one Triton kernel each (triton_kernels.py), 9 operations a
+  decoder layer instead of 44; each is compared with its plain PyTorch reference on every bucket's shapes before the
+  bucket runs, and one that disagrees or fails runs its reference from then on (one warning line). The CPU runs
+  the reference. Model families (families.py): Llama, Qwen2, Mistral, Phi-3; others go through HF generate.
+- Weights: LoRA is merged into a separate copy of the adapted projections, q|k|v and gate|up stacked (one GEMM
+  each), refreshed at every call (Qwen2.5-3B: 2.77 B params, 5.5 GB in bf16). The training weights are never
+  touched (peft's in-place merge_adapter() / unmerge_adapter() would leave a bf16 rounding error in the frozen
+  base weights at every step). 4-bit models: the copy (dequantized + merged, bf16: the same 5.5 GB next to ~1.4 GB
+  of 4-bit projections) is opt-in with generation_copy=True; without it the bitsandbytes modules run eagerly.
 - FSDP2 (torchrun, multigpu/): the gathered full weights are freed and re-allocated around every unshard, so
   a graph recorded over them would read stale addresses: a sharded model decodes eagerly (capture=None, the
   default, decides), one kernel launch per op and token (on GPU several times slower per token than a replayed
   graph; the cost of the multi-GPU path until weights get a fixed home).
-- Eager decoding (no graph: CPU, FSDP): attention reads only the cache columns written so far, and the prefix every
-  prompt of the chunk shares once for all rows (step.attend_shared); a recorded graph's fixed shapes read the whole
-  bucketed cache of every row under a mask.
+- Eager decoding with the plain PyTorch step (the CPU): attention reads only the cache columns written so far, and
+  the prefix every prompt of the chunk shares once for all rows (step.attend_shared); the fused kernel does both
+  in a recorded graph too (it reads the row's bounds from the device).
 Simplifications: batch-synchronous (no continuous batching, no paged attention); the prefix's K/V are still stored
-in every row; other architectures go through Hugging Face generate (sampling.py).
+in every row; the top-p nucleus samples with the reference (a sort); other architectures go through Hugging Face
+generate (sampling.py).
 
-Files: decode.py (the loop, buckets, graphs), step.py (one decode step, the prefill, token choice), weights.py (the
-merged LoRA copies). sampling.py calls `generate`; benchmarks also use `forced_lengths` (synthetic EOS positions).
+Files: decode.py (the loop, buckets, graphs), step.py (one decode step in plain PyTorch, the prefill, token
+choice), ops.py (the fused operations and their run-time check), triton_kernels.py (their Triton kernels),
+families.py (the supported layouts), weights.py (the merged LoRA copies). sampling.py calls `generate`;
+benchmarks also use `forced_lengths` (synthetic EOS positions).
 """
 
 from engine.decode import (CHECK_EVERY, STATS, DecodeStats, engine_for, fsdp_sharded, generate, release,  # noqa: F401

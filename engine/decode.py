@@ -3,19 +3,27 @@ buckets, CUDA-graph recording, and `generate`, which prefills, decodes step by s
 """
 
 import functools
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+import engine.ops as ops
 import engine.step as decode_step
 import engine.weights as weights
 import models
 import prefix
 import report
+from engine.families import FAMILIES, layer_modules
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# The step's operations (engine/ops.py): None = fused kernels on CUDA (each checked against its reference first),
+# plain PyTorch elsewhere; "reference" = the plain-PyTorch step with separate projections (what the fused one is
+# measured and checked against: bench decode); "fused" = the fused ops on any device (a CPU runs their reference
+# behind each op: `PODS_DECODE_KERNELS=fused python -m bench census` counts the kernels a GPU launches).
+KERNELS = os.environ.get("PODS_DECODE_KERNELS") or None
 # Eager decoding reads only the cache columns written so far, the shared prefix once (State.attend_len, shared_len);
 # benchmarks switch it off to time decoding as it was before (every row's whole bucketed cache: bench evalprefix).
 EAGER_WINDOW = True
@@ -45,24 +53,40 @@ class DecodeStats:
 STATS = DecodeStats()
 
 
+@dataclass(frozen=True)
+class Layer:
+    """What a decode step calls in one decoder layer: the norms, the projections (qkv: x -> (q, k, v); gate_up:
+    x -> (gate, up); o, down: x -> output), as modules or F.linear over merged copies, and the MLP's activation."""
+    input_norm: object
+    qkv: object
+    o: object
+    post_norm: object
+    gate_up: object
+    down: object
+    act: object
+
+
 @dataclass
 class Engine:
-    """One model's decode-time callables (layers: per layer (input_norm, q, k, v, o, post_norm, gate, up, down,
-    act); projections are modules or F.linear over merged copies), cached per model and process with the weight
-    copies [(module, merged weight)], the step (compiled or not), and the buffers (cache_len -> (rows, tensors))
-    and states ((rows, cache_len, sample, nucleus) -> (State, CUDA graph or None)) of each bucket."""
+    """One model's decode-time callables (layers: a Layer each), cached per model and process with the weight
+    copies [(weights.CopySource, merged weight)], the step (compiled or not), its operations (`kernels`, a
+    step.Kernels), and the buffers (cache_len -> (rows, tensors)) and states ((rows, cache_len, sample, nucleus)
+    -> (State, CUDA graph or None)) of each bucket."""
     embed: object
     layers: list
     norm: object
     lm_head: object
     rotary: object
+    num_heads: int
     num_kv_heads: int
     head_dim: int
+    intermediate_size: int
     scaling: float
     signature: tuple
     copies: list
     step: object
     capture: bool             # record / replay CUDA graphs
+    kernels: object = decode_step.PLAIN
     buffers: dict = field(default_factory=dict)
     states: dict = field(default_factory=dict)
     graph_pool: object = None  # one CUDA memory pool for every graph's temporaries (see record_graph)
@@ -70,10 +94,11 @@ class Engine:
 
 @dataclass
 class State:
-    """One bucket of rows. Per-row tensors are views of buffers shared by all buckets of a cache length."""
+    """One bucket of rows. Per-row tensors are views of buffers shared by all buckets of a cache length. A row
+    attends to cache columns [0, shared) (the prefix every prompt starts with) and [start, slot] (its own)."""
     keys: list                # [rows, kv_heads, cache_len, head_dim] per layer
     values: list
-    valid: torch.Tensor       # [rows, cache_len] bool: positions a row may attend to
+    start: torch.Tensor       # [rows] first column of the row's own prompt (after the shared prefix and the pads)
     tokens: torch.Tensor      # [rows] the next step's input token; positions: its position id
     positions: torch.Tensor
     done: torch.Tensor        # [rows] bool: emitted EOS (emits pad from then on)
@@ -81,7 +106,9 @@ class State:
     row_keys: torch.Tensor    # [rows] 32-bit noise key
     out: torch.Tensor         # [rows, cache_len] generated tokens, column = step
     logprobs: torch.Tensor    # [rows, cache_len] float32 sampler log-prob of each generated token (0 once done)
-    scalars: dict             # shared: slot, step [1]; temperature, top_p, pad []; eos [EOS_SLOTS]
+    draws: torch.Tensor       # [rows, cache_len] float32 the row's uniform draw of each step (step.uniform_draws)
+    scalars: dict             # shared: slot, step [1] (views of counters [2]), shared [1]; temperature, top_p, pad
+                              # []; eos [EOS_SLOTS]
     sample: bool              # temperature > 0 (else greedy)
     nucleus: bool             # top_p < 1
     attend_len: int = 0       # eager decoding: the cache columns attention reads, those written so far (0: all of
@@ -90,7 +117,7 @@ class State:
                               # share), read once for all rows (step.attend_shared; 0: per row)
 
 
-ROW_FIELDS = ("valid", "tokens", "positions", "done", "stop_at", "row_keys", "out", "logprobs")
+ROW_FIELDS = ("start", "tokens", "positions", "done", "stop_at", "row_keys", "out", "logprobs", "draws")
 
 
 _ENGINES = weakref.WeakKeyDictionary()
@@ -106,6 +133,10 @@ def unsupported_reason(model, cache_len=0):
         return "peft prompt learning adds virtual tokens"
     if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "unexpected module layout (no model.embed_tokens / layers / norm / rotary_emb)"
+    try:
+        layer_modules(config.model_type, inner.layers[0])
+    except AttributeError as error:
+        return f"unexpected layer layout for {config.model_type!r} ({error})"
     if getattr(inner.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
         return "RoPE frequencies that change with the sequence length"
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -133,24 +164,34 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     backend = DEFAULT_COMPILE_BACKEND if compile_backend is None else compile_backend
     if capture is None:
         capture = records_graphs(model, copy, quantized)
-    key = (copy, backend if isinstance(backend, (str, bool)) else id(backend), bool(capture))
+    device = hf.model.embed_tokens.weight.device
+    key = (copy, backend if isinstance(backend, (str, bool)) else id(backend), bool(capture), KERNELS)
     engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
-        inner, copies = hf.model, []
-        layers = [(layer.input_layernorm, *(weights.projection(m, copy, copies) for m in (
-            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj)),
-            layer.post_attention_layernorm, *(weights.projection(m, copy, copies) for m in (
-                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)), layer.mlp.act_fn)
-            for layer in inner.layers]
-        attention = inner.layers[0].self_attn
+        kernels = decode_step.PLAIN if KERNELS is None and device.type != "cuda" else ops.kernels_for(device, KERNELS)
+        config, copies = hf.config, []
+        attention = hf.model.layers[0].self_attn
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attention.head_dim
+        layers = [build_layer(layer_modules(config.model_type, layer), copy, copies, kernels.stacked,
+                              (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), config.intermediate_size)
+                  for layer in hf.model.layers]
         engine = _ENGINES[model][key] = Engine(
-            inner.embed_tokens, layers, inner.norm, hf.lm_head, inner.rotary_emb, hf.config.num_key_value_heads,
-            attention.head_dim, attention.scaling, signature, copies,
-            compiled(decode_step.decode_step, backend) if backend else decode_step.decode_step, bool(capture))
+            hf.model.embed_tokens, layers, hf.model.norm, hf.lm_head, hf.model.rotary_emb, heads, kv_heads, head_dim,
+            config.intermediate_size, attention.scaling, signature, copies,
+            compiled(decode_step.decode_step, backend) if backend else decode_step.decode_step, bool(capture),
+            kernels)
     if refresh_weights or fresh:
         weights.refresh_copies(engine.copies)
     return engine
+
+
+def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size):
+    """A Layer over one decoder layer's modules (families.LayerModules); merged copies appended to `copies`."""
+    return Layer(modules.input_norm, weights.projections(modules.qkv, qkv_sizes, copy, copies, stacked),
+                 weights.projection(modules.o, copy, copies), modules.post_norm,
+                 weights.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked),
+                 weights.projection(modules.down, copy, copies), modules.act)
 
 
 def records_graphs(model, copy, quantized):
@@ -199,25 +240,39 @@ def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
         zeros = functools.partial(torch.zeros, device=dec.embed.weight.device)
         kv = [zeros(max_rows, dec.num_kv_heads, cache_len, dec.head_dim, dtype=dec.embed.weight.dtype)
               for _ in range(2 * len(dec.layers))]
-        buffers = dict(keys=kv[::2], values=kv[1::2], valid=zeros(max_rows, cache_len, dtype=torch.bool),
-                       done=zeros(max_rows, dtype=torch.bool), out=zeros(max_rows, cache_len, dtype=torch.long),
-                       logprobs=zeros(max_rows, cache_len),
-                       **{name: zeros(max_rows, dtype=torch.long) for name in ("tokens", "positions", "stop_at",
-                                                                               "row_keys")},
-                       scalars=dict(slot=zeros(1, dtype=torch.long), step=zeros(1, dtype=torch.long),
-                                    pad=zeros((), dtype=torch.long), eos=zeros(EOS_SLOTS, dtype=torch.long),
-                                    temperature=zeros(()), top_p=zeros(())))
+        counters = zeros(2, dtype=torch.long)   # the slot and step counters: one kernel advances both
+        buffers = dict(keys=kv[::2], values=kv[1::2], done=zeros(max_rows, dtype=torch.bool),
+                       out=zeros(max_rows, cache_len, dtype=torch.long), logprobs=zeros(max_rows, cache_len),
+                       draws=zeros(max_rows, cache_len),
+                       **{name: zeros(max_rows, dtype=torch.long) for name in ("start", "tokens", "positions",
+                                                                               "stop_at", "row_keys")},
+                       scalars=dict(counters=counters, slot=counters[0:1], step=counters[1:2],
+                                    shared=zeros(1, dtype=torch.long), pad=zeros((), dtype=torch.long),
+                                    eos=zeros(EOS_SLOTS, dtype=torch.long), temperature=zeros(()), top_p=zeros(())))
         engine.buffers[cache_len] = (max_rows, buffers)
+    new = {}
     for size in row_buckets(max_rows) if engine.capture and (rows, cache_len, sample, nucleus) not in engine.states \
             else [rows]:
         if (size, cache_len, sample, nucleus) not in engine.states:
             views = {name: value if name == "scalars" else [t[:size] for t in value] if isinstance(value, list)
                      else value[:size] for name, value in buffers.items()}
-            state = State(**views, sample=sample, nucleus=nucleus)
-            engine.states[size, cache_len, sample, nucleus] = (state, record_graph(engine, state) if engine.capture
-                                                               else None)
-    key = (rows, cache_len, sample, nucleus)
-    return engine.states[key]
+            new[size, cache_len, sample, nucleus] = State(**views, sample=sample, nucleus=nucleus)
+    check_kernels(engine, new.values())
+    for key, state in new.items():
+        engine.states[key] = (state, record_graph(engine, state) if engine.capture else None)
+    return engine.states[rows, cache_len, sample, nucleus]
+
+
+def check_kernels(engine, states):
+    """The fused ops checked against their references on each new bucket's shapes before it runs (ops.check); an
+    op that fails runs its reference from then on, and the graphs recorded with it are dropped."""
+    start = time.perf_counter()
+    for state in states if engine.kernels.fused else []:
+        failed = ops.check(engine, state)
+        if failed:
+            engine.kernels = ops.with_fused(engine.kernels.fused - set(failed))
+            engine.states = {key: value for key, value in engine.states.items() if value[1] is None}
+    STATS.warmup_s += time.perf_counter() - start
 
 
 def compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags):
@@ -282,6 +337,9 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
     shared = 0
     if prefix_sharing:
         prompt_ids, prompt_mask, shared = prefix.shared_prefix_layout(prompt_ids, prompt_mask)
+    own = prompt_mask[:, shared:]
+    if bool((own[:, 1:] < own[:, :-1]).any()):
+        raise ValueError("prompts must be left padded (no padding after a prompt's first token)")
     rows, width = len(row_prompt), prompt_ids.shape[1]
     needed = max(width - 1 + max_new_tokens, cache_tokens)
     cache_len = -(-needed // CACHE_BUCKET_TOKENS) * CACHE_BUCKET_TOKENS
@@ -301,7 +359,8 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         for cache, prompt in zip(state.keys + state.values, prompt_keys + prompt_values):
             cache[:rows, :, :width - 1] = prompt[row_prompt]
         real = torch.arange(size, device=device) < rows   # rows past `rows` only pad the bucket
-        state.valid.zero_()[:rows, :width - 1] = prompt_mask[row_prompt, :width - 1].bool()
+        # A row's own columns start after the prefix and its pads (left padding); extra rows read only their own.
+        state.start.fill_(width - 1)[:rows] = shared + (prompt_mask[row_prompt, shared:width - 1] == 0).sum(1)
         state.tokens.fill_(pad_id)[:rows] = prompt_ids[row_prompt, -1]
         state.positions.zero_()[:rows] = prompt_mask[row_prompt].sum(1) - 1
         state.done.copy_(~real)
@@ -309,8 +368,9 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         if forced_lengths is not None:
             state.stop_at[:rows] = torch.as_tensor(forced_lengths).to(device) - 1
         state.row_keys.copy_(decode_step.row_noise_keys(seed, size))
-        for name, value in dict(slot=width - 1, step=0, temperature=max(temperature, 1e-6), top_p=top_p,
-                                pad=pad_id).items():
+        state.draws.copy_(decode_step.uniform_draws(state.row_keys[:, None], torch.arange(cache_len, device=device)))
+        for name, value in dict(slot=width - 1, step=0, shared=shared, temperature=max(temperature, 1e-6),
+                                top_p=top_p, pad=pad_id).items():
             state.scalars[name].fill_(value)
         state.scalars["eos"].copy_(torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids))))
         result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)

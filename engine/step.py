@@ -1,12 +1,16 @@
-"""One decode step of a Llama-family model, written by hand over its Hugging Face modules (engine/decode.py).
+"""One decode step of a Llama-family model, written by hand in plain PyTorch over its Hugging Face modules (the
+reference of every fused kernel: engine/ops.py; the loop around it: engine/decode.py).
 
 Paper Algorithm 1, line 1 (sampling rollouts), at the level of one token: the decoder layers over a preallocated
-KV cache (attention by SDPA over the valid positions), the prefill of distinct prompts, and the choice of the next
-token (greedy, or softmax(logits / T) within the top-p nucleus, sampled by inverse CDF from a hashed uniform) with its
-log-probability under the sampler (what the trainer checks it against).
-Everything here works in place on fixed-shape tensors, so the engine can record a step as one CUDA graph.
-Simplifications: Llama/Qwen2/Mistral layouts only (pre-norm, rotary, gated MLP); no sliding window.
+KV cache, the prefill of distinct prompts, and the choice of the next token (greedy, or softmax(logits / T) within
+the top-p nucleus, sampled by inverse CDF from a hashed uniform) with its log-probability under the sampler (what
+the trainer checks it against). A step calls its operations through a `Kernels` record (these functions, or the
+fused ops that replace them on a GPU), in place on fixed-shape tensors, so the engine can record it as one CUDA
+graph.
+Simplifications: the layouts of engine/families.py only (pre-norm, rotary, gated MLP); no sliding window.
 """
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,37 +35,42 @@ def row_noise_keys(seed, rows):
 
 def uniform_draws(row_keys, step):
     """One U(0, 1) draw per row, a pure function of (row key, step): no generator state for a CUDA graph to hold,
-    and a row's draws do not depend on which bucket it runs in."""
+    and a row's draws do not depend on which bucket it runs in. The engine draws every step's at once
+    (row_keys [R, 1], step [L]: a [R, L] table the step reads a column of)."""
     bits = mix32(row_keys ^ mix32(step))
     return ((bits >> 8).float() + 0.5) * 2.0 ** -24   # 24 random bits, in (0, 1): never 0 or 1
 
 
-def choose_tokens(logits, state):
-    """Greedy argmax, or a draw from softmax(logits / T) restricted to the top-p nucleus: the most likely tokens
-    whose probabilities before them sum to < top_p (as transformers' TopPLogitsWarper).
-
-    Sampling inverts the CDF with one uniform per row (first token whose cumulative probability reaches it):
-    ~4 passes over [rows, vocab], where Gumbel-max would need a keyed hash of every logit (tens of passes)."""
-    if not state.sample:
-        return logits.argmax(-1)
-    logits = logits / state.scalars["temperature"]
-    if state.nucleus:
-        ordered, order = logits.sort(-1, descending=True)
-        probs = ordered.softmax(-1)
-        remove = probs.cumsum(-1) - probs >= state.scalars["top_p"]
-        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    cdf = logits.softmax(-1).cumsum(-1)
-    target = uniform_draws(state.row_keys, state.scalars["step"]) * cdf[:, -1]   # cdf[-1] ~ 1 up to rounding
-    # cdf[i-1] < target <= cdf[i] implies p[i] > 0: a token outside the nucleus is never drawn.
-    return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+def add_rms_norm(x, residual, norm):
+    """residual += x (None: nothing to add), then the norm module of it: the pre-norm layer's residual stream."""
+    if x is not None:
+        residual.add_(x)
+    return norm(residual)
 
 
-def sampler_logprob(logits, token, state):
-    """log p(token) under softmax(logits / T) over the whole vocabulary (before the top-p cut; greedy: T = 1): the
-    definition of grpo_loss.token_logprobs, so the trainer can check the sampler token by token. [rows] float32,
-    gathered here so no [rows, vocab] tensor outlives the step."""
-    scaled = logits / state.scalars["temperature"] if state.sample else logits
-    return scaled.gather(-1, token[:, None]).squeeze(-1) - scaled.logsumexp(-1)
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def rotate(x, cos, sin):
+    """Rotary embedding of x [B, heads, T, hd] by cos / sin [B, T, rd] (rd <= hd: Phi-3 may rotate part of a head),
+    as transformers' apply_rotary_pos_emb computes it."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if cos.shape[-1] == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated, kept = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, kept], -1)
+
+
+def rotary_cache_write(q, k, v, cos, sin, key_cache, value_cache, slots):
+    """q [B, T, Hq * hd], k and v [B, T, Hkv * hd] (views of one projection's output) -> q rotated [B, Hq, T, hd];
+    k rotated and v are written into cache columns `slots` [T] of key_cache / value_cache [B, Hkv, L, hd]."""
+    batch, length, head_dim = q.shape[0], q.shape[1], key_cache.shape[-1]
+    q, k, v = (t.view(batch, length, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+    key_cache.index_copy_(2, slots, rotate(k, cos, sin))
+    value_cache.index_copy_(2, slots, v)
+    return rotate(q, cos, sin)
 
 
 def attend(q, keys, values, mask, scaling):
@@ -79,7 +88,7 @@ def attend_shared(q, keys, values, mask, scaling, shared):
     """`attend` where the first `shared` cache columns hold the same keys and values in every row (the prefix all
     prompts start with, prefix.shared_prefix_layout): they are read once, from row 0, as one matrix product for
     every row's queries, and the softmax runs over [prefix | the row's own columns] together. Eager decoding
-    only (the prefix length changes from call to call; a recorded graph has fixed shapes)."""
+    only (the prefix length is a host number here; the fused kernel reads it from the device)."""
     batch, heads, length, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads * length
@@ -97,37 +106,80 @@ def attend_shared(q, keys, values, mask, scaling, shared):
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, heads * head_dim)
 
 
-def run_layers(dec, hidden, positions, keys, values, slots, mask, shared=0):
-    """hidden [B, T, H] through every decoder layer; this input's K/V are written to cache columns `slots` [T].
-    shared: the first columns every row shares (`attend_shared`; 0: `attend`)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+@dataclass
+class Bounds:
+    """The cache columns each row's query reads: [0, shared) (the prefix every row holds; the fused kernel reads it
+    from row 0) and [start[row], slot] (its own prompt and completion). length: the columns the reference reads
+    (eager decoding: those written so far; a recorded graph: the whole cache); shared_len: the prefix length as a
+    host number where it is known (eager decoding: `attend_shared`), else 0. No mask exists unless the reference
+    asks for one."""
+    start: torch.Tensor     # [B] int64
+    shared: torch.Tensor    # [1] int64
+    slot: torch.Tensor      # [1] int64: the column this step writes, the last one read
+    scaling: float
+    length: int
+    shared_len: int = 0
+    cached_mask: torch.Tensor = field(default=None, repr=False)
 
-    cos, sin = dec.rotary(hidden, positions)
-    batch, length, _ = hidden.shape
-    for (input_norm, *qkv, o, post_norm, gate, up, down, act), layer_keys, layer_values in zip(
-            dec.layers, keys, values):
-        x = input_norm(hidden)
-        q, k, v = (proj(x).view(batch, length, -1, dec.head_dim).transpose(1, 2) for proj in qkv)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        layer_keys.index_copy_(2, slots, k)
-        layer_values.index_copy_(2, slots, v)
-        hidden = hidden + o(attend_shared(q, layer_keys, layer_values, mask, dec.scaling, shared) if shared else
-                            attend(q, layer_keys, layer_values, mask, dec.scaling))
-        x = post_norm(hidden)
-        hidden = hidden + down(act(gate(x)) * up(x))
-    return hidden
+    def mask(self):
+        """[B, 1, 1, length] bool, built once per step for every layer (the reference's; the fused kernel has none)."""
+        if self.cached_mask is None:
+            columns = torch.arange(self.length, device=self.start.device)
+            own = (columns >= self.start[:, None]) & (columns <= self.slot)
+            self.cached_mask = (own | (columns < self.shared))[:, None, None, :]
+        return self.cached_mask
 
 
-def decode_step(dec, state):
-    """One token for every row of the bucket, all in place on `state`: the function a CUDA graph records."""
-    scalars, length = state.scalars, state.attend_len or state.valid.shape[1]
-    state.valid.index_fill_(1, scalars["slot"], True)
-    keys, values = ([cache[:, :, :length] for cache in caches] if state.attend_len else caches
-                    for caches in (state.keys, state.values))
-    hidden = run_layers(dec, dec.embed(state.tokens[:, None]), state.positions[:, None], keys, values,
-                        scalars["slot"], state.valid[:, None, None, :length], state.shared_len)
-    logits = dec.lm_head(dec.norm(hidden))[:, -1].float()
-    token = choose_tokens(logits, state)
+def decode_attention(q, key_cache, value_cache, bounds):
+    """q [B, heads, 1, hd] over the columns `bounds` allows -> [B, 1, heads * hd]."""
+    keys, values = key_cache[:, :, :bounds.length], value_cache[:, :, :bounds.length]
+    if bounds.shared_len:
+        return attend_shared(q, keys, values, bounds.mask(), bounds.scaling, bounds.shared_len)
+    return attend(q, keys, values, bounds.mask(), bounds.scaling)
+
+
+def act_mul(gate, up, act):
+    """The gated MLP's act(gate) * up."""
+    return act(gate) * up
+
+
+def choose_tokens(logits, state, draws=None):
+    """Greedy argmax, or a draw from softmax(logits / T) restricted to the top-p nucleus: the most likely tokens
+    whose probabilities before them sum to < top_p (as transformers' TopPLogitsWarper). draws: the step's
+    uniform per row (None: hashed here from the row keys and the step, engine/step.uniform_draws).
+
+    Sampling inverts the CDF with one uniform per row (first token whose cumulative probability reaches it):
+    ~4 passes over [rows, vocab], where Gumbel-max would need a keyed hash of every logit (tens of passes)."""
+    if not state.sample:
+        return logits.argmax(-1)
+    logits = logits / state.scalars["temperature"]
+    if state.nucleus:
+        ordered, order = logits.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        remove = probs.cumsum(-1) - probs >= state.scalars["top_p"]
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    if draws is None:
+        draws = uniform_draws(state.row_keys, state.scalars["step"])
+    cdf = logits.softmax(-1).cumsum(-1)
+    target = draws * cdf[:, -1]   # cdf[-1] ~ 1 up to rounding
+    # cdf[i-1] < target <= cdf[i] implies p[i] > 0: a token outside the nucleus is never drawn.
+    return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+
+
+def sampler_logprob(logits, token, state):
+    """log p(token) under softmax(logits / T) over the whole vocabulary (before the top-p cut; greedy: T = 1): the
+    definition of grpo_loss.token_logprobs, so the trainer can check the sampler token by token. [rows] float32,
+    gathered here so no [rows, vocab] tensor outlives the step."""
+    scaled = logits / state.scalars["temperature"] if state.sample else logits
+    return scaled.gather(-1, token[:, None]).squeeze(-1) - scaled.logsumexp(-1)
+
+
+def finish_step(logits, state):
+    """After the LM head: every row's token chosen from its logits [B, V] (a row reaching its forced length emits
+    EOS, a finished row pad), recorded with its sampler log-prob in column `step`; rows that emitted an EOS id are
+    done; the token becomes the row's next input, one position further."""
+    scalars, logits = state.scalars, logits.float()
+    token = choose_tokens(logits, state, state.draws.index_select(1, scalars["step"]).squeeze(1))
     token = torch.where(state.stop_at == scalars["step"], scalars["eos"][0], token)
     token = torch.where(state.done, scalars["pad"], token)
     state.out.index_copy_(1, scalars["step"], token[:, None])
@@ -136,14 +188,54 @@ def decode_step(dec, state):
     state.done |= (token[:, None] == scalars["eos"]).any(-1)
     state.tokens.copy_(token)
     state.positions += 1
-    scalars["slot"] += 1
-    scalars["step"] += 1
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What a decode step calls for each operation: these reference functions, or (engine/ops.py) the fused ops
+    named in `fused`. stacked: the merged weight copy joins q|k|v and gate|up into one GEMM each."""
+    add_rms_norm: object = add_rms_norm
+    rotary_cache_write: object = rotary_cache_write
+    decode_attention: object = decode_attention
+    act_mul: object = act_mul
+    finish_step: object = finish_step
+    fused: frozenset = field(default=frozenset())
+    stacked: bool = True
+
+
+PLAIN = Kernels()
+
+
+def run_layers(dec, hidden, positions, keys, values, slots, attention, kernels=PLAIN):
+    """hidden [B, T, H] (the residual stream: updated in place) through every decoder layer; this input's K/V are
+    written to cache columns `slots` [T]; attention(q [B, heads, T, hd], layer keys, layer values) -> [B, T,
+    heads * hd]. Returns (the last layer's MLP output, the residual stream without it): the final norm adds them."""
+    cos, sin = dec.rotary(hidden, positions)
+    x = None
+    for layer, layer_keys, layer_values in zip(dec.layers, keys, values):
+        q, k, v = layer.qkv(kernels.add_rms_norm(x, hidden, layer.input_norm))
+        q = kernels.rotary_cache_write(q, k, v, cos, sin, layer_keys, layer_values, slots)
+        normed = kernels.add_rms_norm(layer.o(attention(q, layer_keys, layer_values)), hidden, layer.post_norm)
+        x = layer.down(kernels.act_mul(*layer.gate_up(normed), layer.act))
+    return x, hidden
+
+
+def decode_step(dec, state):
+    """One token for every row of the bucket, all in place on `state`: the function a CUDA graph records."""
+    kernels, scalars = dec.kernels, state.scalars
+    bounds = Bounds(state.start, scalars["shared"], scalars["slot"], dec.scaling,
+                    state.attend_len or state.out.shape[1], state.shared_len)
+    x, residual = run_layers(dec, dec.embed(state.tokens[:, None]), state.positions[:, None], state.keys,
+                             state.values, scalars["slot"], lambda q, k, v: kernels.decode_attention(q, k, v, bounds),
+                             kernels)
+    kernels.finish_step(dec.lm_head(kernels.add_rms_norm(x, residual, dec.norm))[:, -1], state)
+    scalars["counters"] += 1   # the slot and step counters, one tensor
 
 
 def prefill(dec, prompt_ids, prompt_mask, shared=0):
     """K/V of every prompt but its last token (the first decode step consumes it), [D, kv_heads, W - 1, hd].
     shared: the first `shared` columns hold the same tokens in every row, unpadded (prefix.shared_prefix_layout):
-    they run once, as one row, and every prompt's suffix attends to that row's K/V."""
+    they run once, as one row, and every prompt's suffix attends to that row's K/V. Plain PyTorch (PLAIN)."""
     distinct, length, device = prompt_ids.shape[0], prompt_ids.shape[1] - 1, prompt_ids.device
     if not 0 <= shared <= length or (shared and not bool(prompt_mask[:, :shared].all())):
         raise ValueError(f"a shared prefix of {shared} tokens needs {shared} unpadded columns before the last")
@@ -153,7 +245,7 @@ def prefill(dec, prompt_ids, prompt_mask, shared=0):
         once = [cache[:1, :, :shared].clone() for cache in keys]
         causal = torch.ones(shared, shared, dtype=torch.bool, device=device).tril()
         run_layers(dec, dec.embed(prompt_ids[:1, :shared]), torch.arange(shared, device=device)[None], once[::2],
-                   once[1::2], torch.arange(shared, device=device), causal[None, None])
+                   once[1::2], torch.arange(shared, device=device), masked_attention(causal[None, None], dec.scaling))
         for cache, prefix in zip(keys, once):
             cache[:, :, :shared] = prefix
     if length > shared:
@@ -162,5 +254,10 @@ def prefill(dec, prompt_ids, prompt_mask, shared=0):
         # A padding query sees itself, so no softmax row is empty (no NaN); no real query sees padding.
         allowed = ((causal & mask[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device))[:, shared:]
         run_layers(dec, dec.embed(prompt_ids[:, shared:length]), position_ids_from_mask(mask)[:, shared:],
-                   keys[::2], keys[1::2], torch.arange(shared, length, device=device), allowed[:, None])
+                   keys[::2], keys[1::2], torch.arange(shared, length, device=device),
+                   masked_attention(allowed[:, None], dec.scaling))
     return keys[::2], keys[1::2]
+
+
+def masked_attention(mask, scaling):
+    return lambda q, keys, values: attend(q, keys, values, mask, scaling)
