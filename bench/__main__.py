@@ -12,6 +12,7 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   sampler    sampler vs trainer log-prob gap: correct paths, planted faults (the fallback limit) bench/sampler.py
   prefix     the demo's update with prefix sharing off / on (each distinct token once), ratios  bench/prefix.py
   evalprefix held-out evaluation with prefix sharing off vs on: time ratio, same completions bench/eval_prefix.py
+  census     kernels, host syncs, bytes, FLOPs and a GPU roofline of the update and a decode step   bench/census.py
   save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine  bench/step.py
   show FILE.json ...   a saved run's tables as it printed them (the GPU figures, from results/)     bench/show.py
 
@@ -40,7 +41,7 @@ COMMANDS = {"selector": ("selector", "bench_selector"), "rewards": ("grading", "
             "asymmetry": ("phases", "bench_asymmetry"), "memory": ("phases", "bench_memory"),
             "decode": ("decode", "bench_decode"), "step": ("step", "bench_step"),
             "sampler": ("sampler", "bench_sampler"), "prefix": ("prefix", "bench_prefix"),
-            "evalprefix": ("eval_prefix", "bench_evalprefix"),
+            "evalprefix": ("eval_prefix", "bench_evalprefix"), "census": ("census", "bench_census"),
             "save-tokenizer": ("step", "save_tokenizer"), "show": ("show", "bench_show")}
 USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]   (python -m bench --help: the list)"
 

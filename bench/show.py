@@ -1,7 +1,8 @@
 """A saved benchmark run's tables, as the run printed them: `python -m bench show FILE.json ...`.
 
 Benchmarks that need a GPU save every row they print (bench_<name>.json, common.save_json); the GPU figures in
-BENCHMARKS.md are these tables, recomputed from the JSON files committed under results/ on any machine.
+BENCHMARKS.md are these tables, recomputed from the JSON files committed under results/ on any machine. A census
+(`python -m bench census`) saves its raw records: its tables and figures are computed again from them.
 """
 
 import json
@@ -26,6 +27,12 @@ def bench_show(argv):
             raise SystemExit(f"python -m bench show: no file {path}")
         saved = json.loads(path.read_text())
         print(f"# {path}")
+        if saved.get("benchmark") == "census":  # its tables are recomputed from its records
+            from bench import census
+
+            shown[str(path)] = census.print_report(saved)
+            print()
+            continue
         for key, rows in row_tables(saved).items():
             columns = list(dict.fromkeys(column for row in rows for column in row))
             print(f"\n## {key}")

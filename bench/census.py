@@ -1,0 +1,658 @@
+"""The update's and the decode step's kernels, host syncs, bytes and FLOPs, counted on a CPU (paper §1: generation
+and the update at the GPU's pace, not the host's): `python -m bench census [--preset a] [--json]`.
+
+A GPU idles while the host issues kernels one by one and whenever the host waits for a value it computed; what the
+GPU itself must do is read and write bytes and run FLOPs. None of that needs a GPU to count. The census runs one
+update of a preset's shapes (update.fill_logprobs + update.update_policy, as train.py calls them, after a warm-up
+update) and one decode step of the engine (the step function the engine records as a CUDA graph) under a
+TorchDispatchMode, on a model with the preset's layer structure (layers, query and key-value heads, LoRA targets,
+precision, gradient checkpointing, micro-batch, prefix sharing) at narrow widths, and records every aten operation:
+
+- kernels: operations that are not views and touch a device tensor: about one CUDA kernel each;
+- host syncs: a device value read by the host (`.item()`, `float()`, `bool()`, `.cpu()`, `.tolist()`, `nonzero`,
+  `unique`, boolean indexing) and a host-to-device copy without non_blocking (PyTorch synchronises the stream);
+- bytes and FLOPs: each tensor dimension is mapped from its narrow width onto the real one (`width_map`: hidden
+  544 -> 2048, ...), so each operation reads and writes the real model's bytes, and each matrix product and
+  attention counts the real FLOPs, at the real token counts;
+- a roofline for named cards (`CARDS`): each kernel takes max(bytes / bandwidth, FLOPs / rate) + a per-kernel floor.
+
+Device tensors (a CPU has only host memory): those derived from the model's parameters and buffers, from
+`.to(device)` copies and from factory calls given a device; the rest (the host's batch bookkeeping) is host work.
+Layers: the census runs 1 and 2 layers of the model; a figure of L layers is one + (L - 1) x (two - one), per phase.
+Simplifications: an aten operation is taken as one kernel (a few launch two; fused Triton kernels are not aten
+operations); attention FLOPs ignore the causal mask; the CPU's operations stand for CUDA's (the same Python code
+dispatches the same aten operations, bar the attention kernel's name).
+"""
+
+import argparse
+import collections
+import contextlib
+import datetime
+import functools
+import json
+import math
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass(frozen=True)
+class Card:
+    """What one GPU sustains (not its data-sheet peak): HBM bytes/s, dense matrix-product FLOP/s in bf16, in fp32
+    (CUDA cores) and in TF32, and the shortest time of one kernel (launch to completion, queued back to back)."""
+    bytes_per_s: float
+    bf16_flops: float
+    fp32_flops: float
+    tf32_flops: float
+    kernel_floor_s: float
+
+
+# Data-sheet figures x what copies and large bf16 GEMMs reach (~75 % of bandwidth, ~60 % of dense peak): H200 4.8 TB/s
+# and 989 TFLOP/s bf16 (measured copy 4.2-4.3 TB/s); H100 SXM 3.35 TB/s, same SMs; L40S 864 GB/s, 362 TFLOP/s bf16,
+# 91.6 fp32, 183 TF32. fp32 GEMMs on CUDA cores reach ~40 TFLOP/s on an H100/H200 (67 peak).
+CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6),
+         "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6),
+         "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6)}
+# Whether fp32 matrix products on CUDA may use TF32 (torch's default: no).
+TF32 = False
+
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
+NOT_KERNELS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+               "detach", "alias", "set_", "resolve_conj", "resolve_neg", "_local_scalar_dense", "equal", "is_same_size",
+               "_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+               "_reshape_alias", "_to_copy_noop", "is_nonzero", "_nested_tensor_size", "record_stream"}
+SYNC_OPS = {"_local_scalar_dense": "item", "equal": "item", "nonzero": "nonzero", "masked_select": "nonzero",
+            "_unique2": "unique", "unique_dim": "unique", "unique_consecutive": "unique", "_unique": "unique",
+            "repeat_interleave": "repeat_interleave"}
+# In-place writes of a few positions of their first argument (a KV cache column): it is neither read nor written whole.
+SCATTERS = {"index_copy_", "index_put_", "index_add_", "index_fill_", "scatter_", "scatter_add_", "scatter_reduce_",
+            "masked_scatter_"}
+# Reads of a few rows of their first argument (an embedding table, the vocabulary axis): it is not read whole.
+GATHERS = {"embedding", "index_select", "gather"}
+FACTORIES = ("arange", "zeros", "ones", "full", "empty", "tensor", "as_tensor", "rand", "randn", "randint", "eye",
+             "linspace", "scalar_tensor")
+
+
+# ---------------------------------------------------------------- narrow widths mapped onto real ones
+
+@dataclass(frozen=True)
+class Narrow:
+    """The narrow width of each real dimension the census maps back. Each must differ from every other and from the
+    small counts that stay real (rows, heads); `width_map` checks what it can."""
+    half_head_dim: int = 17       # rotary halves; the head dim is twice this
+    rank: int = 19                # LoRA rank
+    intermediate: int = 23        # MLP width
+    vocab: int = 101
+    prefix: int = 28              # the step's prefix (the prompt but its last token); the prompt is one more
+    completion: int = 38
+    decode_cache: int = 256       # the engine's cache length (its bucket: engine.decode.CACHE_BUCKET_TOKENS)
+
+
+def width_map(real, narrow, lora_rank, prompt, completion, rows, decode_rows, cache):
+    """{narrow dimension: real dimension} of every width the update and the decode step use: head dim (and its
+    rotary half), hidden, key-value width, LoRA rank, MLP width, vocabulary, the decode cache, the token counts of
+    the update's passes (prompt, completion, their sums) and those times every row count up to `rows` (matrix
+    products flatten rows x tokens). real: the model's config. ValueError if a narrow width would stand for two real
+    ones, or equals a count that stays real (heads, rows)."""
+    heads, kv_heads = real.num_attention_heads, real.num_key_value_heads
+    head, real_head = narrow.half_head_dim * 2, real.hidden_size // heads
+    p, c = narrow.prefix + 1, narrow.completion
+    tokens = [(p - 1, prompt - 1), (p, prompt), (c - 1, completion - 1), (c, completion), (c + 1, completion + 1),
+              (p - 1 + c, prompt - 1 + completion), (p + c, prompt + completion)]
+    pairs = [(narrow.half_head_dim, real_head // 2), (head, real_head), (heads * head, real.hidden_size),
+             (kv_heads * head, kv_heads * real_head), (narrow.rank, lora_rank),
+             (narrow.intermediate, real.intermediate_size), (narrow.vocab, real.vocab_size),
+             (narrow.decode_cache, cache)] + [(k * t, k * r) for k in range(1, rows + 1) for t, r in tokens]
+    kept = {1, 2, heads, kv_heads, heads // kv_heads, rows, decode_rows} | set(range(1, 17))
+    mapping = {}
+    for tiny, full in pairs:
+        if mapping.get(tiny, full) != full or tiny in kept:
+            raise ValueError(f"narrow width {tiny} would stand for {full} and for {mapping.get(tiny, tiny)}: choose "
+                             "other narrow widths (bench.census.Narrow)")
+        mapping[tiny] = full
+    return mapping
+
+
+# ---------------------------------------------------------------- the recorder
+
+class _DeviceTensors:
+    """Which tensors live on the device, by storage (views and in-place writes share it); an entry lasts while one
+    of its tensors does, so a storage freed and reused by a host tensor is not taken for a device one."""
+
+    def __init__(self):
+        self.refs = {}
+
+    @staticmethod
+    def _key(tensor):
+        try:
+            pointer = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            pointer = 0
+        return pointer or ("id", id(tensor))
+
+    def add(self, tensor):
+        for t in (tensor, tensor._base):
+            if t is not None:
+                self.refs.setdefault(self._key(t), []).append(weakref.ref(t))
+
+    def __contains__(self, tensor):
+        key = self._key(tensor)
+        alive = [ref for ref in self.refs.get(key, ()) if ref() is not None]
+        if alive:
+            self.refs[key] = alive
+        else:
+            self.refs.pop(key, None)
+        return bool(alive)
+
+
+def _tensors(value):
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+class Census(TorchDispatchMode):
+    """Records each aten operation's kernel, sync, bytes and FLOPs under the current `phase` (see the module
+    docstring). every_tensor_on_device: no host tensors at all (the decode step works on device buffers only)."""
+
+    def __init__(self, mapping, every_tensor_on_device=False):
+        super().__init__()
+        self.mapping, self.everything = mapping, every_tensor_on_device
+        self.device = _DeviceTensors()
+        self.phase = "other"
+        self.ops = collections.Counter()      # (phase, op, dtype, bytes, flops) -> kernels
+        self.syncs = collections.Counter()    # (phase, kind) -> host syncs
+        self.factory_on_device = False
+
+    def on_device(self, tensor):
+        return self.everything or tensor in self.device
+
+    def real_bytes(self, tensor):
+        return math.prod(self.mapping.get(d, d) for d in tensor.shape) * tensor.element_size()
+
+    def sync(self, kind):
+        self.syncs[self.phase, kind] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        device = self.everything or any(self.on_device(t) for t in inputs) or (not inputs and self.factory_on_device)
+        if not device:
+            return out
+        written = _tensors(args[0]) if args and name.endswith("_") and not name.startswith("__") else []
+        for t in outputs + written + _tensors(kwargs.get("out")):
+            self.device.add(t)
+        if name in SYNC_OPS:
+            self.sync(SYNC_OPS[name])
+        elif name in ("index", "index_put_", "index_put") and any(t.dtype == torch.bool for t in _tensors(args[1])):
+            self.sync("boolean index")
+        if func.is_view or name in NOT_KERNELS:
+            return out
+        if name in GATHERS:  # reads what it writes (and the indices)
+            nbytes = sum(self.real_bytes(t) for t in inputs[1:] + outputs * 2 if t.numel() > 1)
+        elif name in SCATTERS:  # reads the new values (and indices), writes as many
+            read = [t for t in inputs[1:] if t.numel() > 1]
+            nbytes = sum(map(self.real_bytes, read)) + max(map(self.real_bytes, read), default=0)
+        else:  # reads every input (not copy_'s destination), writes every output
+            read = inputs[1:] if name == "copy_" else inputs
+            nbytes = sum(self.real_bytes(t) for t in read + outputs if t.numel() > 1)
+        flops, dtype = self.flops(name, args), (outputs[0].dtype if outputs else inputs[0].dtype)
+        if name in MATMULS or "attention" in name:
+            dtype = _tensors(args)[0].dtype
+        self.ops[self.phase, name, str(dtype).replace("torch.", ""), nbytes, flops] += 1
+        return out
+
+    def flops(self, name, args):
+        real = lambda d: self.mapping.get(d, d)  # noqa: E731
+        if name in MATMULS:
+            a, b = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm", "_addmm_activation", "addmv") \
+                else (args[0], args[1])
+            m, k = (1, real(a.shape[-1])) if a.dim() == 1 else (real(a.shape[-2]), real(a.shape[-1]))
+            n = real(b.shape[-1]) if b.dim() > 1 else 1
+            return 2 * math.prod(real(d) for d in a.shape[:-2]) * m * n * k
+        if "attention" in name and len(args) > 1 and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
+            # q [b, heads, Lq, d] (its backward's args start with the output's gradient, of q's shape)
+            q, k = args[0], args[1]
+            batch, heads, length, dim = (real(d) for d in q.shape)
+            forward = 4 * batch * heads * length * real(k.shape[-2]) * dim
+            return int(forward * (2.5 if "backward" in name else 1))
+        return 0
+
+    @contextlib.contextmanager
+    def labelled(self, phase):
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+
+def label(census, phase, function):
+    """`function` with its operations recorded under `phase` (an inner label wins)."""
+    def wrapper(*args, **kwargs):
+        with census.labelled(phase):
+            return function(*args, **kwargs)
+    return wrapper
+
+
+@contextlib.contextmanager
+def host_boundary(census, model_device):
+    """The copies between host and device, which dispatch no operation on a CPU: `.to(device)` of a host tensor is
+    a host-to-device copy (a sync unless non_blocking), `.cpu()` / `.tolist()` / `.numpy()` of a device tensor a
+    device-to-host one (a sync); factory calls given a device make device tensors."""
+    real = {name: getattr(torch.Tensor, name) for name in ("to", "cpu", "tolist", "numpy")}
+    factories = {name: getattr(torch, name) for name in FACTORIES}
+
+    def fresh(tensor):
+        with _disable_current_modes():
+            return tensor.clone()
+
+    def to(self, *args, **kwargs):
+        target, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if target is None or census.on_device(self) or torch.device(target).type != model_device.type:
+            return real["to"](self, *args, **kwargs)
+        if not non_blocking:
+            census.sync("host-to-device copy")
+        result = real["to"](self, *args, **kwargs)
+        result = fresh(result) if result is self else result
+        census.device.add(result)
+        return result
+
+    def cpu(self, *args, **kwargs):
+        if not census.on_device(self):
+            return real["cpu"](self, *args, **kwargs)
+        census.sync("device-to-host copy")
+        return fresh(self)
+
+    def reader(name):
+        def read(self, *args, **kwargs):
+            if census.on_device(self):
+                census.sync("device-to-host copy")
+            return real[name](self, *args, **kwargs)
+        return read
+
+    def factory(name):
+        def make(*args, **kwargs):
+            if kwargs.get("device") is None or isinstance(kwargs["device"], str):
+                return factories[name](*args, **kwargs)
+            if name in ("tensor", "as_tensor") and not (args and isinstance(args[0], torch.Tensor)):
+                census.sync("host-to-device copy")  # a Python value copied onto the device, blocking
+            previous, census.factory_on_device = census.factory_on_device, True
+            try:
+                result = factories[name](*args, **kwargs)
+            finally:
+                census.factory_on_device = previous
+            census.device.add(result)
+            return result
+        return make
+
+    patches = dict(to=to, cpu=cpu, tolist=reader("tolist"), numpy=reader("numpy"))
+    try:
+        for name, method in patches.items():
+            setattr(torch.Tensor, name, method)
+        for name in FACTORIES:
+            setattr(torch, name, factory(name))
+        yield
+    finally:
+        for name, method in real.items():
+            setattr(torch.Tensor, name, method)
+        for name, function in factories.items():
+            setattr(torch, name, function)
+
+
+def records(census):
+    """The census's operations as rows [phase, op, dtype, bytes, FLOPs, count] and its syncs [phase, kind, count]."""
+    return ([[*key, count] for key, count in sorted(census.ops.items(), key=str)],
+            [[*key, count] for key, count in sorted(census.syncs.items())])
+
+
+# ---------------------------------------------------------------- the roofline and the totals (bench show redoes them)
+
+def op_class(op, dtype):
+    if op in MATMULS:
+        return f"matrix products, {dtype}"
+    if "attention" in op:
+        return "attention"
+    if op in ("_to_copy", "copy_", "clone"):
+        return "casts and copies"
+    if op.startswith("_foreach") or op.startswith("_fused"):
+        return "multi-tensor (optimizer, clipping)"
+    return "elementwise, reductions, indexing"
+
+
+def kernel_seconds(op, dtype, nbytes, flops, card, tf32=False):
+    """The roofline time of one kernel on `card`."""
+    rate = card.bf16_flops
+    if dtype == "float32" and flops and "attention" not in op:
+        rate = card.tf32_flops if tf32 else card.fp32_flops
+    return max(nbytes / card.bytes_per_s, flops / rate if flops else 0.0) + card.kernel_floor_s
+
+
+def totals(rows, key, cards, tf32):
+    """{key(row): {kernels, bytes, flops, seconds per card}} over operation rows [phase, op, dtype, bytes, FLOPs, n]."""
+    table = {}
+    for phase, op, dtype, nbytes, flops, count in rows:
+        entry = table.setdefault(key(phase, op, dtype), dict(kernels=0, bytes=0, flops=0, seconds={}))
+        entry["kernels"] += count
+        entry["bytes"] += nbytes * count
+        entry["flops"] += flops * count
+        for name, card in cards.items():
+            entry["seconds"][name] = entry["seconds"].get(name, 0.0) + count * kernel_seconds(op, dtype, nbytes,
+                                                                                               flops, card, tf32)
+    return table
+
+
+def extrapolated(one, two, layers):
+    """one + (layers - 1) x (two - one), entry by entry (nested dicts of numbers)."""
+    if isinstance(one, dict) or isinstance(two, dict):
+        one, two = one if isinstance(one, dict) else {}, two if isinstance(two, dict) else {}
+        return {key: extrapolated(one.get(key, 0), two.get(key, 0), layers) for key in dict.fromkeys([*one, *two])}
+    return one + (layers - 1) * (two - one)
+
+
+def figures(saved):
+    """The census's figures from its raw records (what `python -m bench show` prints): per phase and per operation
+    class of the update and of the decode step, and the headline numbers."""
+    cards = {name: Card(**values) for name, values in saved["cards"].items()}
+    layers, tf32 = saved["shapes"]["layers"], saved["tf32"]
+    empty = dict(kernels=0, bytes=0, flops=0, seconds={})
+    keys = {"phase": lambda p, o, d: p, "class": lambda p, o, d: op_class(o, d), "all": lambda p, o, d: "all"}
+    parts = {}
+    for part in ("update", "decode"):
+        runs = [saved["raw"][part][n] for n in ("1", "2")]
+        tables = {title: [totals(run["ops"], key, cards, tf32) for run in runs] for title, key in keys.items()}
+        syncs = [collections.Counter() for _ in runs]
+        for counter, run in zip(syncs, runs):
+            for phase, kind, count in run["syncs"]:
+                counter[phase] += count
+        one, two = (table.get("all", empty) for table in tables["all"])
+        parts[part] = dict(phase=extrapolated(*tables["phase"], layers), whole=extrapolated(one, two, layers),
+                           classes=extrapolated(*tables["class"], layers),
+                           syncs=extrapolated(dict(syncs[0]), dict(syncs[1]), layers),
+                           kernels_per_layer=two["kernels"] - one["kernels"])
+    update, decode = parts["update"], parts["decode"]
+    update_syncs, decode_syncs = sum(update["syncs"].values()), sum(decode["syncs"].values())
+    return dict(update_kernels=round(update["whole"]["kernels"]), update_host_syncs=round(update_syncs),
+                update_host_syncs_per_optimizer_step=update_syncs / max(saved["raw"]["update"]["optimizer_steps"], 1),
+                update_gb=round(update["whole"]["bytes"] / 1e9, 1),
+                update_tflop=round(update["whole"]["flops"] / 1e12, 2),
+                update_roofline_s={name: round(s, 3) for name, s in update["whole"]["seconds"].items()},
+                update_kernels_per_layer=update["kernels_per_layer"],
+                decode_kernels_per_step=round(decode["whole"]["kernels"]),
+                decode_kernels_per_layer=decode["kernels_per_layer"],
+                decode_host_syncs_per_step=round(decode_syncs),
+                decode_gb_per_step=round(decode["whole"]["bytes"] / 1e9, 2),
+                decode_roofline_ms_per_step={name: round(s * 1e3, 3) for name, s in
+                                             decode["whole"]["seconds"].items()},
+                tables=dict(update_phases=_rows(update["phase"], update["syncs"], "phase"),
+                            update_classes=_rows(update["classes"], {}, "operation class"),
+                            decode_classes=_rows(decode["classes"], {}, "operation class")))
+
+
+def _rows(table, syncs, title):
+    rows = []
+    for key, entry in sorted(table.items(), key=lambda item: -item[1]["kernels"]):
+        row = {title: key, "kernels": round(entry["kernels"]), "host syncs": round(syncs.get(key, 0)),
+               "GB": round(entry["bytes"] / 1e9, 2), "TFLOP": round(entry["flops"] / 1e12, 3)}
+        row.update({f"{name} s": round(s, 4) for name, s in entry["seconds"].items()})
+        rows.append(row)
+    for key in set(syncs) - set(table):  # a phase with syncs and no kernel
+        rows.append({title: key, "kernels": 0, "host syncs": round(syncs[key])})
+    return rows
+
+
+HEADLINES = ("update_kernels", "update_host_syncs", "update_host_syncs_per_optimizer_step", "update_roofline_s",
+             "update_gb", "update_tflop", "update_kernels_per_layer", "decode_kernels_per_step",
+             "decode_kernels_per_layer", "decode_host_syncs_per_step", "decode_gb_per_step",
+             "decode_roofline_ms_per_step")
+
+
+def print_report(saved):
+    """The tables and headline figures of a census (recomputed from its raw records)."""
+    from bench.common import print_header, print_row
+
+    result = figures(saved)
+    shapes = saved["shapes"]
+    print(f"# census of preset ({saved['preset']}): {saved['model']}, {shapes['layers']} layers, {shapes['rows']} rows "
+          f"x ({shapes['prompt_tokens']} + {shapes['completion_tokens']}) tokens, micro-batch "
+          f"{shapes['micro_batch_size']}, {saved['precision']}; decode: {shapes['decode_rows']} rows, cache "
+          f"{shapes['decode_cache']}; counted on CPU ({saved['date']}), roofline per card in seconds")
+    for name, rows in result["tables"].items():
+        columns = list(dict.fromkeys(column for row in rows for column in row))
+        print(f"\n## {name}")
+        print_header(columns)
+        for row in rows:
+            print_row(row, columns)
+    print()
+    for key in HEADLINES:
+        print(f"{key}: {result[key]}")
+    return result
+
+
+# ---------------------------------------------------------------- running the update and the decode step
+
+def narrow_model(name, layers, narrow, dtype):
+    """A random-weight model of the shipped config `name` (bench.common.MODEL_CONFIGS) with `layers` layers at the
+    narrow widths."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench import common
+
+    values = json.loads((common.CONFIG_DIR / common.MODEL_CONFIGS[name]).read_text())
+    values = {key: value for key, value in values.items() if not key.startswith("_") and key != "architectures"}
+    values.update(hidden_size=values["num_attention_heads"] * narrow.half_head_dim * 2,
+                  head_dim=narrow.half_head_dim * 2, intermediate_size=narrow.intermediate, vocab_size=narrow.vocab,
+                  num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=2, use_sliding_window=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**values), dtype=dtype)
+
+
+def trainer_args(preset, flags=()):
+    """The preset's flags as train.py resolves them, in bf16 (the GPU's precision), without data or evaluation."""
+    import warnings
+
+    import config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # --bf16 on a CPU without bf16 instructions: counted, not timed
+        return config.parse_args(["--preset", preset, "--dataset", "arithmetic", "--eval-samples", "0", "--device",
+                                  "cpu", "--bf16", *flags])
+
+
+def narrow_policy(args, layers, narrow):
+    """The policy as train.py builds it from `args` (LoRA, checkpointing, precision), on a narrow model."""
+    import config
+    import models
+
+    dtype = models.compute_dtypes(args.bf16, args.lora_rank)[0]
+    lora = {key: value for key, value in config.model_options(args).items() if key != "load_in_4bit"}
+    return models.prepare_for_training(narrow_model(args.census_model, layers, narrow, dtype), **lora)
+
+
+def update_run(args, layers, narrow, mapping, rows):
+    """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
+    policy."""
+    import config
+    import grpo_loss
+    import models
+    import prefix
+    import rollout_check
+    import update
+
+    model = narrow_policy(args, layers, narrow).train()
+    optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
+    settings = config.update_settings(args)
+    generator = torch.Generator().manual_seed(0)
+
+    def batch():
+        prompt_ids = torch.randint(3, narrow.vocab, (1, narrow.prefix + 1), generator=generator).expand(rows, -1)
+        completion_ids = torch.randint(3, narrow.vocab, (rows, narrow.completion), generator=generator)
+        kept = update.UpdateBatch(prompt_ids.clone(), torch.ones_like(prompt_ids), completion_ids,
+                                  torch.ones_like(completion_ids), torch.randn(rows, generator=generator),
+                                  torch.ones(rows, dtype=torch.bool))
+        with torch.no_grad(), models.dropout_off(model):  # the sampler's log-probs: the policy's own
+            ids = torch.cat([kept.prompt_ids, completion_ids], 1)
+            kept.sampler_logprobs = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), narrow.completion,
+                                                             settings.temperature).float()
+        return [kept]
+
+    def run(batches):
+        update.fill_logprobs(model, batches, settings)
+        return update.update_policy(model, optimizer, batches, settings,
+                                    max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT)
+
+    run(batch())  # warm-up: the optimizer's state, the allocator
+    census, batches = Census(mapping), batch()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        census.device.add(tensor)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                census.device.add(value)
+    phases = [(update, "_logprobs", "forward"), (update, "micro_batch_loss", "loss and metrics"),
+              (prefix, "step_prefix", "step prefix forward"), (prefix, "backward_step_prefix", "step prefix backward"),
+              (torch.Tensor, "backward", "backward (with checkpoint recompute)"),
+              (torch.nn.utils, "clip_grad_norm_", "gradient clipping"), (optimizer, "step", "optimizer"),
+              (optimizer, "zero_grad", "optimizer"), (rollout_check.SamplerGap, "of", "sampler check"),
+              (rollout_check, "row_mean_ratios", "sampler check")]
+    calls, hf = [], models.hf_model(model)
+    hf_forward = hf.forward
+
+    def forward(*args, **kwargs):  # each model call of the forward phase on its own line: [rows x tokens]
+        ids = kwargs.get("input_ids")
+        calls.append(tuple(ids.shape))
+        if census.phase != "forward":
+            return hf_forward(*args, **kwargs)
+        with census.labelled(f"forward [{ids.shape[0]} x {mapping.get(ids.shape[1], ids.shape[1])}]"):
+            return hf_forward(*args, **kwargs)
+
+    hf.forward = functools.wraps(hf_forward)(forward)  # its signature too: prefix.py reads it
+    saved = [(owner, name, owner.__dict__[name] if name in vars(owner) else None) for owner, name, _ in phases]
+    try:
+        for owner, name, phase in phases:
+            setattr(owner, name, label(census, phase, getattr(owner, name)))
+        with host_boundary(census, torch.device("cpu")), census, census.labelled("batching and bookkeeping"):
+            metrics = run(batches)
+    finally:
+        del hf.forward
+        for owner, name, value in saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+    ops, syncs = records(census)
+    return dict(ops=ops, syncs=syncs, model_calls=len(calls), optimizer_steps=metrics.optimizer_steps)
+
+
+def decode_run(args, layers, narrow, mapping, rows):
+    """Records of one decode step of the engine (its step function, as a CUDA graph records it: the whole bucketed
+    cache under the mask) of `rows` rows on a `layers`-layer narrow model."""
+    import engine
+
+    model = narrow_policy(args, layers, narrow).eval()
+    prompts = torch.randint(3, narrow.vocab, (1, narrow.prefix + 1), generator=torch.Generator().manual_seed(0))
+    census, counted = Census(mapping, every_tensor_on_device=True), []
+    eng = engine.engine_for(model, compile_backend=False, capture=False)
+    step = eng.step
+
+    def counted_step(*step_args, **step_kwargs):
+        if counted:
+            return step(*step_args, **step_kwargs)
+        counted.append(1)
+        with census, census.labelled("decode step"):
+            return step(*step_args, **step_kwargs)
+
+    eng.step = counted_step
+    window, engine.decode.EAGER_WINDOW = engine.decode.EAGER_WINDOW, False  # read the whole bucketed cache
+    try:
+        with torch.no_grad():
+            engine.generate(model, prompts, torch.ones_like(prompts), torch.zeros(rows, dtype=torch.long), 2, [], 2,
+                            temperature=args.temperature, top_p=args.top_p, max_rows=rows, compile_backend=False,
+                            capture=False, cache_tokens=narrow.decode_cache)
+    finally:
+        engine.decode.EAGER_WINDOW = window
+        engine.release(model)
+    ops, syncs = records(census)
+    return dict(ops=ops, syncs=syncs)
+
+
+def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), layers=None, prompt_tokens=200,
+              completion_tokens=None, rows=None):
+    """The census of a preset (a dict: settings, raw records, figures; see `figures`)."""
+    import config
+    from bench import common
+
+    args = trainer_args(preset, flags)
+    if args.load_in_4bit:
+        raise ValueError("the census counts a bf16 or fp32 base model (4-bit kernels need CUDA)")
+    name = model or next(key for key, file in common.MODEL_CONFIGS.items()
+                         if file.removesuffix(".json") == args.model.split("/")[-1].lower())
+    args.census_model = name
+    real = common.real_config(name)
+    real.vocab_size = vocab or real.vocab_size
+    completion = completion_tokens or args.max_completion_tokens
+    rows = rows or args.update_size * args.prompts_per_step
+    cache = -(-max(prompt_tokens - 1 + completion, args.max_prompt_tokens + args.max_completion_tokens) // 256) * 256
+    mapping = width_map(real, narrow, args.lora_rank, prompt_tokens, completion, rows, args.rollout_batch_size, cache)
+    layers = layers or real.num_hidden_layers
+    raw = {"update": {}, "decode": {}}
+    for count in (1, 2):
+        raw["update"][str(count)] = update_run(args, count, narrow, mapping, rows)
+        raw["decode"][str(count)] = decode_run(args, count, narrow, mapping, args.rollout_batch_size)
+    raw["update"]["optimizer_steps"] = raw["update"]["1"]["optimizer_steps"]
+    settings = config.update_settings(args)
+    saved = dict(benchmark="census", preset=preset, flags=list(flags), model=name,
+                 precision="bf16 base weights" + (" + LoRA" if args.lora_rank else ""),
+                 date=datetime.date.today().isoformat(),
+                 device="CPU census (narrow widths mapped onto the real ones; no GPU)",
+                 versions={lib: __import__(lib).__version__ for lib in ("torch", "transformers", "peft")},
+                 shapes=dict(layers=layers, rows=rows, prompt_tokens=prompt_tokens, completion_tokens=completion,
+                             vocab=real.vocab_size, lora_rank=args.lora_rank,
+                             micro_batch_size=settings.micro_batch_size,
+                             gradient_checkpointing=args.gradient_checkpointing,
+                             prefix_sharing=settings.prefix_sharing, decode_rows=args.rollout_batch_size,
+                             decode_cache=cache, model_calls=raw["update"]["1"]["model_calls"]),
+                 narrow=asdict(narrow), cards={name: asdict(card) for name, card in CARDS.items()}, tf32=TF32,
+                 raw=raw)
+    result = figures(saved)
+    saved.update({key: result[key] for key in HEADLINES})
+    return saved
+
+
+def bench_census(argv):
+    """`python -m bench census`: count, print the tables (or, with --json, one JSON object), save the records."""
+    parser = argparse.ArgumentParser(prog="python -m bench census", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="a", choices=list("abcd"), help="the shapes and settings (default a)")
+    parser.add_argument("--vocab", type=int, default=49152,
+                        help="vocabulary size (default 49152: the GPU benchmarks' SmolLM2 tokenizer; 0: the model's)")
+    parser.add_argument("--rows", type=int, default=None, help="kept rows of the update, all of one prompt (default: "
+                        "the preset's m x prompts per step)")
+    parser.add_argument("--prompt-tokens", type=int, default=200, help="prompt tokens of the update (default 200)")
+    parser.add_argument("--completion-tokens", type=int, default=None, help="completion tokens of every row "
+                        "(default: the preset's limit)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch (default: the "
+                        "preset's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the headline figures)")
+    parser.add_argument("--out", default="bench_out/bench_census.json", help="where the records go (JSON)")
+    args = parser.parse_args(argv)
+    flags = [] if args.micro_batch_size is None else ["--micro-batch-size", str(args.micro_batch_size)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        saved = census_of(args.preset, flags, vocab=args.vocab, prompt_tokens=args.prompt_tokens,
+                          completion_tokens=args.completion_tokens, rows=args.rows)
+    finally:
+        torch.set_num_threads(threads)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved, indent=None, separators=(",", ":")) + "\n")
+    if args.json:
+        print(json.dumps({key: saved[key] for key in HEADLINES}))
+    else:
+        print_report(saved)
+        print(f"records: {path}")
+    return saved
