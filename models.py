@@ -317,6 +317,21 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
     return model
 
 
+@contextlib.contextmanager
+def tf32_matmuls(device):
+    """On CUDA, float32 matrix products of the block may use TF32 (a 10-bit mantissa; the update's bf16 products have
+    7): what is left in float32 (full fine-tuning without --bf16) runs on tensor cores. Elsewhere: nothing changes."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
     """A random-weight 2-layer model (hidden 64) of a real architecture, for tests and CPU benchmarks."""
     from transformers import LlamaConfig, Qwen2Config

@@ -157,14 +157,14 @@ class Census(TorchDispatchMode):
     """Records each aten operation's kernel, sync, bytes and FLOPs under the current `phase` (see the module
     docstring). every_tensor_on_device: no host tensors at all (the decode step works on device buffers only)."""
 
-    def __init__(self, mapping, every_tensor_on_device=False):
+    def __init__(self, mapping, every_tensor_on_device=False, factories_on_device=False):
         super().__init__()
-        self.mapping, self.everything = mapping, every_tensor_on_device
+        self.mapping, self.everything, self.factories_on_device = mapping, every_tensor_on_device, factories_on_device
         self.device = _DeviceTensors()
         self.phase = "other"
         self.ops = collections.Counter()      # (phase, op, dtype, bytes, flops) -> kernels
         self.syncs = collections.Counter()    # (phase, kind) -> host syncs
-        self.factory_on_device = False
+        self.making_device_tensor = False
 
     def on_device(self, tensor):
         return self.everything or tensor in self.device
@@ -180,7 +180,7 @@ class Census(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        device = self.everything or any(self.on_device(t) for t in inputs) or (not inputs and self.factory_on_device)
+        device = self.everything or any(self.on_device(t) for t in inputs) or (not inputs and self.making_device_tensor)
         if not device:
             return out
         written = _tensors(args[0]) if args and name.endswith("_") and not name.startswith("__") else []
@@ -275,17 +275,17 @@ def host_boundary(census, model_device):
             return real[name](self, *args, **kwargs)
         return read
 
-    def factory(name):
+    def factory(name):  # given a device inside the model (`factories_on_device`): a device tensor
         def make(*args, **kwargs):
-            if kwargs.get("device") is None or isinstance(kwargs["device"], str):
+            if kwargs.get("device") is None or isinstance(kwargs["device"], str) or not census.factories_on_device:
                 return factories[name](*args, **kwargs)
             if name in ("tensor", "as_tensor") and not (args and isinstance(args[0], torch.Tensor)):
                 census.sync("host-to-device copy")  # a Python value copied onto the device, blocking
-            previous, census.factory_on_device = census.factory_on_device, True
+            previous, census.making_device_tensor = census.making_device_tensor, True
             try:
                 result = factories[name](*args, **kwargs)
             finally:
-                census.factory_on_device = previous
+                census.making_device_tensor = previous
             census.device.add(result)
             return result
         return make
@@ -525,10 +525,15 @@ def update_run(args, layers, narrow, mapping, rows):
     def forward(*args, **kwargs):  # each model call of the forward phase on its own line: [rows x tokens]
         ids = kwargs.get("input_ids")
         calls.append(tuple(ids.shape))
-        if census.phase != "forward":
-            return hf_forward(*args, **kwargs)
-        with census.labelled(f"forward [{ids.shape[0]} x {mapping.get(ids.shape[1], ids.shape[1])}]"):
-            return hf_forward(*args, **kwargs)
+        phase = census.phase
+        if phase == "forward":
+            phase = f"forward [{ids.shape[0]} x {mapping.get(ids.shape[1], ids.shape[1])}]"
+        census.factories_on_device = True  # the model makes its position ids, masks (...) where it runs
+        try:
+            with census.labelled(phase):
+                return hf_forward(*args, **kwargs)
+        finally:
+            census.factories_on_device = False
 
     hf.forward = functools.wraps(hf_forward)(forward)  # its signature too: prefix.py reads it
     saved = [(owner, name, owner.__dict__[name] if name in vars(owner) else None) for owner, name, _ in phases]

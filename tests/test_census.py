@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 
 def counted(fn, *device_tensors, mapping=None):
     """A Census of fn() with `device_tensors` on the device (the model's parameters, say)."""
-    recorder = census.Census(mapping or {})
+    recorder = census.Census(mapping or {}, factories_on_device=True)
     for tensor in device_tensors:
         recorder.device.add(tensor)
     with census.host_boundary(recorder, CPU), recorder:
@@ -124,7 +124,7 @@ def test_two_sets_of_narrow_widths_give_the_same_real_bytes_and_flops():
                                         completion=51))
     assert first["optimizer_steps"] == second["optimizer_steps"] == 1
     for records in (first, second):
-        assert records["model_calls"] == 1 + 2 * 2   # the step's prefix, then 2 calls per micro-batch
+        assert records["model_calls"] == 1 + 2   # the step's prefix, then one call per micro-batch
 
     def by_phase(records):
         table = collections.defaultdict(lambda: [0, 0, 0])
