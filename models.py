@@ -4,8 +4,9 @@ Paper setting (a)-(d) (Appendix, hyper-parameter table): a 3B instruct model wit
 q,k,v,o,gate,up,down. The LoRA adapter also gives the reference policy for the KL term for free (adapter
 disabled = the base model), so no second model is held in memory.
 
-Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 (peft holds the adapter in
-fp32); --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
+Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 and the adapter in fp32 (master
+weights and optimizer state), and computes the adapter in bf16 (`lora_in_base_dtype`: three bf16 matrix products per
+projection); --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4:
 the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 `native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
@@ -313,7 +314,79 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
 
             config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank, lora_dropout=lora_dropout,
                                 target_modules=list(lora_target_modules), task_type="CAUSAL_LM")
-            model = get_peft_model(model, config)
+            model = lora_in_base_dtype(get_peft_model(model, config))
+    return model
+
+
+class _LoRAProduct(torch.autograd.Function):
+    """x W^T (+ bias) + s (x A^T) B^T for 2-D x in the base weights' dtype, in three matrix products (the last one
+    adds the adapter's product, scaled, to the base's); A and B arrive in that dtype (`_low_precision_copies`) and
+    their gradients leave in the adapter's own dtype (fp32 master weights). W and the bias are frozen."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, a_low, b_low, scaling):
+        xa = x @ a_low.t()
+        out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+        out = torch.addmm(out, xa, b_low.t(), alpha=scaling)
+        ctx.save_for_backward(x, xa, weight, a_low, b_low)
+        ctx.scaling, ctx.adapter_dtype = scaling, lora_a.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, xa, weight, a_low, b_low = ctx.saved_tensors
+        scaled = (grad @ b_low) * ctx.scaling                       # dL/d(xA^T), [N, r]
+        grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
+        grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
+        grad_b = (grad.t() @ xa).to(ctx.adapter_dtype).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, grad_a, grad_b, None, None, None
+
+
+def _low_precision_copies(module, adapter, dtype):
+    """The adapter's A and B weights in `dtype`, cast once per change of the weights (an optimizer step) and reused by
+    every forward until then (their versions tell)."""
+    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+    key = (a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
+    cached = module.__dict__.get("_low_precision_lora")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, a.to(dtype), b.to(dtype))
+        module.__dict__["_low_precision_lora"] = cached
+    return cached[1], cached[2]
+
+
+def _lora_forward(module, peft_forward):
+    """The forward of a peft LoRA Linear `module`: where the input has the base weights' dtype and the adapter
+    another (bf16 base, fp32 adapter), `_LoRAProduct` in the base dtype; elsewhere (float32 throughout, the adapter
+    off or merged, dropout active, a LoRA variant) peft's own forward, unchanged."""
+    def forward(x, *args, **kwargs):
+        adapters = module.active_adapters
+        adapter = adapters[0] if len(adapters) == 1 else None
+        base = module.base_layer
+        if (args or kwargs or adapter not in module.lora_A or module.disable_adapters or module.merged
+                or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
+                or x.dtype == module.lora_A[adapter].weight.dtype
+                or (module.lora_dropout[adapter].training and not isinstance(module.lora_dropout[adapter],
+                                                                             torch.nn.Identity))):
+            return peft_forward(x, *args, **kwargs)
+        a_low, b_low = _low_precision_copies(module, adapter, x.dtype)
+        flat = x.reshape(-1, x.shape[-1])
+        out = _LoRAProduct.apply(flat, base.weight, base.bias, module.lora_A[adapter].weight,
+                                 module.lora_B[adapter].weight, a_low, b_low, module.scaling[adapter])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    return forward
+
+
+def lora_in_base_dtype(model):
+    """Every peft LoRA Linear of `model` computes its adapter in the base weights' dtype when that is not the
+    adapter's (a bf16 base with its fp32 adapter): 3 matrix products per projection where peft runs 7 kernels (the
+    input cast to fp32, two fp32 products, the scaling, an fp32 add, the cast back) and its fp32 products run on
+    CUDA cores. The adapter's weights, gradients and optimizer state stay fp32 (master weights)."""
+    from peft.tuners.lora.layer import Linear
+
+    for module in model.modules():
+        if type(module) is Linear and "forward" not in module.__dict__:
+            module.forward = _lora_forward(module, module.forward)
     return model
 
 
