@@ -390,6 +390,76 @@ def lora_in_base_dtype(model):
     return model
 
 
+def checkpointable_layers(model):
+    """The decoder layers of `model` that gradient checkpointing was switched on for (prepare_for_training), in order;
+    [] without it (or with a transformers release that checkpoints no layer by itself)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)
+            and getattr(m, "_gradient_checkpointing_func", None) is not None]
+
+
+def checkpoint_layers(model, count):
+    """Gradient checkpointing on the first `count` of `checkpointable_layers`, off on the others (no recompute)."""
+    for index, layer in enumerate(checkpointable_layers(model)):
+        layer.gradient_checkpointing = index < count
+
+
+def saved_bytes_per_token(model, tokens=48, nbytes=None):
+    """(bytes, bytes): what autograd keeps for the backward per token position of one decoder layer, without and
+    with checkpointing, measured on `model` itself (one forward of 2 random rows, one padded, as the update's rows
+    are, under saved-tensor hooks; parameters and shared tensors counted once, not per layer). nbytes: the size of a
+    saved tensor (default: its storage's). Cached per model."""
+    cached = model.__dict__.get("_saved_bytes_per_token")
+    if cached is not None:
+        return cached
+    layers = checkpointable_layers(model)
+    measure = nbytes or (lambda t: t.untyped_storage().nbytes())
+    device = next(model.parameters()).device
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    ids = torch.randint(3, hf_model(model).config.vocab_size, (2, tokens), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :tokens // 4] = 0
+    totals = []
+    for checkpointed in (False, True):
+        checkpoint_layers(model, len(layers) if checkpointed else 0)
+        seen = {}
+
+        def pack(tensor):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in skip:
+                seen[key] = max(seen.get(key, 0), measure(tensor))
+            return tensor
+
+        with dropout_off(model, keep_checkpointing=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
+        totals.append(sum(seen.values()))
+    checkpoint_layers(model, len(layers))
+    per_layer = (totals[0] - totals[1]) / max(len(layers), 1) / (2 * tokens)
+    inputs = measure(torch.empty(1, hf_model(model).config.hidden_size, dtype=next(model.parameters()).dtype))
+    model.__dict__["_saved_bytes_per_token"] = result = (per_layer + inputs, inputs)
+    return result
+
+
+def layers_to_checkpoint(model, tokens, budget_bytes):
+    """How many decoder layers a micro-batch of `tokens` token positions must checkpoint for its activations to fit
+    in budget_bytes (`saved_bytes_per_token`; a checkpointed layer keeps its input alone, and replays its forward in
+    the backward): as few as fit, all of them if even that does not."""
+    layers = len(checkpointable_layers(model))
+    return checkpointed_count(layers, *saved_bytes_per_token(model), tokens, budget_bytes) if layers else 0
+
+
+def checkpointed_count(layers, full, checkpointed, tokens, budget_bytes):
+    """`layers_to_checkpoint` from the figures: of `layers` layers keeping `full` bytes per token position each, or
+    `checkpointed` bytes when checkpointed, as few checkpointed as fit budget_bytes at `tokens` positions."""
+    if budget_bytes >= layers * full * tokens:
+        return 0
+    plain = int((budget_bytes - layers * checkpointed * tokens) // max((full - checkpointed) * tokens, 1))
+    return layers - min(max(plain, 0), layers)
+
+
 @contextlib.contextmanager
 def tf32_matmuls(device):
     """On CUDA, float32 matrix products of the block may use TF32 (a 10-bit mantissa; the update's bf16 products have

@@ -155,10 +155,7 @@ def micro_batches(batch, size, device, mask_truncated=False):
     def to_device(tensor):  # asynchronous: the host goes on queueing work (the batch stays in host memory)
         return None if tensor is None else tensor.to(device, non_blocking=True)
 
-    for start in range(0, len(batch.advantages), size):
-        rows = slice(start, start + size)
-        prompt_width = int(batch.prompt_mask[rows].sum(1).max())
-        width = max(1, int(batch.completion_mask[rows].sum(1).max()))
+    for rows, prompt_width, width in _micro_batch_widths(batch, size):
         input_ids = torch.cat([batch.prompt_ids[rows, -prompt_width:], batch.completion_ids[rows, :width]], 1)
         attention_mask = torch.cat([batch.prompt_mask[rows, -prompt_width:], batch.completion_mask[rows, :width]], 1)
         old, ref, sampler = (None if logprobs is None else to_device(logprobs[rows, :width])
@@ -166,6 +163,41 @@ def micro_batches(batch, size, device, mask_truncated=False):
         yield MicroBatch(rows, to_device(input_ids), to_device(attention_mask), to_device(mask[rows, :width]),
                          to_device(batch.advantages[rows]), old, ref, sampler, host=(input_ids, attention_mask),
                          tokens=int(mask[rows, :width].sum()))
+
+
+def _micro_batch_widths(batch, size):
+    """(rows, prompt columns, completion columns) of each micro-batch of `size` rows: the columns its longest
+    prompt and its longest completion need (at least one)."""
+    for start in range(0, len(batch.advantages), size):
+        rows = slice(start, start + size)
+        yield rows, int(batch.prompt_mask[rows].sum(1).max()), max(1, int(batch.completion_mask[rows].sum(1).max()))
+
+
+# Of a CUDA device's memory, what the update's activations leave aside for what `activation_budget` does not see: the
+# logits and their gradient, the allocator's fragmentation, the estimate's own error.
+MEMORY_MARGIN = 0.25
+
+
+def activation_budget(device):
+    """Bytes the update's saved activations may take on `device`: free memory and what torch holds unused, less
+    MEMORY_MARGIN of the device's memory; None off CUDA (nothing is decided from memory there)."""
+    if torch.device(device).type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - MEMORY_MARGIN * total
+
+
+def _checkpoint_as_memory_needs(model, batches, settings, device):
+    """Gradient checkpointing (the model's, when it was built with it) on as few decoder layers as the update's
+    largest micro-batch needs to fit `activation_budget` (models.layers_to_checkpoint; each replays its forward in
+    the backward); every layer where no budget is known (off CUDA) or with several processes (they would have to
+    measure together)."""
+    budget = activation_budget(device)
+    if budget is None or prefix.several_processes() or not models.checkpointable_layers(model):
+        return
+    tokens = max((min(rows.stop, len(batch.advantages)) - rows.start) * (prompt + completion) for batch in batches
+                 for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size))
+    models.checkpoint_layers(model, models.layers_to_checkpoint(model, tokens, budget))
 
 
 @contextlib.contextmanager
@@ -284,6 +316,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
+    _checkpoint_as_memory_needs(model, batches, settings, device)
     with models.dropout_off(model, keep_checkpointing=True):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)

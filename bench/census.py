@@ -49,16 +49,18 @@ class Card:
     fp32_flops: float
     tf32_flops: float
     kernel_floor_s: float
+    memory_bytes: float = 0.0   # what torch.cuda.mem_get_info reports as the total
 
 
 # Data-sheet figures x what copies and large bf16 GEMMs reach (~75 % of bandwidth, ~60 % of dense peak): H200 4.8 TB/s
 # and 989 TFLOP/s bf16 (measured copy 4.2-4.3 TB/s); H100 SXM 3.35 TB/s, same SMs; L40S 864 GB/s, 362 TFLOP/s bf16,
-# 91.6 fp32, 183 TF32. fp32 GEMMs on CUDA cores reach ~40 TFLOP/s on an H100/H200 (67 peak).
-CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6),
-         "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6),
-         "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6)}
-# Whether fp32 matrix products on CUDA may use TF32 (torch's default: no).
-TF32 = False
+# 91.6 fp32, 183 TF32. fp32 GEMMs on CUDA cores reach ~40 TFLOP/s on an H100/H200 (67 peak). Memory: H200 143 771 MiB
+# (BENCHMARKS.md's H200), H100 81 559 MiB, L40S 46 068 MiB.
+CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6, 81559 * 2 ** 20),
+         "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6, 143771 * 2 ** 20),
+         "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6, 46068 * 2 ** 20)}
+# The update's float32 matrix products on CUDA may use TF32 (models.tf32_matmuls).
+TF32 = True
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
 NOT_KERNELS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
@@ -346,44 +348,86 @@ def totals(rows, key, cards, tf32):
     return table
 
 
+def combined(terms):
+    """The sum of coefficient x value over terms [(coefficient, value)], entry by entry (nested dicts of numbers)."""
+    values = [value for _, value in terms]
+    if any(isinstance(value, dict) for value in values):
+        keys = dict.fromkeys(key for value in values if isinstance(value, dict) for key in value)
+        return {key: combined([(c, v.get(key, 0) if isinstance(v, dict) else 0) for c, v in terms]) for key in keys}
+    return sum(coefficient * value for coefficient, value in terms)
+
+
 def extrapolated(one, two, layers):
     """one + (layers - 1) x (two - one), entry by entry (nested dicts of numbers)."""
-    if isinstance(one, dict) or isinstance(two, dict):
-        one, two = one if isinstance(one, dict) else {}, two if isinstance(two, dict) else {}
-        return {key: extrapolated(one.get(key, 0), two.get(key, 0), layers) for key in dict.fromkeys([*one, *two])}
-    return one + (layers - 1) * (two - one)
+    return combined([(2 - layers, one), (layers - 1, two)])
+
+
+def update_runs(raw):
+    """({"plain": {"1": run, "2": run}, "checkpointed": {...}}, checkpointed layers) of a census's update records
+    (a census made before layers were checkpointed as memory needs: every layer checkpointed)."""
+    if "runs" not in raw:
+        return {"checkpointed": {"1": raw["1"], "2": raw["2"]}}, None
+    return raw["runs"], raw["checkpointed_layers"]
 
 
 def figures(saved):
     """The census's figures from its raw records (what `python -m bench show` prints): per phase and per operation
-    class of the update and of the decode step, and the headline numbers."""
+    class of the update and of the decode step, and the headline numbers, for saved["card"]; the update's roofline
+    and kernels for every card. Of the update's L layers, L - k run plain and k checkpointed, k as the update decides
+    on each card (saved["raw"]["update"]["checkpointed_layers"]), each kind's per-layer figures from its 1- and
+    2-layer runs."""
     cards = {name: Card(**values) for name, values in saved["cards"].items()}
+    layers = saved["shapes"]["layers"]
+    runs, by_card = update_runs(saved["raw"]["update"])
+    by_card = by_card or {name: layers for name in cards}  # an older census: every layer checkpointed
+    result = {name: _figures(saved, cards, runs, by_card[name]) for name in cards}
+    mine = dict(result[saved.get("card", "H200")])
+    mine["update_roofline_s"] = {name: figures["update_roofline_s"][name] for name, figures in result.items()}
+    mine["update_kernels_by_card"] = {name: figures["update_kernels"] for name, figures in result.items()}
+    mine["update_checkpointed_layers"] = by_card
+    return mine
+
+
+def _figures(saved, cards, runs, checkpointed):
+    """`figures` with `checkpointed` of the update's layers checkpointed."""
     layers, tf32 = saved["shapes"]["layers"], saved["tf32"]
     empty = dict(kernels=0, bytes=0, flops=0, seconds={})
     keys = {"phase": lambda p, o, d: p, "class": lambda p, o, d: op_class(o, d), "all": lambda p, o, d: "all"}
+    weights = {"update": {("plain", "1"): 2 - (layers - checkpointed), ("plain", "2"): layers - checkpointed - 1,
+                          ("checkpointed", "1"): -checkpointed, ("checkpointed", "2"): checkpointed},
+               "decode": {("decode", "1"): 2 - layers, ("decode", "2"): layers - 1}}
+    if "plain" not in runs:  # every layer checkpointed: the plain terms are the checkpointed ones
+        weights["update"] = {("checkpointed", "1"): 2 - layers, ("checkpointed", "2"): layers - 1}
     parts = {}
-    for part in ("update", "decode"):
-        runs = [saved["raw"][part][n] for n in ("1", "2")]
-        tables = {title: [totals(run["ops"], key, cards, tf32) for run in runs] for title, key in keys.items()}
-        syncs = [collections.Counter() for _ in runs]
-        for counter, run in zip(syncs, runs):
+    for part, part_weights in weights.items():
+        found = runs if part == "update" else {"decode": saved["raw"]["decode"]}
+        terms = [(weight, found[kind][n]) for (kind, n), weight in part_weights.items() if weight]
+        tables = {title: [(weight, totals(run["ops"], key, cards, tf32)) for weight, run in terms]
+                  for title, key in keys.items()}
+        syncs = []
+        for weight, run in terms:
+            counter = collections.Counter()
             for phase, kind, count in run["syncs"]:
                 counter[phase] += count
-        one, two = (table.get("all", empty) for table in tables["all"])
-        parts[part] = dict(phase=extrapolated(*tables["phase"], layers), whole=extrapolated(one, two, layers),
-                           classes=extrapolated(*tables["class"], layers),
-                           syncs=extrapolated(dict(syncs[0]), dict(syncs[1]), layers),
-                           kernels_per_layer=two["kernels"] - one["kernels"])
+            syncs.append((weight, dict(counter)))
+        per_layer = {kind: sum(n for *_, n in found[kind]["2"]["ops"]) - sum(n for *_, n in found[kind]["1"]["ops"])
+                     for kind in found}
+        parts[part] = dict(phase=combined(tables["phase"]), classes=combined(tables["class"]),
+                           whole=combined([(w, table.get("all", empty)) for w, table in tables["all"]]),
+                           syncs=combined(syncs), kernels_per_layer=per_layer)
     update, decode = parts["update"], parts["decode"]
+    per_layer = update["kernels_per_layer"]  # the mean over the layers, checkpointed or not
+    per_layer = (checkpointed * per_layer["checkpointed"] + (layers - checkpointed) * per_layer.get("plain", 0)) \
+        / layers if checkpointed else per_layer["plain"]
     update_syncs, decode_syncs = sum(update["syncs"].values()), sum(decode["syncs"].values())
     return dict(update_kernels=round(update["whole"]["kernels"]), update_host_syncs=round(update_syncs),
                 update_host_syncs_per_optimizer_step=update_syncs / max(saved["raw"]["update"]["optimizer_steps"], 1),
                 update_gb=round(update["whole"]["bytes"] / 1e9, 1),
                 update_tflop=round(update["whole"]["flops"] / 1e12, 2),
                 update_roofline_s={name: round(s, 3) for name, s in update["whole"]["seconds"].items()},
-                update_kernels_per_layer=update["kernels_per_layer"],
+                update_kernels_per_layer=round(per_layer), update_checkpointed_layers=checkpointed,
                 decode_kernels_per_step=round(decode["whole"]["kernels"]),
-                decode_kernels_per_layer=decode["kernels_per_layer"],
+                decode_kernels_per_layer=decode["kernels_per_layer"]["decode"],
                 decode_host_syncs_per_step=round(decode_syncs),
                 decode_gb_per_step=round(decode["whole"]["bytes"] / 1e9, 2),
                 decode_roofline_ms_per_step={name: round(s * 1e3, 3) for name, s in
@@ -406,7 +450,8 @@ def _rows(table, syncs, title):
 
 
 HEADLINES = ("update_kernels", "update_host_syncs", "update_host_syncs_per_optimizer_step", "update_roofline_s",
-             "update_gb", "update_tflop", "update_kernels_per_layer", "decode_kernels_per_step",
+             "update_gb", "update_tflop", "update_kernels_per_layer", "update_checkpointed_layers",
+             "update_kernels_by_card", "decode_kernels_per_step",
              "decode_kernels_per_layer", "decode_host_syncs_per_step", "decode_gb_per_step",
              "decode_roofline_ms_per_step")
 
@@ -473,9 +518,9 @@ def narrow_policy(args, layers, narrow):
     return models.prepare_for_training(narrow_model(args.census_model, layers, narrow, dtype), **lora)
 
 
-def update_run(args, layers, narrow, mapping, rows):
+def update_run(args, layers, narrow, mapping, rows, checkpointed=True):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
-    policy."""
+    policy, its layers checkpointed (when the preset checkpoints) or not."""
     import config
     import grpo_loss
     import models
@@ -484,6 +529,7 @@ def update_run(args, layers, narrow, mapping, rows):
     import update
 
     model = narrow_policy(args, layers, narrow).train()
+    models.checkpoint_layers(model, layers if checkpointed else 0)
     optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     settings = config.update_settings(args)
     generator = torch.Generator().manual_seed(0)
@@ -585,9 +631,41 @@ def decode_run(args, layers, narrow, mapping, rows):
     return dict(ops=ops, syncs=syncs)
 
 
+def checkpointed_layers(args, real, narrow, mapping, layers, tokens, cache):
+    """{card: how many of the update's layers it checkpoints there} (update._checkpoint_as_memory_needs: as few as
+    the activations of a micro-batch of `tokens` positions need to fit the card's memory less update.MEMORY_MARGIN and
+    what is resident: `resident_bytes`)."""
+    import models
+    import update
+
+    probe = narrow_policy(args, 2, narrow).train()
+    real_bytes = lambda t: math.prod(mapping.get(d, d) for d in t.shape) * t.element_size()  # noqa: E731
+    full, kept = models.saved_bytes_per_token(probe, tokens=48, nbytes=real_bytes)
+    resident = resident_bytes(args, real, cache)
+    return {name: models.checkpointed_count(layers, full, kept, tokens, card.memory_bytes * (1 - update.MEMORY_MARGIN)
+                                            - resident) for name, card in CARDS.items()}
+
+
+def resident_bytes(args, real, cache):
+    """Device bytes held before the update of a step: the bf16 base weights, the fp32 adapter with its gradient and
+    AdamW's two moments, the engine's merged bf16 copies of the adapted projections and its KV cache (rollout batch
+    rows x cache columns)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench import common
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(real)
+    targets = [m for name, m in model.named_modules() if name.split(".")[-1] in args.lora_target_modules.split(",")]
+    base = sum(p.numel() for p in model.parameters()) * 2
+    adapter = sum(args.lora_rank * (m.in_features + m.out_features) for m in targets) * (4 + 4 + 8)
+    copies = sum(m.weight.numel() for m in targets) * 2
+    return base + adapter + copies + common.kv_cache_bytes(real, args.rollout_batch_size, cache)
+
+
 def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), layers=None, prompt_tokens=200,
-              completion_tokens=None, rows=None):
-    """The census of a preset (a dict: settings, raw records, figures; see `figures`)."""
+              completion_tokens=None, rows=None, card="H200"):
+    """The census of a preset (a dict: settings, raw records, figures for `card`; see `figures`)."""
     import config
     from bench import common
 
@@ -604,12 +682,16 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
     cache = -(-max(prompt_tokens - 1 + completion, args.max_prompt_tokens + args.max_completion_tokens) // 256) * 256
     mapping = width_map(real, narrow, args.lora_rank, prompt_tokens, completion, rows, args.rollout_batch_size, cache)
     layers = layers or real.num_hidden_layers
-    raw = {"update": {}, "decode": {}}
-    for count in (1, 2):
-        raw["update"][str(count)] = update_run(args, count, narrow, mapping, rows)
-        raw["decode"][str(count)] = decode_run(args, count, narrow, mapping, args.rollout_batch_size)
-    raw["update"]["optimizer_steps"] = raw["update"]["1"]["optimizer_steps"]
     settings = config.update_settings(args)
+    kinds = ("plain", "checkpointed") if args.gradient_checkpointing else ("plain",)
+    runs = {kind: {str(count): update_run(args, count, narrow, mapping, rows, kind == "checkpointed")
+                   for count in (1, 2)} for kind in kinds}
+    micro_tokens = min(rows, settings.micro_batch_size) * (prompt_tokens + completion)
+    by_card = checkpointed_layers(args, real, narrow, mapping, layers, micro_tokens, cache) \
+        if args.gradient_checkpointing else {label: 0 for label in CARDS}
+    raw = {"update": dict(runs=runs, checkpointed_layers=by_card,
+                          optimizer_steps=runs["plain"]["1"]["optimizer_steps"]),
+           "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size) for count in (1, 2)}}
     saved = dict(benchmark="census", preset=preset, flags=list(flags), model=name,
                  precision="bf16 base weights" + (" + LoRA" if args.lora_rank else ""),
                  date=datetime.date.today().isoformat(),
@@ -620,9 +702,9 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
                              micro_batch_size=settings.micro_batch_size,
                              gradient_checkpointing=args.gradient_checkpointing,
                              prefix_sharing=settings.prefix_sharing, decode_rows=args.rollout_batch_size,
-                             decode_cache=cache, model_calls=raw["update"]["1"]["model_calls"]),
-                 narrow=asdict(narrow), cards={name: asdict(card) for name, card in CARDS.items()}, tf32=TF32,
-                 raw=raw)
+                             decode_cache=cache, model_calls=runs["plain"]["1"]["model_calls"]),
+                 narrow=asdict(narrow), cards={label: asdict(values) for label, values in CARDS.items()}, tf32=TF32,
+                 card=card, raw=raw)
     result = figures(saved)
     saved.update({key: result[key] for key in HEADLINES})
     return saved
@@ -641,6 +723,8 @@ def bench_census(argv):
                         "(default: the preset's limit)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch (default: the "
                         "preset's)")
+    parser.add_argument("--card", default="H200", choices=list(CARDS), help="the card whose memory decides the "
+                        "checkpointed layers of the kernel count and tables (default H200; the roofline: every card)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the headline figures)")
     parser.add_argument("--out", default="bench_out/bench_census.json", help="where the records go (JSON)")
     args = parser.parse_args(argv)
@@ -649,7 +733,7 @@ def bench_census(argv):
     torch.set_num_threads(1)
     try:
         saved = census_of(args.preset, flags, vocab=args.vocab, prompt_tokens=args.prompt_tokens,
-                          completion_tokens=args.completion_tokens, rows=args.rows)
+                          completion_tokens=args.completion_tokens, rows=args.rows, card=args.card)
     finally:
         torch.set_num_threads(threads)
     path = Path(args.out)

@@ -325,3 +325,44 @@ def test_an_update_with_no_rows_takes_no_step():
     metrics = update.update_policy(model, optimizer, [empty], settings)
     assert (metrics.rows, metrics.optimizer_steps, metrics.skipped_steps, metrics.loss) == (0, 0, 0, 0.0)
     assert all(torch.equal(before[n], p) for n, p in trainable(model).items()) and not optimizer.state
+
+
+def test_a_layer_keeps_what_its_backward_needs_per_token_measured_on_the_model():
+    """models.saved_bytes_per_token: a wider MLP keeps 4 more vectors of its width per token (gate's output, SiLU's,
+    up's, and their product: down's input), in float32 here; a checkpointed layer keeps its input alone."""
+    measured = []
+    for intermediate in (128, 256):
+        torch.manual_seed(0)
+        model = models.tiny_random_model("llama", vocab_size=VOCAB, intermediate_size=intermediate)
+        model = models.prepare_for_training(model, lora_rank=4, gradient_checkpointing=True).train()
+        measured.append(models.saved_bytes_per_token(model))
+    assert measured[1][0] - measured[0][0] == 4 * (256 - 128) * 4
+    assert measured[0][1] == 64 * 4   # the hidden state, float32
+    assert models.checkpointed_count(36, 133e3, 4e3, 8000, 30e9) == 36 - 27   # 27 plain layers fit 30 GB
+
+
+@pytest.mark.parametrize("budget, checkpointed", [(math.inf, 0), (0.0, 2), ("one layer", 1)])
+def test_checkpointing_only_where_the_memory_needs_it_gives_the_same_update(budget, checkpointed, monkeypatch):
+    """On CUDA the update checkpoints as few layers as its activation budget needs (update.activation_budget:
+    planted here); whichever layers replay, the gradient is the same."""
+    model = lora_model(checkpointing=True)
+    move_lora_b(model)
+    batch = random_batch(4, 5, 6, VOCAB)
+    full, kept = models.saved_bytes_per_token(model)
+    tokens = 2 * (5 + 6)
+    if budget == "one layer":  # room for one layer's activations and the other's input
+        budget = (full + kept) * tokens
+    monkeypatch.setattr(update, "activation_budget", lambda device: budget)
+    recomputed = []
+    for layer in models.checkpointable_layers(model):
+        layer.mlp.register_forward_pre_hook(lambda module, args: recomputed.append(1))  # a replay stops early
+    update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0), [batch],
+                         update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
+    flags = [layer.gradient_checkpointing for layer in models.checkpointable_layers(model)]
+    assert flags == [index < checkpointed for index in range(2)]
+    assert len(recomputed) == 2 * (2 + checkpointed)   # 2 micro-batches: each layer once, each checkpointed twice
+    reference = lora_model(checkpointing=False)
+    move_lora_b(reference)
+    update.update_policy(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
+                         [batch], update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
+    torch.testing.assert_close(grads(model), grads(reference), rtol=1e-5, atol=1e-6)
