@@ -460,6 +460,135 @@ def checkpointed_count(layers, full, checkpointed, tokens, budget_bytes):
     return layers - min(max(plain, 0), layers)
 
 
+# ---------------------------------------------------------------- fused kernels (CUDA)
+
+# How far a fused kernel may stray from the plain path on the check's input (the largest difference over the largest
+# value, forward and gradients): bf16 rounding differs by a few units of its 8-bit mantissa, a wrong kernel by far more.
+KERNEL_TOLERANCE = 3e-2
+
+
+def plain_kernels():
+    """The plain path of each fusable operation (Hugging Face's Llama/Qwen2 formulas): RMSNorm in float32 times the
+    weight in the input's dtype, rotary embedding, SiLU(gate) x up."""
+    def rms_norm(x, weight, eps):
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rotary(q, k, cos, sin):
+        def rotated(x):
+            half = x.shape[-1] // 2
+            return torch.cat((-x[..., half:], x[..., :half]), -1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotated(q) * sin, k * cos + rotated(k) * sin
+
+    return dict(rms_norm=rms_norm, rotary=rotary, silu_mul=lambda gate, up: torch.nn.functional.silu(gate) * up)
+
+
+def liger_kernels(device):
+    """Liger-Kernel's fused Triton kernels (one kernel each, forward and backward) where they run: a CUDA device with
+    the package installed (`pip install liger-kernel`, an optional dependency); {} elsewhere."""
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("liger_kernel") is None:
+        return {}
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return dict(rms_norm=lambda x, weight, eps: LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False),
+                rotary=lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin),
+                silu_mul=lambda gate, up: LigerSiLUMulFunction.apply(gate, up))
+
+
+def kernels_disagree(kernels, dtype, device, hidden=256, heads=4, kv_heads=2):
+    """None when every kernel of `kernels` gives the plain path's outputs and input gradients on a random input
+    (within KERNEL_TOLERANCE), else which one does not and by how much (or what it raised), in a line."""
+    plain, generator = plain_kernels(), torch.Generator(device=device).manual_seed(0)
+    head_dim, tokens = hidden // heads, 24
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+
+    angles = torch.arange(tokens, device=device)[:, None] * torch.rand(head_dim // 2, generator=generator,
+                                                                         device=device)
+    cos, sin = (torch.cat([f(angles), f(angles)], -1)[None].to(dtype) for f in (torch.cos, torch.sin))
+    inputs = dict(rms_norm=lambda: (random(2, tokens, hidden), 1 + random(hidden) / 4, 1e-6),
+                  rotary=lambda: (random(2, heads, tokens, head_dim), random(2, kv_heads, tokens, head_dim), cos, sin),
+                  silu_mul=lambda: (random(2, tokens, hidden), random(2, tokens, hidden)))
+    for name, kernel in kernels.items():
+        args = inputs[name]()
+        results = []
+        for function in (kernel, plain[name]):
+            leaves = [a.detach().clone().requires_grad_(a.dtype.is_floating_point) if torch.is_tensor(a) else a
+                      for a in args]
+            try:
+                out = function(*leaves)
+                outs = out if isinstance(out, tuple) else (out,)
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            except Exception as error:  # noqa: BLE001 (any failure of a fused kernel means the plain path)
+                return f"{name} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            results.append([o.detach().float() for o in outs] + [a.grad.float() for a in leaves
+                                                               if torch.is_tensor(a) and a.grad is not None])
+        for got, want in zip(*results):
+            error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+            if not error <= KERNEL_TOLERANCE:
+                return f"{name} differs from the plain path by {error:.2g} of its largest value"
+    return None
+
+
+@contextlib.contextmanager
+def fused_kernels(model, device):
+    """For the block, `model`'s RMSNorms, rotary embedding and SiLU x up run through fused kernels where they run
+    (`liger_kernels`) and agree with the plain path (`kernels_disagree`, checked once per model; if not: one warning
+    line, and the plain path); each module's own forward comes back afterwards. Elsewhere nothing changes (CPU: the
+    plain path)."""
+    kernels = model.__dict__.get("_fused_kernels")
+    if kernels is None:
+        kernels = liger_kernels(device)
+        reason = kernels_disagree(kernels, next(model.parameters()).dtype, device) if kernels else None
+        if reason is not None:
+            warnings.warn(f"fused kernels off: {reason}; the update runs the plain path")
+            kernels = {}
+        model.__dict__["_fused_kernels"] = kernels
+    if not kernels:
+        yield
+        return
+    patched = []  # (owner, name, previous value or None)
+
+    def patch(owner, name, value):
+        patched.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, value)
+
+    def norm_forward(module):
+        return lambda x: kernels["rms_norm"](x, module.weight, module.variance_epsilon)
+
+    def mlp_forward(module):
+        return lambda x: module.down_proj(kernels["silu_mul"](module.gate_proj(x), module.up_proj(x)))
+
+    def rotary(plain):
+        def apply(q, k, cos, sin, *args, **kwargs):
+            return kernels["rotary"](q, k, cos, sin) if not (args or kwargs) else plain(q, k, cos, sin, *args,
+                                                                                        **kwargs)
+        return apply
+
+    try:
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+                patch(module, "forward", norm_forward(module))
+            elif all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj")) and \
+                    type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
+                patch(module, "forward", mlp_forward(module))
+            elif hasattr(module, "q_proj") and hasattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb"):
+                owner = sys.modules[type(module).__module__]
+                if not any(o is owner for o, _, _ in patched):
+                    patch(owner, "apply_rotary_pos_emb", rotary(owner.apply_rotary_pos_emb))
+        yield
+    finally:
+        for owner, name, previous in reversed(patched):
+            if previous is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+
+
 @contextlib.contextmanager
 def tf32_matmuls(device):
     """On CUDA, float32 matrix products of the block may use TF32 (a 10-bit mantissa; the update's bf16 products have

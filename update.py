@@ -25,7 +25,9 @@ first backward, so `fill_logprobs` computes pi_old for it even with mu = 1 (one 
 The GPU's pace: the batch stays in host memory, where every decision about its layout is made (micro-batch widths,
 token counts, prefix.completion_logprobs' layout), and goes to the device without waiting (non_blocking); the device
 is read once per optimizer step (loss, gradient norm, metrics, the sampler check: one copy), so the host never waits
-for the GPU mid-step. The optimizer is AdamW over all tensors at once (foreach), float32 products may use TF32 on CUDA.
+for the GPU mid-step. The optimizer is AdamW over all tensors at once (foreach), float32 products may use TF32 on CUDA,
+and RMSNorm, rotary embedding and SiLU x up run as fused kernels there when Liger-Kernel is installed
+(models.fused_kernels: checked against the plain path first, which is what runs elsewhere).
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
@@ -255,7 +257,7 @@ def fill_logprobs(model, batches, settings):
     device = next(model.parameters()).device
     passes = {"ref_logprobs": model.disable_adapter if need_ref else None,
               "old_logprobs": contextlib.nullcontext if need_old else None}
-    with torch.no_grad(), models.dropout_off(model, keep_checkpointing=True):
+    with torch.no_grad(), models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device):
         for name, policy in passes.items():
             for batch in batches:
                 setattr(batch, name, None if policy is None else torch.zeros(batch.completion_ids.shape, device=device))
@@ -317,7 +319,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
     _checkpoint_as_memory_needs(model, batches, settings, device)
-    with models.dropout_off(model, keep_checkpointing=True):
+    with models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             first_pass = not losses  # the policy before its first optimizer step: the one that sampled

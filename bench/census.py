@@ -691,7 +691,8 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
         if args.gradient_checkpointing else {label: 0 for label in CARDS}
     raw = {"update": dict(runs=runs, checkpointed_layers=by_card,
                           optimizer_steps=runs["plain"]["1"]["optimizer_steps"]),
-           "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size) for count in (1, 2)}}
+           "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size)
+                      for count in (1, 2)}}
     saved = dict(benchmark="census", preset=preset, flags=list(flags), model=name,
                  precision="bf16 base weights" + (" + LoRA" if args.lora_rank else ""),
                  date=datetime.date.today().isoformat(),
