@@ -59,8 +59,13 @@ class Card:
 CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6, 81559 * 2 ** 20),
          "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6, 143771 * 2 ** 20),
          "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6, 46068 * 2 ** 20)}
-# The update's float32 matrix products on CUDA may use TF32 (models.tf32_matmuls).
-TF32 = True
+
+
+def allows_tf32():
+    """Whether the update's float32 matrix products run in TF32 on CUDA (models.tf32_matmuls; older code: no)."""
+    import models
+
+    return hasattr(models, "tf32_matmuls")
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
 NOT_KERNELS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
@@ -529,7 +534,8 @@ def update_run(args, layers, narrow, mapping, rows, checkpointed=True):
     import update
 
     model = narrow_policy(args, layers, narrow).train()
-    models.checkpoint_layers(model, layers if checkpointed else 0)
+    if hasattr(models, "checkpoint_layers"):  # (older code: every layer as built)
+        models.checkpoint_layers(model, layers if checkpointed else 0)
     optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     settings = config.update_settings(args)
     generator = torch.Generator().manual_seed(0)
@@ -683,14 +689,18 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
     mapping = width_map(real, narrow, args.lora_rank, prompt_tokens, completion, rows, args.rollout_batch_size, cache)
     layers = layers or real.num_hidden_layers
     settings = config.update_settings(args)
-    kinds = ("plain", "checkpointed") if args.gradient_checkpointing else ("plain",)
+    by_memory = hasattr(__import__("models"), "checkpoint_layers")  # older code checkpoints every layer it can
+    kinds = ("plain", "checkpointed") if args.gradient_checkpointing and by_memory else \
+        ("checkpointed",) if args.gradient_checkpointing else ("plain",)
     runs = {kind: {str(count): update_run(args, count, narrow, mapping, rows, kind == "checkpointed")
                    for count in (1, 2)} for kind in kinds}
     micro_tokens = min(rows, settings.micro_batch_size) * (prompt_tokens + completion)
-    by_card = checkpointed_layers(args, real, narrow, mapping, layers, micro_tokens, cache) \
-        if args.gradient_checkpointing else {label: 0 for label in CARDS}
-    raw = {"update": dict(runs=runs, checkpointed_layers=by_card,
-                          optimizer_steps=runs["plain"]["1"]["optimizer_steps"]),
+    if len(kinds) == 2:
+        by_card = checkpointed_layers(args, real, narrow, mapping, layers, micro_tokens, cache)
+    else:
+        by_card = {label: layers if kinds == ("checkpointed",) else 0 for label in CARDS}
+    first = runs[kinds[0]]["1"]
+    raw = {"update": dict(runs=runs, checkpointed_layers=by_card, optimizer_steps=first["optimizer_steps"]),
            "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size)
                       for count in (1, 2)}}
     saved = dict(benchmark="census", preset=preset, flags=list(flags), model=name,
@@ -703,8 +713,8 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
                              micro_batch_size=settings.micro_batch_size,
                              gradient_checkpointing=args.gradient_checkpointing,
                              prefix_sharing=settings.prefix_sharing, decode_rows=args.rollout_batch_size,
-                             decode_cache=cache, model_calls=runs["plain"]["1"]["model_calls"]),
-                 narrow=asdict(narrow), cards={label: asdict(values) for label, values in CARDS.items()}, tf32=TF32,
+                             decode_cache=cache, model_calls=first["model_calls"]),
+                 narrow=asdict(narrow), cards={label: asdict(values) for label, values in CARDS.items()}, tf32=allows_tf32(),
                  card=card, raw=raw)
     result = figures(saved)
     saved.update({key: result[key] for key in HEADLINES})
