@@ -12,6 +12,9 @@ from the same [prompt | completion] rows, but runs each distinct prompt of the r
    grpo_loss.position_ids_from_mask);
 3. the distinct prompts' keys and values (the model's KV cache) are repeated for the B rows with index_select and
    the completions [B, C] run on them; the first completion token is scored by the prompt forward's last logits.
+   Folded (`folds`: where a row repeats few tokens, as with one prompt per step, where a prompt's own part is its
+   last token), 2 and 3 are one model call: each row runs its own prompt tokens and its completion on the prefix.
+Where that is decided (`layout`) is the host, from host copies of the rows: no device value is read back.
 Repeating keys and values is differentiable (index_select's backward sums), so every row's gradient flows back
 through the one shared prompt forward: loss and gradients equal the per-row computation up to float rounding
 (tests/test_prefix.py). Only the last prompt position is projected on the vocabulary (`logits_to_keep`).

@@ -343,6 +343,8 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
             if step is not None:  # every micro-batch's gradient on the shared prefix, through its forward once
                 prefix.backward_step_prefix(step)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            if hasattr(grad_norm, "full_tensor"):  # sharded parameters (FSDP2): the norm over every process's shards
+                grad_norm = grad_norm.full_tensor()
             # The step's one host sync: the loss, the gradient norm, the metrics (and, first, the sampler check).
             on_device = [loss, grad_norm, *metric_sums.values()]
             if gap_sums is not None:
