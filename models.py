@@ -22,6 +22,7 @@ import contextlib
 import fnmatch
 import importlib.util
 import io
+import math
 import os
 import shutil
 import sys
@@ -401,30 +402,58 @@ def checkpointable_layers(model):
             and getattr(m, "_gradient_checkpointing_func", None) is not None]
 
 
-def checkpoint_layers(model, count):
-    """Gradient checkpointing on the first `count` of `checkpointable_layers`, off on the others (no recompute)."""
-    for index, layer in enumerate(checkpointable_layers(model)):
-        layer.gradient_checkpointing = index < count
+@contextlib.contextmanager
+def checkpointing(model, layers=None, mlps=0):
+    """For the block, of `checkpointable_layers`: the first `layers` checkpointed whole (each replays its forward in
+    the backward), the next `mlps` their MLP alone (it replays: two thirds of what a layer keeps, a fifth of its
+    kernels), the others not at all; layers None: every layer whole, as built. As built again afterwards."""
+    every = checkpointable_layers(model)
+    layers = len(every) if layers is None else layers
+    replayed = []  # (mlp, its forward before)
+
+    def replay(forward):
+        def run(x):
+            return checkpoint(forward, x, use_reentrant=False) if torch.is_grad_enabled() else forward(x)
+        return run
+
+    from torch.utils.checkpoint import checkpoint
+
+    try:
+        for index, layer in enumerate(every):
+            layer.gradient_checkpointing = index < layers
+            if layers <= index < layers + mlps:
+                replayed.append((layer.mlp, layer.mlp.__dict__.get("forward")))
+                layer.mlp.forward = replay(layer.mlp.forward)
+        yield
+    finally:
+        for mlp, forward in replayed:
+            if forward is None:
+                del mlp.forward
+            else:
+                mlp.forward = forward
+        for layer in every:
+            layer.gradient_checkpointing = True
 
 
 def saved_bytes_per_token(model, tokens=48, nbytes=None):
-    """(bytes, bytes): what autograd keeps for the backward per token position of one decoder layer, without and
-    with checkpointing, measured on `model` itself (one forward of 2 random rows, one padded, as the update's rows
-    are, under saved-tensor hooks; parameters and shared tensors counted once, not per layer). nbytes: the size of a
-    saved tensor (default: its storage's). Cached per model."""
+    """(plain, MLP replayed, layer replayed): the bytes autograd keeps for the backward per token position of one
+    decoder layer as `checkpointing` leaves it, measured on `model` itself: the saved tensors (under saved-tensor
+    hooks; parameters, and each storage, once) of forwards of 2 random rows (one padded, as the update's rows are)
+    of `tokens` and of 2 x `tokens` positions; the difference of the two sizes leaves out what does not grow with
+    the tokens (the adapter's bf16 copies). A layer replayed whole keeps its input. nbytes: the size of a saved
+    tensor (default: its storage's). Cached per model."""
     cached = model.__dict__.get("_saved_bytes_per_token")
     if cached is not None:
         return cached
-    layers = checkpointable_layers(model)
+    layers = len(checkpointable_layers(model))
     measure = nbytes or (lambda t: t.untyped_storage().nbytes())
     device = next(model.parameters()).device
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    ids = torch.randint(3, hf_model(model).config.vocab_size, (2, tokens), device=device)
-    mask = torch.ones_like(ids)
-    mask[1, :tokens // 4] = 0
-    totals = []
-    for checkpointed in (False, True):
-        checkpoint_layers(model, len(layers) if checkpointed else 0)
+
+    def saved(length, plan):
+        ids = torch.randint(3, hf_model(model).config.vocab_size, (2, length), device=device)
+        mask = torch.ones_like(ids)
+        mask[1, :length // 4] = 0
         seen = {}
 
         def pack(tensor):
@@ -433,31 +462,32 @@ def saved_bytes_per_token(model, tokens=48, nbytes=None):
                 seen[key] = max(seen.get(key, 0), measure(tensor))
             return tensor
 
-        with dropout_off(model, keep_checkpointing=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with dropout_off(model, keep_checkpointing=True), checkpointing(model, *plan), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
-        totals.append(sum(seen.values()))
-    checkpoint_layers(model, len(layers))
-    per_layer = (totals[0] - totals[1]) / max(len(layers), 1) / (2 * tokens)
+        return sum(seen.values())
+
+    plans = {"plain": (0, 0), "mlp": (0, layers), "layer": (layers, 0)}
+    grown = {name: saved(2 * tokens, plan) - saved(tokens, plan) for name, plan in plans.items()}
     inputs = measure(torch.empty(1, hf_model(model).config.hidden_size, dtype=next(model.parameters()).dtype))
-    model.__dict__["_saved_bytes_per_token"] = result = (per_layer + inputs, inputs)
+    result = tuple((grown[name] - grown["layer"]) / max(layers, 1) / (2 * tokens) + inputs for name in plans)
+    model.__dict__["_saved_bytes_per_token"] = result
     return result
 
 
-def layers_to_checkpoint(model, tokens, budget_bytes):
-    """How many decoder layers a micro-batch of `tokens` token positions must checkpoint for its activations to fit
-    in budget_bytes (`saved_bytes_per_token`; a checkpointed layer keeps its input alone, and replays its forward in
-    the backward): as few as fit, all of them if even that does not."""
-    layers = len(checkpointable_layers(model))
-    return checkpointed_count(layers, *saved_bytes_per_token(model), tokens, budget_bytes) if layers else 0
-
-
-def checkpointed_count(layers, full, checkpointed, tokens, budget_bytes):
-    """`layers_to_checkpoint` from the figures: of `layers` layers keeping `full` bytes per token position each, or
-    `checkpointed` bytes when checkpointed, as few checkpointed as fit budget_bytes at `tokens` positions."""
-    if budget_bytes >= layers * full * tokens:
-        return 0
-    plain = int((budget_bytes - layers * checkpointed * tokens) // max((full - checkpointed) * tokens, 1))
-    return layers - min(max(plain, 0), layers)
+def checkpoint_plan(layers, per_token, tokens, budget_bytes):
+    """(layers replayed whole, layers whose MLP alone replays) for `layers` decoder layers keeping per_token =
+    `saved_bytes_per_token` bytes per token position each, so that a micro-batch of `tokens` positions fits
+    budget_bytes with as little replay as can: MLPs first (cheap to replay), then whole layers; every layer whole
+    if even that does not fit."""
+    plain, mlp, whole = per_token
+    need = (lambda wholes, mlps: (wholes * whole + mlps * mlp + (layers - wholes - mlps) * plain) * tokens)
+    if need(0, 0) <= budget_bytes:
+        return 0, 0
+    if need(0, layers) <= budget_bytes:
+        return 0, min(layers, math.ceil((need(0, 0) - budget_bytes) / max((plain - mlp) * tokens, 1)))
+    wholes = min(layers, math.ceil((need(0, layers) - budget_bytes) / max((mlp - whole) * tokens, 1)))
+    return wholes, layers - wholes
 
 
 # ---------------------------------------------------------------- fused kernels (CUDA)

@@ -15,8 +15,8 @@ PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(mo
                     checkpoint_interval_s=1800.0, max_time_s=6 * 3600.0, eval_interval=50, eval_samples=200,
                     eval_temperature=0.9, rollout_batch_size=64, micro_batch_size=16)
 # micro_batch_size 16: the kept rows of a step (m = 16) in one forward and backward, the fewest kernels; with
-# --gradient-checkpointing the update checkpoints only the layers the GPU's memory needs (update.py): none on an
-# H100 or H200, most of them on a 48 GB L40S (python -m bench census).
+# --gradient-checkpointing the update replays in its backward only what 40 GiB of GPU memory need (update.py: in
+# setting (a), 29 of the 36 MLPs; python -m bench census).
 # Demo: a short system prompt (prompt tokens dominate CPU time) that spells out the format (base model:
 # 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step).
 DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"

@@ -27,7 +27,9 @@ token counts, prefix.completion_logprobs' layout), and goes to the device withou
 is read once per optimizer step (loss, gradient norm, metrics, the sampler check: one copy), so the host never waits
 for the GPU mid-step. The optimizer is AdamW over all tensors at once (foreach), float32 products may use TF32 on CUDA,
 and RMSNorm, rotary embedding and SiLU x up run as fused kernels there when Liger-Kernel is installed
-(models.fused_kernels: checked against the plain path first, which is what runs elsewhere).
+(models.fused_kernels: checked against the plain path first, which is what runs elsewhere). With gradient
+checkpointing, the backward replays only what the memory needs (`checkpoint_plan`, models.checkpointing): on CUDA,
+MLPs first, then whole layers, for the activations to fit MEMORY_CEILING; elsewhere every layer, as built.
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
@@ -175,31 +177,40 @@ def _micro_batch_widths(batch, size):
         yield rows, int(batch.prompt_mask[rows].sum(1).max()), max(1, int(batch.completion_mask[rows].sum(1).max()))
 
 
-# Of a CUDA device's memory, what the update's activations leave aside for what `activation_budget` does not see: the
-# logits and their gradient, the allocator's fragmentation, the estimate's own error.
+# Of a CUDA device's memory, what the update's plan leaves aside for what it does not count (the allocator's
+# fragmentation, the estimate's own error); and what it plans for whatever the card: a 48 GB L40S with margin (the
+# weights, the engine's copy and cache, the logits and the saved activations).
 MEMORY_MARGIN = 0.25
+MEMORY_CEILING = 40 * 2 ** 30
 
 
 def activation_budget(device):
-    """Bytes the update's saved activations may take on `device`: free memory and what torch holds unused, less
-    MEMORY_MARGIN of the device's memory; None off CUDA (nothing is decided from memory there)."""
+    """Bytes the update's saved activations and logits may take on `device`: the least of its free memory (with what
+    torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None off CUDA
+    (nothing is decided from memory there)."""
     if torch.device(device).type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - MEMORY_MARGIN * total
+    allocated = torch.cuda.memory_allocated(device)
+    unused = torch.cuda.memory_reserved(device) - allocated   # held by torch's allocator, free to reuse
+    return min(free + unused - MEMORY_MARGIN * total, MEMORY_CEILING - allocated)
 
 
-def _checkpoint_as_memory_needs(model, batches, settings, device):
-    """Gradient checkpointing (the model's, when it was built with it) on as few decoder layers as the update's
-    largest micro-batch needs to fit `activation_budget` (models.layers_to_checkpoint; each replays its forward in
-    the backward); every layer where no budget is known (off CUDA) or with several processes (they would have to
+def checkpoint_plan(model, batches, settings, device):
+    """(layers replayed whole, layers whose MLP alone replays) in this update's backward (models.checkpointing), for
+    a model built with gradient checkpointing: as little replay as the largest micro-batch's saved activations
+    (models.saved_bytes_per_token) and logits need to fit `activation_budget` (models.checkpoint_plan); (None, 0):
+    every layer whole, as built, where no budget is known (off CUDA) or with several processes (they would have to
     measure together)."""
-    budget = activation_budget(device)
-    if budget is None or prefix.several_processes() or not models.checkpointable_layers(model):
-        return
-    tokens = max((min(rows.stop, len(batch.advantages)) - rows.start) * (prompt + completion) for batch in batches
-                 for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size))
-    models.checkpoint_layers(model, models.layers_to_checkpoint(model, tokens, budget))
+    budget, layers = activation_budget(device), len(models.checkpointable_layers(model))
+    if budget is None or prefix.several_processes() or not layers:
+        return None, 0
+    parts = [(min(rows.stop, len(batch.advantages)) - rows.start, prompt, completion) for batch in batches
+             for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size)]
+    tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
+    logits = max(rows * completion for rows, _, completion in parts) * models.hf_model(model).config.vocab_size * \
+        2 * next(model.parameters()).element_size() + 4 * 4 * grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
+    return models.checkpoint_plan(layers, models.saved_bytes_per_token(model), tokens, budget - logits)
 
 
 @contextlib.contextmanager
@@ -318,8 +329,9 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
-    _checkpoint_as_memory_needs(model, batches, settings, device)
-    with models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device):
+    plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
+    with models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device), \
+            models.checkpointing(model, *plan):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             first_pass = not losses  # the policy before its first optimizer step: the one that sampled

@@ -13,7 +13,7 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   prefix     the demo's update with prefix sharing off / on (each distinct token once), ratios  bench/prefix.py
   evalprefix held-out evaluation with prefix sharing off vs on: time ratio, same completions bench/eval_prefix.py
   census     kernels, host syncs, bytes, FLOPs and a GPU roofline of the update and a decode step   bench/census.py
-  update     setting (a)'s update with each of its speed changes switched on in turn: time, GPU busy bench/update_speed.py
+  update     setting (a)'s update, its speed changes switched on in turn: time, GPU busy         bench/update_speed.py
   save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine  bench/step.py
   show FILE.json ...   a saved run's tables as it printed them (the GPU figures, from results/)     bench/show.py
 

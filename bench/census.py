@@ -367,42 +367,48 @@ def extrapolated(one, two, layers):
     return combined([(2 - layers, one), (layers - 1, two)])
 
 
-def update_runs(raw):
-    """({"plain": {"1": run, "2": run}, "checkpointed": {...}}, checkpointed layers) of a census's update records
-    (a census made before layers were checkpointed as memory needs: every layer checkpointed)."""
+def update_runs(raw, layers):
+    """({kind: {"1": run, "2": run}} of REPLAYS' kinds, {card: {"layers": n, "mlps": n}}) of a census's update
+    records (one made before the update planned its replay: every layer checkpointed whole)."""
     if "runs" not in raw:
         return {"checkpointed": {"1": raw["1"], "2": raw["2"]}}, None
-    return raw["runs"], raw["checkpointed_layers"]
+    plans = {card: plan if isinstance(plan, dict) else {"layers": plan, "mlps": 0}
+             for card, plan in raw["checkpointed_layers"].items()}
+    return raw["runs"], plans
 
 
 def figures(saved):
     """The census's figures from its raw records (what `python -m bench show` prints): per phase and per operation
     class of the update and of the decode step, and the headline numbers, for saved["card"]; the update's roofline
-    and kernels for every card. Of the update's L layers, L - k run plain and k checkpointed, k as the update decides
-    on each card (saved["raw"]["update"]["checkpointed_layers"]), each kind's per-layer figures from its 1- and
-    2-layer runs."""
+    and kernels for every card. Of the update's L layers, some run plain, some replay their MLP, some replay whole,
+    as the update plans it on each card (saved["raw"]["update"]["checkpointed_layers"]), each kind's per-layer
+    figures from its 1- and 2-layer runs."""
     cards = {name: Card(**values) for name, values in saved["cards"].items()}
     layers = saved["shapes"]["layers"]
-    runs, by_card = update_runs(saved["raw"]["update"])
-    by_card = by_card or {name: layers for name in cards}  # an older census: every layer checkpointed
-    result = {name: _figures(saved, cards, runs, by_card[name]) for name in cards}
+    runs, plans = update_runs(saved["raw"]["update"], layers)
+    plans = plans or {name: {"layers": layers, "mlps": 0} for name in cards}  # an older census
+    result = {name: _figures(saved, cards, runs, plans[name]) for name in cards}
     mine = dict(result[saved.get("card", "H200")])
     mine["update_roofline_s"] = {name: figures["update_roofline_s"][name] for name, figures in result.items()}
     mine["update_kernels_by_card"] = {name: figures["update_kernels"] for name, figures in result.items()}
-    mine["update_checkpointed_layers"] = by_card
+    mine["update_checkpointed_layers"] = plans
     return mine
 
 
-def _figures(saved, cards, runs, checkpointed):
-    """`figures` with `checkpointed` of the update's layers checkpointed."""
+def _figures(saved, cards, runs, plan):
+    """`figures` with plan["layers"] of the update's layers replayed whole and plan["mlps"] replaying their MLP."""
     layers, tf32 = saved["shapes"]["layers"], saved["tf32"]
     empty = dict(kernels=0, bytes=0, flops=0, seconds={})
     keys = {"phase": lambda p, o, d: p, "class": lambda p, o, d: op_class(o, d), "all": lambda p, o, d: "all"}
-    weights = {"update": {("plain", "1"): 2 - (layers - checkpointed), ("plain", "2"): layers - checkpointed - 1,
-                          ("checkpointed", "1"): -checkpointed, ("checkpointed", "2"): checkpointed},
-               "decode": {("decode", "1"): 2 - layers, ("decode", "2"): layers - 1}}
-    if "plain" not in runs:  # every layer checkpointed: the plain terms are the checkpointed ones
-        weights["update"] = {("checkpointed", "1"): 2 - layers, ("checkpointed", "2"): layers - 1}
+    counts = {"checkpointed": plan["layers"], "mlp": plan["mlps"]}
+    counts["plain"] = layers - sum(counts.values())
+    base = "plain" if "plain" in runs else "checkpointed"  # the constant part: 2 x one - two of either kind
+    update_weights = {(base, "1"): 2, (base, "2"): -1}
+    for kind, count in counts.items():
+        if count:
+            update_weights[kind, "1"] = update_weights.get((kind, "1"), 0) - count
+            update_weights[kind, "2"] = update_weights.get((kind, "2"), 0) + count
+    weights = {"update": update_weights, "decode": {("decode", "1"): 2 - layers, ("decode", "2"): layers - 1}}
     parts = {}
     for part, part_weights in weights.items():
         found = runs if part == "update" else {"decode": saved["raw"]["decode"]}
@@ -421,16 +427,14 @@ def _figures(saved, cards, runs, checkpointed):
                            whole=combined([(w, table.get("all", empty)) for w, table in tables["all"]]),
                            syncs=combined(syncs), kernels_per_layer=per_layer)
     update, decode = parts["update"], parts["decode"]
-    per_layer = update["kernels_per_layer"]  # the mean over the layers, checkpointed or not
-    per_layer = (checkpointed * per_layer["checkpointed"] + (layers - checkpointed) * per_layer.get("plain", 0)) \
-        / layers if checkpointed else per_layer["plain"]
+    per_layer = sum(count * update["kernels_per_layer"][kind] for kind, count in counts.items() if count) / layers
     update_syncs, decode_syncs = sum(update["syncs"].values()), sum(decode["syncs"].values())
     return dict(update_kernels=round(update["whole"]["kernels"]), update_host_syncs=round(update_syncs),
                 update_host_syncs_per_optimizer_step=update_syncs / max(saved["raw"]["update"]["optimizer_steps"], 1),
                 update_gb=round(update["whole"]["bytes"] / 1e9, 1),
                 update_tflop=round(update["whole"]["flops"] / 1e12, 2),
                 update_roofline_s={name: round(s, 3) for name, s in update["whole"]["seconds"].items()},
-                update_kernels_per_layer=round(per_layer), update_checkpointed_layers=checkpointed,
+                update_kernels_per_layer=round(per_layer),
                 decode_kernels_per_step=round(decode["whole"]["kernels"]),
                 decode_kernels_per_layer=decode["kernels_per_layer"]["decode"],
                 decode_host_syncs_per_step=round(decode_syncs),
@@ -523,9 +527,13 @@ def narrow_policy(args, layers, narrow):
     return models.prepare_for_training(narrow_model(args.census_model, layers, narrow, dtype), **lora)
 
 
-def update_run(args, layers, narrow, mapping, rows, checkpointed=True):
+# What each kind of run replays in the backward: (layers whole, layers' MLPs) as fractions of the layers.
+REPLAYS = {"plain": (0, 0), "mlp": (0, 1), "checkpointed": (1, 0)}
+
+
+def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
-    policy, its layers checkpointed (when the preset checkpoints) or not."""
+    policy, its layers replaying what `kind` says (REPLAYS; update.checkpoint_plan decides it on a GPU)."""
     import config
     import grpo_loss
     import models
@@ -534,8 +542,6 @@ def update_run(args, layers, narrow, mapping, rows, checkpointed=True):
     import update
 
     model = narrow_policy(args, layers, narrow).train()
-    if hasattr(models, "checkpoint_layers"):  # (older code: every layer as built)
-        models.checkpoint_layers(model, layers if checkpointed else 0)
     optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     settings = config.update_settings(args)
     generator = torch.Generator().manual_seed(0)
@@ -571,6 +577,9 @@ def update_run(args, layers, narrow, mapping, rows, checkpointed=True):
               (torch.nn.utils, "clip_grad_norm_", "gradient clipping"), (optimizer, "step", "optimizer"),
               (optimizer, "zero_grad", "optimizer"), (rollout_check.SamplerGap, "of", "sampler check"),
               (rollout_check, "row_mean_ratios", "sampler check")]
+    if hasattr(update, "checkpoint_plan"):  # (older code: every layer as built)
+        whole, mlps = REPLAYS[kind]
+        phases.append((update, "checkpoint_plan", lambda *a: (whole * layers, mlps * layers)))
     calls, hf = [], models.hf_model(model)
     hf_forward = hf.forward
 
@@ -591,7 +600,7 @@ def update_run(args, layers, narrow, mapping, rows, checkpointed=True):
     saved = [(owner, name, owner.__dict__[name] if name in vars(owner) else None) for owner, name, _ in phases]
     try:
         for owner, name, phase in phases:
-            setattr(owner, name, label(census, phase, getattr(owner, name)))
+            setattr(owner, name, phase if callable(phase) else label(census, phase, getattr(owner, name)))
         with host_boundary(census, torch.device("cpu")), census, census.labelled("batching and bookkeeping"):
             metrics = run(batches)
     finally:
@@ -637,19 +646,27 @@ def decode_run(args, layers, narrow, mapping, rows):
     return dict(ops=ops, syncs=syncs)
 
 
-def checkpointed_layers(args, real, narrow, mapping, layers, tokens, cache):
-    """{card: how many of the update's layers it checkpoints there} (update._checkpoint_as_memory_needs: as few as
-    the activations of a micro-batch of `tokens` positions need to fit the card's memory less update.MEMORY_MARGIN and
-    what is resident: `resident_bytes`)."""
+def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, tokens, cache):
+    """{card: {"layers": replayed whole, "mlps": replayed MLPs}} as update.checkpoint_plan decides on each card, for a
+    micro-batch of `rows` rows and `tokens` positions: its activations (models.saved_bytes_per_token at the real
+    widths) and logits within the card's memory less update.MEMORY_MARGIN and what is resident (`resident_bytes`),
+    and within update.MEMORY_CEILING."""
     import models
     import update
 
+    if {48, 96, 192} & set(mapping):
+        raise ValueError("narrow widths collide with the memory probe's token counts (48 and 96 per row)")
     probe = narrow_policy(args, 2, narrow).train()
     real_bytes = lambda t: math.prod(mapping.get(d, d) for d in t.shape) * t.element_size()  # noqa: E731
-    full, kept = models.saved_bytes_per_token(probe, tokens=48, nbytes=real_bytes)
+    per_token = models.saved_bytes_per_token(probe, tokens=48, nbytes=real_bytes)
     resident = resident_bytes(args, real, cache)
-    return {name: models.checkpointed_count(layers, full, kept, tokens, card.memory_bytes * (1 - update.MEMORY_MARGIN)
-                                            - resident) for name, card in CARDS.items()}
+    logits = rows * completion * real.vocab_size * 2 * 2 + 4 * 4 * __import__("grpo_loss")._LOGSUMEXP_CHUNK_ELEMENTS
+    plans = {}
+    for name, card in CARDS.items():
+        budget = min(card.memory_bytes * (1 - update.MEMORY_MARGIN) - resident, update.MEMORY_CEILING - resident)
+        whole, mlps = models.checkpoint_plan(layers, per_token, tokens, budget - logits)
+        plans[name] = {"layers": whole, "mlps": mlps}
+    return plans
 
 
 def resident_bytes(args, real, cache):
@@ -689,16 +706,17 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
     mapping = width_map(real, narrow, args.lora_rank, prompt_tokens, completion, rows, args.rollout_batch_size, cache)
     layers = layers or real.num_hidden_layers
     settings = config.update_settings(args)
-    by_memory = hasattr(__import__("models"), "checkpoint_layers")  # older code checkpoints every layer it can
-    kinds = ("plain", "checkpointed") if args.gradient_checkpointing and by_memory else \
+    planned = hasattr(__import__("update"), "checkpoint_plan")  # older code replays every layer it can
+    kinds = ("plain", "mlp", "checkpointed") if args.gradient_checkpointing and planned else \
         ("checkpointed",) if args.gradient_checkpointing else ("plain",)
-    runs = {kind: {str(count): update_run(args, count, narrow, mapping, rows, kind == "checkpointed")
-                   for count in (1, 2)} for kind in kinds}
-    micro_tokens = min(rows, settings.micro_batch_size) * (prompt_tokens + completion)
-    if len(kinds) == 2:
-        by_card = checkpointed_layers(args, real, narrow, mapping, layers, micro_tokens, cache)
+    runs = {kind: {str(count): update_run(args, count, narrow, mapping, rows, kind) for count in (1, 2)}
+            for kind in kinds}
+    micro_rows = min(rows, settings.micro_batch_size)
+    if len(kinds) == 3:
+        by_card = checkpoint_plans(args, real, narrow, mapping, layers, micro_rows, completion,
+                                   micro_rows * (prompt_tokens + completion), cache)
     else:
-        by_card = {label: layers if kinds == ("checkpointed",) else 0 for label in CARDS}
+        by_card = {label: {"layers": layers if kinds == ("checkpointed",) else 0, "mlps": 0} for label in CARDS}
     first = runs[kinds[0]]["1"]
     raw = {"update": dict(runs=runs, checkpointed_layers=by_card, optimizer_steps=first["optimizer_steps"]),
            "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size)
@@ -714,7 +732,8 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
                              gradient_checkpointing=args.gradient_checkpointing,
                              prefix_sharing=settings.prefix_sharing, decode_rows=args.rollout_batch_size,
                              decode_cache=cache, model_calls=first["model_calls"]),
-                 narrow=asdict(narrow), cards={label: asdict(values) for label, values in CARDS.items()}, tf32=allows_tf32(),
+                 narrow=asdict(narrow), cards={label: asdict(values) for label, values in CARDS.items()},
+                 tf32=allows_tf32(),
                  card=card, raw=raw)
     result = figures(saved)
     saved.update({key: result[key] for key in HEADLINES})

@@ -28,7 +28,7 @@ import update
 from bench import common
 from bench.common import print_header, print_row
 
-COLUMNS = ["change", "update_s", "speedup", "peak_gib", "checkpointed_layers", "kernels", "kernel_s", "gpu_busy"]
+COLUMNS = ["change", "update_s", "speedup", "peak_gib", "replayed", "kernels", "kernel_s", "gpu_busy"]
 
 
 @contextlib.contextmanager
@@ -44,22 +44,20 @@ def peft_adapter(model):
 
 
 @contextlib.contextmanager
-def switched(model, changes, all_layers):
-    """The block with only `changes` (names of CHANGES) on."""
+def switched(model, changes, plans):
+    """The block with only `changes` (names of CHANGES) on; the update's checkpoint plans go to `plans`."""
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context(_patches())
         if "fold" not in changes:
             patch(prefix, "folds", lambda *args: False)
         if "bf16 adapter" not in changes:
             stack.enter_context(peft_adapter(model))
-        if "checkpoint as memory needs" not in changes:
-            patch(update, "activation_budget", lambda device: None)
-            models.checkpoint_layers(model, all_layers)
+        planned = update.checkpoint_plan if "checkpoint as memory needs" in changes else lambda *args: (None, 0)
+        patch(update, "checkpoint_plan", lambda *args: plans.append(planned(*args)) or plans[-1])
         model.__dict__.pop("_fused_kernels", None)  # checked again under this row's switch
         if "fused kernels" not in changes:
             patch(models, "liger_kernels", lambda device: {})
         yield
-    models.checkpoint_layers(model, all_layers)
     model.__dict__.pop("_fused_kernels", None)
 
 
@@ -136,16 +134,16 @@ def bench_update(argv):
             settings = dataclasses.replace(settings, **CHANGES[name])
             if tiny and name == "micro-batch 16":
                 settings = dataclasses.replace(settings, micro_batch_size=rows)
-        row = {"change": "every change off" if not on else f"+ {on[-1]}"}
-        with switched(model, on, all_layers):
+        row, plans = {"change": "every change off" if not on else f"+ {on[-1]}"}, []
+        with switched(model, on, plans):
             run(settings, 1)  # warm-up: this row's kernels, allocations, the fused kernels' check
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times = [common.timed(lambda: run(settings, 10 + repeat), device)[1] for repeat in range(args.repeats)]
             row["update_s"] = statistics.median(times)
             row["peak_gib"] = common.phase_peak_gib(device)
-            row["checkpointed_layers"] = sum(layer.gradient_checkpointing for layer in
-                                             models.checkpointable_layers(model))
+            whole, mlps = plans[-1]
+            row["replayed"] = f"{all_layers if whole is None else whole} layers, {mlps} MLPs"
             if index in (0, len(names)):
                 kernels, busy, wall = profiled(lambda: run(settings, 99), device)
                 row.update(kernels=kernels, kernel_s=busy, gpu_busy=busy / wall if device.type == "cuda" else None)
