@@ -539,7 +539,7 @@ def kernels_disagree(kernels, dtype, device, hidden=256, heads=4, kv_heads=2):
 
     angles = torch.arange(tokens, device=device)[:, None] * torch.rand(head_dim // 2, generator=generator,
                                                                          device=device)
-    cos, sin = (torch.cat([f(angles), f(angles)], -1)[None].to(dtype) for f in (torch.cos, torch.sin))
+    cos, sin = (torch.cat([f(angles), f(angles)], -1).expand(2, -1, -1).to(dtype) for f in (torch.cos, torch.sin))
     inputs = dict(rms_norm=lambda: (random(2, tokens, hidden), 1 + random(hidden) / 4, 1e-6),
                   rotary=lambda: (random(2, heads, tokens, head_dim), random(2, kv_heads, tokens, head_dim), cos, sin),
                   silu_mul=lambda: (random(2, tokens, hidden), random(2, tokens, hidden)))
