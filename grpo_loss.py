@@ -295,7 +295,9 @@ def grpo_loss_sum(
     [B, C], the sampler's) multiply each token's policy-gradient term, not its KL term; "token_reject" takes its
     rejected tokens out of the mask instead (`loss_tokens`: their KL term too, and out of their row's token count).
     Metrics: token means over this call's kept tokens, see `grpo_loss` (plus "importance_weight_mean", over every
-    completion token: the mean weight, for "token_reject" the fraction accepted).
+    completion token: the mean weight, for "token_reject" the fraction accepted), as 0-dim tensors on the device:
+    reading one is a host sync, which the update makes once per optimizer step. Advantages must be finite (checked
+    on the host by `grpo_loss` and update.update_policy: a check here would be a sync).
     """
     settings = loss_settings(settings, **options)
     clip_eps, clip_eps_high, kl_coef, aggregation = (settings.clip_eps, settings.clip_eps_high, settings.kl_coef,
@@ -318,8 +320,6 @@ def grpo_loss_sum(
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef = {kl_coef} > 0 needs ref_logprobs")
-    if not bool(torch.isfinite(advantages).all()):
-        raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")
 
     token_weights = None  # importance sampling against the sampler-trainer mismatch (rollout_check.py)
     if settings.importance_sampling_correction != "none":
@@ -355,11 +355,11 @@ def grpo_loss_sum(
         row_sums = row_sums / mask.sum(-1).clamp(min=1)  # empty completions contribute 0, not NaN
     loss_sum = row_sums.sum()
 
-    with torch.no_grad():
+    with torch.no_grad():  # on the device: the caller reads them when it reads the loss (one host sync)
         num_tokens = mask.sum().clamp(min=1)
 
-        def masked_mean(x: Tensor) -> float:
-            return float((x.float() * mask).sum() / num_tokens)
+        def masked_mean(x: Tensor) -> Tensor:
+            return (x.float() * mask).sum() / num_tokens
 
         low = (ratio < 1 - clip_eps) & (adv < 0)
         high = (ratio > 1 + clip_high) & (adv > 0)
@@ -368,11 +368,10 @@ def grpo_loss_sum(
             "clip_ratio/high_mean": masked_mean(high),
             "clip_ratio/region_mean": masked_mean(low | high),
             "ratio_mean": masked_mean(ratio),
-            "kl": masked_mean(kl) if ref_logprobs is not None else 0.0,
+            "kl": masked_mean(kl) if ref_logprobs is not None else logp.new_zeros(()),
         }
-        if token_weights is not None:  # token_reject: the fraction of tokens accepted
-            metrics["importance_weight_mean"] = float(token_weights.float()[generated].mean()) if generated.any() \
-                else 0.0
+        if token_weights is not None:  # token_reject: the fraction of tokens accepted (0 without a token)
+            metrics["importance_weight_mean"] = (token_weights.float() * generated).sum() / generated.sum().clamp(min=1)
     return loss_sum, metrics
 
 
@@ -402,8 +401,10 @@ def grpo_loss(
     no ref_logprobs).
     """
     settings = loss_settings(settings, **options)
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")
     loss_sum, metrics = grpo_loss_sum(logprobs, old_logprobs, advantages, completion_mask, settings, ref_logprobs,
                                       sampler_logprobs)
     denominator = loss_denominator(loss_tokens(completion_mask, old_logprobs, sampler_logprobs, settings),
                                    settings.aggregation, settings.max_completion_tokens)
-    return loss_sum / max(denominator, 1), metrics
+    return loss_sum / max(denominator, 1), {key: float(value) for key, value in metrics.items()}

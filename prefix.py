@@ -12,6 +12,9 @@ from the same [prompt | completion] rows, but runs each distinct prompt of the r
    grpo_loss.position_ids_from_mask);
 3. the distinct prompts' keys and values (the model's KV cache) are repeated for the B rows with index_select and
    the completions [B, C] run on them; the first completion token is scored by the prompt forward's last logits.
+   Folded (`folds`: where a row repeats few tokens, as with one prompt per step, where a prompt's own part is its
+   last token), 2 and 3 are one model call: each row runs its own prompt tokens and its completion on the prefix.
+Where that is decided (`layout`) is the host, from host copies of the rows: no device value is read back.
 Repeating keys and values is differentiable (index_select's backward sums), so every row's gradient flows back
 through the one shared prompt forward: loss and gradients equal the per-row computation up to float rounding
 (tests/test_prefix.py). Only the last prompt position is projected on the vocabulary (`logits_to_keep`).
@@ -199,14 +202,16 @@ def _cache_under_checkpointing(model):
 
 
 def _forward(model, ids, mask, positions, cache, logits_to_keep):
-    """(logits [b, logits_to_keep, V], `cache` holding its past and ids' keys and values) of one forward pass."""
+    """(logits [b, logits_to_keep, V], `cache` holding its past and ids' keys and values) of one forward pass. mask
+    None: no padding and no past (the model's causal mask alone: no mask tensor, nothing for the host to check)."""
     with _cache_under_checkpointing(model) as checkpointing:
         # The layers read and write `cache` whenever one is passed; use_cache=True under checkpointing would only
         # make transformers warn that it turns use_cache off.
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=not checkpointing,
                     logits_to_keep=logits_to_keep, **{cache_argument(model): cache})
-    if cache.get_seq_length() != mask.shape[1]:
-        raise RuntimeError(f"the model left a KV cache of {cache.get_seq_length()} positions, not {mask.shape[1]} "
+    length = ids.shape[1] if mask is None else mask.shape[1]
+    if cache.get_seq_length() != length:
+        raise RuntimeError(f"the model left a KV cache of {cache.get_seq_length()} positions, not {length} "
                            "(prefix sharing needs the cache in the update: --prefix-sharing off)")
     return out.logits[:, -logits_to_keep:], cache
 
@@ -218,36 +223,6 @@ def repeat_cache(model, cache, index: Tensor):
                           for layer in cache.layers])
 
 
-def _distinct_prompts(model, ids, mask, shared_prefix, step=None):
-    """The forward of G distinct left-padded prompts [G, Tp] -> (last-position logits [G, 1, V], their KV cache,
-    its attention mask [G, Tk]); with shared_prefix their common prefix runs once first (when they have one), or
-    with `step` (a StepPrefix every prompt starts with) that prefix's keys and values are read, not run."""
-    if step is not None:
-        length = len(step.ids)
-        if not starts_with(ids, mask, step.ids):
-            raise ValueError(f"the micro-batch's prompts do not all start with the step's {length}-token prefix and "
-                             "go past it (prefix.step_prefix_ids of these rows)")
-        cache = _cache(model, step.inputs)
-    else:
-        length = common_prefix_length(ids, mask) if shared_prefix and len(ids) > 1 and is_left_padded(mask) else 0
-        if length == 0:
-            return (*_forward(model, ids, mask, grpo_loss.position_ids_from_mask(mask), _cache(model), 1), mask)
-        width, lengths = ids.shape[1], mask.sum(1)
-        start = int(width - lengths[0])
-        _, cache = _forward(model, ids[:1, start:start + length], torch.ones_like(ids[:1, :length]), None,
-                            _cache(model), 1)
-    lengths = mask.sum(1)
-    # Suffixes (each prompt without the prefix) stay right-aligned: drop the columns every suffix pads.
-    suffix_width = int((lengths - length).max())
-    suffix_ids, suffix_mask = ids[:, -suffix_width:], mask[:, -suffix_width:].clone()
-    suffix_mask[torch.arange(suffix_width, device=ids.device) < suffix_width - (lengths - length)[:, None]] = 0
-    full_mask = torch.cat([torch.ones(len(ids), length, dtype=mask.dtype, device=mask.device), suffix_mask], 1)
-    cache = repeat_cache(model, cache, torch.zeros(len(ids), dtype=torch.long, device=ids.device))
-    positions = grpo_loss.position_ids_from_mask(full_mask)[:, -suffix_width:]
-    logits, cache = _forward(model, suffix_ids, full_mask, positions, cache, 1)
-    return logits, cache, full_mask
-
-
 def starts_with(prompt_ids: Tensor, prompt_mask: Tensor, prefix_ids: Tensor) -> bool:
     """Every left-padded prompt [B, Tp] starts with the tokens prefix_ids [L] and has at least one token past them."""
     length, lengths = len(prefix_ids), prompt_mask.sum(1)
@@ -255,13 +230,13 @@ def starts_with(prompt_ids: Tensor, prompt_mask: Tensor, prefix_ids: Tensor) -> 
         return False
     starts = prompt_ids.shape[1] - lengths
     real = prompt_ids.gather(1, starts[:, None] + torch.arange(length, device=prompt_ids.device))
-    return bool((real == prefix_ids.to(real.device)).all())
+    return bool((real == (prefix_ids if prefix_ids.device == real.device else prefix_ids.to(real.device))).all())
 
 
 @dataclass
 class StepPrefix:
     """The prefix every prompt of an optimizer step shares, run once for all its micro-batches (`step_prefix`)."""
-    ids: Tensor                           # [L] its token ids
+    ids: Tensor                           # [L] its token ids, on the host
     outputs: list[tuple[Tensor, Tensor]]  # per layer, its keys and values [1, kv_heads, L, head_dim] as computed
     inputs: list[tuple[Tensor, Tensor]]   # the same, detached, each micro-batch's past: their .grad sums its rows'
 
@@ -287,9 +262,11 @@ def step_prefix_ids(prompts) -> Tensor | None:
 
 
 def step_prefix(model, ids: Tensor) -> StepPrefix:
-    """Run the prefix ids [L] once (with gradients in grad mode): the keys and values every micro-batch of the step
-    then reads (completion_logprobs(..., step=...)); `backward_step_prefix` after the last micro-batch's backward."""
-    _, cache = _forward(model, ids[None], torch.ones_like(ids[None]), None, _cache(model), 1)
+    """Run the prefix ids [L] (host) once (with gradients in grad mode): the keys and values every micro-batch of the
+    step then reads (completion_logprobs(..., step=...)); `backward_step_prefix` after the last micro-batch's
+    backward."""
+    on_device = ids.to(next(model.parameters()).device, non_blocking=True)[None]
+    _, cache = _forward(model, on_device, None, None, _cache(model), 1)
     outputs = [(layer.keys, layer.values) for layer in cache.layers]
     inputs = [tuple(t.detach().requires_grad_(t.requires_grad) for t in kv) for kv in outputs]
     return StepPrefix(ids, outputs, inputs)
@@ -311,21 +288,103 @@ def several_processes() -> bool:
         torch.distributed.get_world_size() > 1
 
 
+@dataclass
+class Layout:
+    """How `completion_logprobs` runs B rows [left-padded prompt | completion], found on the host (`layout`)."""
+    first: Tensor       # [G] a row of each distinct prompt (prompt_groups)
+    group: Tensor       # [B] each row's distinct prompt
+    prefix: int         # the tokens every prompt starts with, run once (or the step's: read); 0: none
+    prefix_start: int   # the column where the first distinct prompt's prefix starts
+    suffix: int         # the widest part of a prompt after the prefix
+    folded: bool        # each row runs its own suffix and its completion in one call (FOLD_LIMIT)
+
+
+# Each row's own prompt tokens (after the prefix) run with its completion, one model call in all instead of one for
+# the distinct prompts and one for the completions, when the tokens it repeats (a prompt's own tokens once per row,
+# not once per prompt) are at most one per row or this fraction of the completion tokens the call runs anyway: the
+# paper's presets (one prompt per step, m rows) repeat the prompt's last token m - 1 times for a model call less
+# (a whole forward and backward of kernels); prompts whose own parts are long (the demo's questions) keep theirs.
+FOLD_LIMIT = 1 / 8
+
+
+def folds(rows: int, prompts: int, suffix: int, completion_tokens: int) -> bool:
+    """Whether rows of `prompts` distinct prompts, whose own parts are at most `suffix` tokens, run them with their
+    completions in one model call (FOLD_LIMIT)."""
+    return (rows - prompts) * suffix <= max(rows, FOLD_LIMIT * rows * max(completion_tokens - 1, 1))
+
+
+def layout(prompt_ids: Tensor, prompt_mask: Tensor, completion_tokens: int, shared_prefix: bool = True,
+           step_ids: Tensor | None = None) -> Layout:
+    """The Layout of rows whose prompts are prompt_ids / prompt_mask [B, Tp] (host tensors: nothing is read back
+    from a device), with completion_tokens columns. step_ids: the step's prefix [L] every prompt starts with and
+    goes past (ValueError otherwise); else with shared_prefix the prefix the distinct prompts share."""
+    first, group = prompt_groups(prompt_ids, prompt_mask)
+    lengths = prompt_mask.sum(1)
+    if step_ids is not None:
+        if not starts_with(prompt_ids, prompt_mask, step_ids):
+            raise ValueError(f"the micro-batch's prompts do not all start with the step's {len(step_ids)}-token prefix "
+                             "and go past it (prefix.step_prefix_ids of these rows)")
+        length = len(step_ids)
+    elif shared_prefix and is_left_padded(prompt_mask[first]):
+        length = common_prefix_length(prompt_ids[first], prompt_mask[first])
+    else:
+        length = 0
+    suffix = int(lengths.max()) - length if len(lengths) else 0
+    folded = length > 0 and folds(len(group), len(first), suffix, completion_tokens)
+    if not folded and step_ids is None and len(first) == 1:  # one prompt: run whole, then its rows' completions
+        length, suffix = 0, int(lengths.max())
+    start = prompt_ids.shape[1] - int(lengths[first[0]]) if len(first) else 0
+    return Layout(first, group, length, start, suffix, folded)
+
+
+def _own_tokens(model, ids, mask, own, suffix, prefix_length, cache, logits_to_keep):
+    """The forward of rows [n, W] after a prefix of prefix_length tokens whose keys and values `cache` holds (one row;
+    None: no prefix): each row's last `own` [n] prompt tokens, right-aligned in its first `suffix` columns (the
+    columns before them hold prefix tokens or padding: masked), then whatever follows (a completion, masked where the
+    mask says). -> (logits [n, logits_to_keep, V], the cache with every row's keys and values, its mask)."""
+    width = ids.shape[1]
+    run_mask = mask.masked_fill(torch.arange(width, device=mask.device) < suffix - own[:, None], 0)
+    full_mask = torch.cat([mask.new_ones(len(ids), prefix_length), run_mask], 1)
+    cache = _cache(model) if cache is None else repeat_cache(model, cache, own.new_zeros(len(ids)))
+    positions = grpo_loss.position_ids_from_mask(full_mask)[:, -width:]
+    return (*_forward(model, ids, full_mask, positions, cache, logits_to_keep), full_mask)
+
+
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, shared_prefix: bool = True, step: StepPrefix | None = None) -> Tensor:
+                        temperature: float = 1.0, shared_prefix: bool = True, step: StepPrefix | None = None,
+                        host: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """grpo_loss.token_logprobs (same arguments: rows [left-padded prompt | completion], C = num_completion_tokens)
     with each distinct prompt run once (its keys and values repeated for its rows), and with shared_prefix the
     prefix every prompt shares run once (not with several processes: `several_processes`), or with `step` read from
     the step's prefix (every prompt must start with it). float32 [B, C]; gradients flow into `model` unless under
-    no_grad (with `step`, into step.inputs until `backward_step_prefix`). Two forward calls (three with a shared
-    prefix run here)."""
+    no_grad (with `step`, into step.inputs until `backward_step_prefix`). host: input_ids and attention_mask on the
+    host (update.py has them), where the layout is found (else they are copied there: a host sync).
+    Model calls: the prefix (unless `step`), then, folded (`FOLD_LIMIT`), every row's own prompt tokens and its
+    completion in one; else the distinct prompts' own tokens, then the completions on their repeated keys and values."""
     grpo_loss.check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
     c = num_completion_tokens
+    host_ids, host_mask = host if host is not None else (input_ids.cpu(), attention_mask.cpu())
+    plan = layout(host_ids[:, :-c], host_mask[:, :-c], c, shared_prefix and not several_processes(),
+                  None if step is None else step.ids)
     prompt_ids, prompt_mask = input_ids[:, :-c], attention_mask[:, :-c]
     completion_ids, completion_mask = input_ids[:, -c:], attention_mask[:, -c:]
-    first, group = prompt_groups(prompt_ids, prompt_mask)
-    last_logits, cache, cache_mask = _distinct_prompts(model, prompt_ids[first], prompt_mask[first],
-                                                       shared_prefix and not several_processes(), step)
+    cache = None
+    if step is not None:
+        cache = _cache(model, step.inputs)
+    elif plan.prefix > 0:
+        first = int(plan.first[0])
+        ids = prompt_ids[first:first + 1, plan.prefix_start:plan.prefix_start + plan.prefix]
+        _, cache = _forward(model, ids, None, None, _cache(model), 1)
+    own = prompt_mask.sum(1) - plan.prefix
+    if plan.folded:  # [own prompt tokens | completion but its last token]: the last prompt position scores the first
+        ids = torch.cat([prompt_ids[:, -plan.suffix:], completion_ids[:, :c - 1]], 1)
+        mask = torch.cat([prompt_mask[:, -plan.suffix:], completion_mask[:, :c - 1]], 1)
+        logits, _, _ = _own_tokens(model, ids, mask, own, plan.suffix, plan.prefix, cache, c)
+        return grpo_loss.picked_logprobs(logits, completion_ids, temperature)
+    first, group = (index.to(input_ids.device, non_blocking=True) for index in (plan.first, plan.group))
+    last_logits, cache, cache_mask = _own_tokens(model, prompt_ids[first, -plan.suffix:],
+                                                 prompt_mask[first, -plan.suffix:], own[first], plan.suffix,
+                                                 plan.prefix, cache, 1)
     # The last completion token only predicts past the row: the first C - 1 go in (1 when C = 1, its logits unused,
     # so that the calls never depend on C).
     inputs = max(c - 1, 1)

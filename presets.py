@@ -13,7 +13,10 @@ PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(mo
                     bf16=True, gradient_checkpointing=True, optimizer="adamw", rule="max_variance",
                     prompts_per_step=1, temperature=0.9, kl_coef=0.0, one_shot=False,
                     checkpoint_interval_s=1800.0, max_time_s=6 * 3600.0, eval_interval=50, eval_samples=200,
-                    eval_temperature=0.9, rollout_batch_size=64, micro_batch_size=4)
+                    eval_temperature=0.9, rollout_batch_size=64, micro_batch_size=16)
+# micro_batch_size 16: the kept rows of a step (m = 16) in one forward and backward, the fewest kernels; with
+# --gradient-checkpointing the update replays in its backward only what 40 GiB of GPU memory need (update.py: in
+# setting (a), 29 of the 36 MLPs; python -m bench census).
 # Demo: a short system prompt (prompt tokens dominate CPU time) that spells out the format (base model:
 # 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step). Its budget is 16
 # steps, not seconds: what it learns is then the same on every CPU (a 2-core AVX2 CPU takes ~24 s a step, one with
@@ -39,7 +42,8 @@ PRESETS = {
     # m = 128), 512 prompt + 1536 completion tokens (the authors generated at most 1024). One prompt per GPU and
     # rollout batch, so a prompt's selection needs no communication (the authors: 4 prompts per GA step).
     "e": dict(PAPER_COMMON, model="Qwen/Qwen2.5-3B-Instruct", dataset="gsm8k", lora_rank=0, learning_rate=2e-5,
-              num_rollouts=128, update_size=32, grad_accum_steps=4, prompts_per_step=8, max_completion_tokens=1536),
+              num_rollouts=128, update_size=32, grad_accum_steps=4, prompts_per_step=8, max_completion_tokens=1536,
+              micro_batch_size=4),
 }
 PRESETS["f"] = dict(PRESETS["e"], model="Qwen/Qwen2.5-7B-Instruct", learning_rate=1.5e-5)
 # --baseline: the matching GRPO run, n = m (rule none), as in the paper's comparisons: (a) 16/16, (b) 8/8, (c) 16/16,

@@ -47,13 +47,13 @@ class SamplerGap:
     @classmethod
     def of(cls, trainer_logprobs, sampler_logprobs, mask):
         """The gap over the tokens where `mask` [B, C] is set (log-probs [B, C], any device)."""
-        keep = mask.bool()
-        delta = (trainer_logprobs.detach().float() - sampler_logprobs.to(trainer_logprobs.device).float())[keep]
-        if delta.numel() == 0:
-            return cls()
-        k3 = (delta.exp() - delta - 1).clamp(min=0)   # >= 0 exactly; float rounding can dip below
-        return cls(int(delta.numel()), float(delta.abs().sum()), float(k3.sum()), float(delta.abs().max()),
-                   float(delta.exp().max()))
+        return cls.from_sums(gap_sums(trainer_logprobs, sampler_logprobs, mask).tolist())
+
+    @classmethod
+    def from_sums(cls, sums):
+        """The SamplerGap of `gap_sums`' values, read on the host."""
+        tokens, abs_sum, kl_sum, abs_max, ratio_max = sums
+        return cls(int(tokens), abs_sum, kl_sum, abs_max, ratio_max)
 
     def __add__(self, other):
         return SamplerGap(self.tokens + other.tokens, self.abs_sum + other.abs_sum, self.kl_sum + other.kl_sum,
@@ -71,6 +71,26 @@ class SamplerGap:
     def describe(self):
         return (f"mean |log-prob difference| {self.mean:.3g} > {LOGPROB_GAP_LIMIT} (max {self.abs_max:.3g}, "
                 f"KL {self.kl_sum / max(self.tokens, 1):.3g}, over {self.tokens} tokens)")
+
+
+def gap_sums(trainer_logprobs, sampler_logprobs, mask):
+    """SamplerGap's fields over the tokens where `mask` [B, C] is set, as one float32 tensor [5] on the trainer's
+    device (tokens, sum |delta|, sum k3, max |delta|, max ratio; 0 without a token): the update reads it with its
+    loss, in its one host sync per optimizer step."""
+    keep = mask.bool().to(trainer_logprobs.device)
+    delta = (trainer_logprobs.detach().float() - sampler_logprobs.to(trainer_logprobs.device).float()).masked_fill(
+        ~keep, 0.0)
+    k3 = (delta.exp() - delta - 1).clamp(min=0)   # >= 0 exactly; float rounding can dip below; 0 where masked
+    ratio = delta.exp().masked_fill(~keep, 0.0)
+    return torch.stack([keep.sum().float(), delta.abs().sum(), k3.sum(), delta.abs().amax() if delta.numel()
+                        else delta.new_zeros(()), ratio.amax() if ratio.numel() else ratio.new_zeros(())])
+
+
+def add_gap_sums(total, sums):
+    """Two `gap_sums` as one (None: none yet)."""
+    if total is None:
+        return sums
+    return torch.cat([total[:3] + sums[:3], torch.maximum(total[3:], sums[3:])])
 
 
 def row_mean_ratios(trainer_logprobs, sampler_logprobs, mask):

@@ -22,6 +22,14 @@ with the sampler's log-probs of the kept tokens, at no extra forward pass (`Upda
 `LossSettings.importance_sampling_correction` pi_old / pi_sampler also weights the loss (grpo_loss.importance_weights);
 "token_reject" takes its rejected tokens out of the loss mask and the normaliser, which must be known before the
 first backward, so `fill_logprobs` computes pi_old for it even with mu = 1 (one more no-grad pass).
+The GPU's pace: the batch stays in host memory, where every decision about its layout is made (micro-batch widths,
+token counts, prefix.completion_logprobs' layout), and goes to the device without waiting (non_blocking); the device
+is read once per optimizer step (loss, gradient norm, metrics, the sampler check: one copy), so the host never waits
+for the GPU mid-step. The optimizer is AdamW over all tensors at once (foreach), float32 products may use TF32 on CUDA,
+and RMSNorm, rotary embedding and SiLU x up run as fused kernels there when Liger-Kernel is installed
+(models.fused_kernels: checked against the plain path first, which is what runs elsewhere). With gradient
+checkpointing, the backward replays only what the memory needs (`checkpoint_plan`, models.checkpointing): on CUDA,
+MLPs first, then whole layers, for the activations to fit MEMORY_CEILING; elsewhere every layer, as built.
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
@@ -96,6 +104,8 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
     sampler_logprobs: torch.Tensor | None = None
+    host: tuple = ()                # (input_ids, attention_mask) on the host: what the host decides from
+    tokens: int = 0                 # tokens of the loss mask
 
     @property
     def width(self):
@@ -145,22 +155,73 @@ def micro_batches(batch, size, device, mask_truncated=False):
     prompts, right of the completions): a short micro-batch costs what its own longest row costs. Their
     completion_mask is the loss mask (`loss_mask`); the attention still sees every generated token."""
     mask = loss_mask(batch, mask_truncated)
-    for start in range(0, len(batch.advantages), size):
-        rows = slice(start, start + size)
-        prompt_width = int(batch.prompt_mask[rows].sum(1).max())
-        width = max(1, int(batch.completion_mask[rows].sum(1).max()))
+
+    def to_device(tensor):  # asynchronous: the host goes on queueing work (the batch stays in host memory)
+        return None if tensor is None else tensor.to(device, non_blocking=True)
+
+    for rows, prompt_width, width in _micro_batch_widths(batch, size):
         input_ids = torch.cat([batch.prompt_ids[rows, -prompt_width:], batch.completion_ids[rows, :width]], 1)
         attention_mask = torch.cat([batch.prompt_mask[rows, -prompt_width:], batch.completion_mask[rows, :width]], 1)
-        old, ref, sampler = (None if logprobs is None else logprobs[rows, :width].to(device)
+        old, ref, sampler = (None if logprobs is None else to_device(logprobs[rows, :width])
                              for logprobs in (batch.old_logprobs, batch.ref_logprobs, batch.sampler_logprobs))
-        yield MicroBatch(rows, input_ids.to(device), attention_mask.to(device),
-                         mask[rows, :width].to(device), batch.advantages[rows].to(device), old, ref, sampler)
+        yield MicroBatch(rows, to_device(input_ids), to_device(attention_mask), to_device(mask[rows, :width]),
+                         to_device(batch.advantages[rows]), old, ref, sampler, host=(input_ids, attention_mask),
+                         tokens=int(mask[rows, :width].sum()))
 
 
+def _micro_batch_widths(batch, size):
+    """(rows, prompt columns, completion columns) of each micro-batch of `size` rows: the columns its longest
+    prompt and its longest completion need (at least one)."""
+    for start in range(0, len(batch.advantages), size):
+        rows = slice(start, start + size)
+        yield rows, int(batch.prompt_mask[rows].sum(1).max()), max(1, int(batch.completion_mask[rows].sum(1).max()))
+
+
+# Of a CUDA device's memory, what the update's plan leaves aside for what it does not count (the allocator's
+# fragmentation, the estimate's own error); and what it plans for whatever the card: a 48 GB L40S with margin (the
+# weights, the engine's copy and cache, the logits and the saved activations).
+MEMORY_MARGIN = 0.25
+MEMORY_CEILING = 40 * 2 ** 30
+
+
+def activation_budget(device):
+    """Bytes the update's saved activations and logits may take on `device`: the least of its free memory (with what
+    torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None off CUDA
+    (nothing is decided from memory there)."""
+    if torch.device(device).type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    unused = torch.cuda.memory_reserved(device) - allocated   # held by torch's allocator, free to reuse
+    return min(free + unused - MEMORY_MARGIN * total, MEMORY_CEILING - allocated)
+
+
+def checkpoint_plan(model, batches, settings, device):
+    """(layers replayed whole, layers whose MLP alone replays) in this update's backward (models.checkpointing), for
+    a model built with gradient checkpointing: as little replay as the largest micro-batch's saved activations
+    (models.saved_bytes_per_token) and logits need to fit `activation_budget` (models.checkpoint_plan); (None, 0):
+    every layer whole, as built, where no budget is known (off CUDA) or with several processes (they would have to
+    measure together)."""
+    budget, layers = activation_budget(device), len(models.checkpointable_layers(model))
+    if budget is None or prefix.several_processes() or not layers:
+        return None, 0
+    parts = [(min(rows.stop, len(batch.advantages)) - rows.start, prompt, completion) for batch in batches
+             for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size)]
+    tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
+    logits = max(rows * completion for rows, _, completion in parts) * models.hf_model(model).config.vocab_size * \
+        2 * next(model.parameters()).element_size() + 4 * 4 * grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
+    return models.checkpoint_plan(layers, models.saved_bytes_per_token(model), tokens, budget - logits)
+
+
+@contextlib.contextmanager
 def _compute(settings, device):
-    if settings.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=settings.autocast_dtype)
+    """The update's numerics: bf16 autocast for full fine-tuning in bf16 (settings.autocast_dtype); on CUDA, TF32 for
+    any float32 matrix product (models.tf32_matmuls)."""
+    with contextlib.ExitStack() as stack:
+        if settings.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(torch.device(device).type, dtype=settings.autocast_dtype))
+        stack.enter_context(models.tf32_matmuls(device))
+        yield
 
 
 def _logprobs(model, micro, settings, device, step=None):
@@ -168,10 +229,11 @@ def _logprobs(model, micro, settings, device, step=None):
     where prefix.logprobs_function allows it, reading the step's shared prefix where `_step_prefix` ran one: the same
     numbers either way, up to float rounding."""
     logprobs = prefix.logprobs_function(model, settings.prefix_sharing)
+    options = {} if logprobs is grpo_loss.token_logprobs else dict(host=micro.host)
+    if step is not None:
+        options["step"] = step
     with _compute(settings, device):
-        if step is not None:
-            return logprobs(model, micro.input_ids, micro.attention_mask, micro.width, settings.temperature, step=step)
-        return logprobs(model, micro.input_ids, micro.attention_mask, micro.width, settings.temperature)
+        return logprobs(model, micro.input_ids, micro.attention_mask, micro.width, settings.temperature, **options)
 
 
 def _step_prefix(model, batches, settings, device):
@@ -187,7 +249,7 @@ def _step_prefix(model, batches, settings, device):
     if ids is None or len(ids) == 0:
         return None
     with _compute(settings, device):
-        return prefix.step_prefix(model, ids.to(device))
+        return prefix.step_prefix(model, ids)
 
 
 def needs_old_logprobs(settings):
@@ -206,7 +268,7 @@ def fill_logprobs(model, batches, settings):
     device = next(model.parameters()).device
     passes = {"ref_logprobs": model.disable_adapter if need_ref else None,
               "old_logprobs": contextlib.nullcontext if need_old else None}
-    with torch.no_grad(), models.dropout_off(model, keep_checkpointing=True):
+    with torch.no_grad(), models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device):
         for name, policy in passes.items():
             for batch in batches:
                 setattr(batch, name, None if policy is None else torch.zeros(batch.completion_ids.shape, device=device))
@@ -257,38 +319,57 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     if settings.loss.importance_sampling_correction != "none" and any(batch.sampler_logprobs is None
                                                                       for batch in batches):
         raise ValueError("importance sampling correction needs the sampler's log-probs (sampling.Rollouts)")
+    if not all(bool(torch.isfinite(batch.advantages).all()) for batch in batches):  # on the host: no sync
+        raise ValueError(f"advantages contain non-finite values: {[batch.advantages.tolist() for batch in batches]}")
     checked = all(batch.sampler_logprobs is not None for batch in batches)
-    gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan) for batch in batches]
     device = next(model.parameters()).device
+    gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan, device=device)
+                                               for batch in batches]
     normaliser = max(denominator, 1)  # no kept token: the numerators are 0 too
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
-    with models.dropout_off(model, keep_checkpointing=True):
+    plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
+    with models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device), \
+            models.checkpointing(model, *plan):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
-            loss = 0.0
+            first_pass = not losses  # the policy before its first optimizer step: the one that sampled
+            loss, metric_sums, gap_sums = torch.zeros((), device=device), {}, None
             step = _step_prefix(model, batches, settings, device)
             for batch, batch_ratios in zip(batches, ratios):
                 for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
                     logprobs = _logprobs(model, micro, settings, device, step)
-                    if checked and not losses:  # the policy before its first optimizer step: the one that sampled
-                        gap = gap + rollout_check.SamplerGap.of(logprobs, micro.sampler_logprobs, micro.completion_mask)
+                    if checked and first_pass:
+                        gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(
+                            logprobs, micro.sampler_logprobs, micro.completion_mask))
                         batch_ratios[micro.rows] = rollout_check.row_mean_ratios(
-                            logprobs, micro.sampler_logprobs, micro.completion_mask).cpu()
+                            logprobs, micro.sampler_logprobs, micro.completion_mask)
                     loss_sum, metrics = micro_batch_loss(logprobs, micro, settings)
                     scaled = loss_sum / normaliser
                     scaled.backward()
-                    loss += scaled.item()
-                    count = int(micro.completion_mask.sum())
-                    token_count += count
+                    loss = loss + scaled.detach()
+                    token_count += micro.tokens
                     for key, value in metrics.items():  # token means -> token-weighted over micro-batches
-                        token_sums[key] = token_sums.get(key, 0.0) + value * count
+                        metric_sums[key] = metric_sums.get(key, 0.0) + value * micro.tokens
             if step is not None:  # every micro-batch's gradient on the shared prefix, through its forward once
                 prefix.backward_step_prefix(step)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            if hasattr(grad_norm, "full_tensor"):  # sharded parameters (FSDP2): the norm over every process's shards
+                grad_norm = grad_norm.full_tensor()
+            # The step's one host sync: the loss, the gradient norm, the metrics (and, first, the sampler check).
+            on_device = [loss, grad_norm, *metric_sums.values()]
+            if gap_sums is not None:
+                on_device += [gap_sums, *ratios]
+            values = torch.cat([value.detach().float().reshape(-1) for value in on_device]).cpu()
+            loss, grad_norm = float(values[0]), float(values[1])
+            for key, value in zip(metric_sums, values[2:].tolist()):
+                token_sums[key] = token_sums.get(key, 0.0) + value
+            if gap_sums is not None:
+                gap = rollout_check.SamplerGap.from_sums(values[2 + len(metric_sums):][:len(gap_sums)].tolist())
+                ratios = list(values[2 + len(metric_sums) + len(gap_sums):].split([len(r) for r in ratios]))
             loss = total(loss)  # the global batch's loss: not finite if any process's is
-            if max_sampler_gap is not None and not losses:  # every process decides on the global gap alike
+            if max_sampler_gap is not None and first_pass:  # every process decides on the global gap alike
                 rejected = total(gap.abs_sum) / max(total(gap.tokens), 1) > max_sampler_gap
             if rejected:  # trained on, these rollouts would move the policy by another policy's samples
                 optimizer.zero_grad(set_to_none=True)
@@ -307,7 +388,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
                          token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
                          rows=rows, optimizer_steps=0 if rejected else passes - skipped, skipped_steps=skipped,
                          tokens=token_count // passes, sampler_gap=gap if checked else None,
-                         sampler_ratios=ratios if checked else None, sampler_rejected=rejected)
+                         sampler_ratios=[r.cpu() for r in ratios] if checked else None, sampler_rejected=rejected)
 
 
 def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw"):
@@ -320,7 +401,8 @@ def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+    # foreach: a few kernels over every tensor at once (CUDA's default; the same numbers as one tensor at a time)
+    return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
 def set_hyperparameters(optimizer, learning_rate, weight_decay):

@@ -13,6 +13,7 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   prefix     the demo's update with prefix sharing off / on (each distinct token once), ratios  bench/prefix.py
   evalprefix held-out evaluation with prefix sharing off vs on: time ratio, same completions bench/eval_prefix.py
   census     kernels, host syncs, bytes, FLOPs and a GPU roofline of the update and a decode step   bench/census.py
+  update     setting (a)'s update, its speed changes switched on in turn: time, GPU busy         bench/update_speed.py
   save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine  bench/step.py
   show FILE.json ...   a saved run's tables as it printed them (the GPU figures, from results/)     bench/show.py
 
@@ -30,6 +31,7 @@ GPU commands (one H100 or H200, from the repository root; each prints its rows a
     python -m bench memory                               # 4-bit + LoRA r=64 + checkpointing, < 5 min
     python -m bench step --tokenizer bench_out/tokenizer                 # PODS vs GRPO, steady state
     python -m bench step --tokenizer bench_out/tokenizer --vary-widths   # 20 steps: recompiles after warm-up
+    python -m bench update                               # the update, each speed change in turn, ~3 min
 """
 
 import importlib
@@ -42,6 +44,7 @@ COMMANDS = {"selector": ("selector", "bench_selector"), "rewards": ("grading", "
             "decode": ("decode", "bench_decode"), "step": ("step", "bench_step"),
             "sampler": ("sampler", "bench_sampler"), "prefix": ("prefix", "bench_prefix"),
             "evalprefix": ("eval_prefix", "bench_evalprefix"), "census": ("census", "bench_census"),
+            "update": ("update_speed", "bench_update"),
             "save-tokenizer": ("step", "save_tokenizer"), "show": ("show", "bench_show")}
 USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]   (python -m bench --help: the list)"
 

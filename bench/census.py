@@ -49,16 +49,23 @@ class Card:
     fp32_flops: float
     tf32_flops: float
     kernel_floor_s: float
+    memory_bytes: float = 0.0   # what torch.cuda.mem_get_info reports as the total
 
 
 # Data-sheet figures x what copies and large bf16 GEMMs reach (~75 % of bandwidth, ~60 % of dense peak): H200 4.8 TB/s
 # and 989 TFLOP/s bf16 (measured copy 4.2-4.3 TB/s); H100 SXM 3.35 TB/s, same SMs; L40S 864 GB/s, 362 TFLOP/s bf16,
-# 91.6 fp32, 183 TF32. fp32 GEMMs on CUDA cores reach ~40 TFLOP/s on an H100/H200 (67 peak).
-CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6),
-         "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6),
-         "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6)}
-# Whether fp32 matrix products on CUDA may use TF32 (torch's default: no).
-TF32 = False
+# 91.6 fp32, 183 TF32. fp32 GEMMs on CUDA cores reach ~40 TFLOP/s on an H100/H200 (67 peak). Memory: H200 143 771 MiB
+# (BENCHMARKS.md's H200), H100 81 559 MiB, L40S 46 068 MiB.
+CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6, 81559 * 2 ** 20),
+         "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6, 143771 * 2 ** 20),
+         "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6, 46068 * 2 ** 20)}
+
+
+def allows_tf32():
+    """Whether the update's float32 matrix products run in TF32 on CUDA (models.tf32_matmuls; older code: no)."""
+    import models
+
+    return hasattr(models, "tf32_matmuls")
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
 NOT_KERNELS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
@@ -157,14 +164,14 @@ class Census(TorchDispatchMode):
     """Records each aten operation's kernel, sync, bytes and FLOPs under the current `phase` (see the module
     docstring). every_tensor_on_device: no host tensors at all (the decode step works on device buffers only)."""
 
-    def __init__(self, mapping, every_tensor_on_device=False):
+    def __init__(self, mapping, every_tensor_on_device=False, factories_on_device=False):
         super().__init__()
-        self.mapping, self.everything = mapping, every_tensor_on_device
+        self.mapping, self.everything, self.factories_on_device = mapping, every_tensor_on_device, factories_on_device
         self.device = _DeviceTensors()
         self.phase = "other"
         self.ops = collections.Counter()      # (phase, op, dtype, bytes, flops) -> kernels
         self.syncs = collections.Counter()    # (phase, kind) -> host syncs
-        self.factory_on_device = False
+        self.making_device_tensor = False
 
     def on_device(self, tensor):
         return self.everything or tensor in self.device
@@ -180,7 +187,7 @@ class Census(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        device = self.everything or any(self.on_device(t) for t in inputs) or (not inputs and self.factory_on_device)
+        device = self.everything or any(self.on_device(t) for t in inputs) or (not inputs and self.making_device_tensor)
         if not device:
             return out
         written = _tensors(args[0]) if args and name.endswith("_") and not name.startswith("__") else []
@@ -275,17 +282,17 @@ def host_boundary(census, model_device):
             return real[name](self, *args, **kwargs)
         return read
 
-    def factory(name):
+    def factory(name):  # given a device inside the model (`factories_on_device`): a device tensor
         def make(*args, **kwargs):
-            if kwargs.get("device") is None or isinstance(kwargs["device"], str):
+            if kwargs.get("device") is None or isinstance(kwargs["device"], str) or not census.factories_on_device:
                 return factories[name](*args, **kwargs)
             if name in ("tensor", "as_tensor") and not (args and isinstance(args[0], torch.Tensor)):
                 census.sync("host-to-device copy")  # a Python value copied onto the device, blocking
-            previous, census.factory_on_device = census.factory_on_device, True
+            previous, census.making_device_tensor = census.making_device_tensor, True
             try:
                 result = factories[name](*args, **kwargs)
             finally:
-                census.factory_on_device = previous
+                census.making_device_tensor = previous
             census.device.add(result)
             return result
         return make
@@ -346,44 +353,90 @@ def totals(rows, key, cards, tf32):
     return table
 
 
+def combined(terms):
+    """The sum of coefficient x value over terms [(coefficient, value)], entry by entry (nested dicts of numbers)."""
+    values = [value for _, value in terms]
+    if any(isinstance(value, dict) for value in values):
+        keys = dict.fromkeys(key for value in values if isinstance(value, dict) for key in value)
+        return {key: combined([(c, v.get(key, 0) if isinstance(v, dict) else 0) for c, v in terms]) for key in keys}
+    return sum(coefficient * value for coefficient, value in terms)
+
+
 def extrapolated(one, two, layers):
     """one + (layers - 1) x (two - one), entry by entry (nested dicts of numbers)."""
-    if isinstance(one, dict) or isinstance(two, dict):
-        one, two = one if isinstance(one, dict) else {}, two if isinstance(two, dict) else {}
-        return {key: extrapolated(one.get(key, 0), two.get(key, 0), layers) for key in dict.fromkeys([*one, *two])}
-    return one + (layers - 1) * (two - one)
+    return combined([(2 - layers, one), (layers - 1, two)])
+
+
+def update_runs(raw, layers):
+    """({kind: {"1": run, "2": run}} of REPLAYS' kinds, {card: {"layers": n, "mlps": n}}) of a census's update
+    records (one made before the update planned its replay: every layer checkpointed whole)."""
+    if "runs" not in raw:
+        return {"checkpointed": {"1": raw["1"], "2": raw["2"]}}, None
+    plans = {card: plan if isinstance(plan, dict) else {"layers": plan, "mlps": 0}
+             for card, plan in raw["checkpointed_layers"].items()}
+    return raw["runs"], plans
 
 
 def figures(saved):
     """The census's figures from its raw records (what `python -m bench show` prints): per phase and per operation
-    class of the update and of the decode step, and the headline numbers."""
+    class of the update and of the decode step, and the headline numbers, for saved["card"]; the update's roofline
+    and kernels for every card. Of the update's L layers, some run plain, some replay their MLP, some replay whole,
+    as the update plans it on each card (saved["raw"]["update"]["checkpointed_layers"]), each kind's per-layer
+    figures from its 1- and 2-layer runs."""
     cards = {name: Card(**values) for name, values in saved["cards"].items()}
+    layers = saved["shapes"]["layers"]
+    runs, plans = update_runs(saved["raw"]["update"], layers)
+    plans = plans or {name: {"layers": layers, "mlps": 0} for name in cards}  # an older census
+    result = {name: _figures(saved, cards, runs, plans[name]) for name in cards}
+    mine = dict(result[saved.get("card", "H200")])
+    mine["update_roofline_s"] = {name: figures["update_roofline_s"][name] for name, figures in result.items()}
+    mine["update_kernels_by_card"] = {name: figures["update_kernels"] for name, figures in result.items()}
+    mine["update_checkpointed_layers"] = plans
+    return mine
+
+
+def _figures(saved, cards, runs, plan):
+    """`figures` with plan["layers"] of the update's layers replayed whole and plan["mlps"] replaying their MLP."""
     layers, tf32 = saved["shapes"]["layers"], saved["tf32"]
     empty = dict(kernels=0, bytes=0, flops=0, seconds={})
     keys = {"phase": lambda p, o, d: p, "class": lambda p, o, d: op_class(o, d), "all": lambda p, o, d: "all"}
+    counts = {"checkpointed": plan["layers"], "mlp": plan["mlps"]}
+    counts["plain"] = layers - sum(counts.values())
+    base = "plain" if "plain" in runs else "checkpointed"  # the constant part: 2 x one - two of either kind
+    update_weights = {(base, "1"): 2, (base, "2"): -1}
+    for kind, count in counts.items():
+        if count:
+            update_weights[kind, "1"] = update_weights.get((kind, "1"), 0) - count
+            update_weights[kind, "2"] = update_weights.get((kind, "2"), 0) + count
+    weights = {"update": update_weights, "decode": {("decode", "1"): 2 - layers, ("decode", "2"): layers - 1}}
     parts = {}
-    for part in ("update", "decode"):
-        runs = [saved["raw"][part][n] for n in ("1", "2")]
-        tables = {title: [totals(run["ops"], key, cards, tf32) for run in runs] for title, key in keys.items()}
-        syncs = [collections.Counter() for _ in runs]
-        for counter, run in zip(syncs, runs):
+    for part, part_weights in weights.items():
+        found = runs if part == "update" else {"decode": saved["raw"]["decode"]}
+        terms = [(weight, found[kind][n]) for (kind, n), weight in part_weights.items() if weight]
+        tables = {title: [(weight, totals(run["ops"], key, cards, tf32)) for weight, run in terms]
+                  for title, key in keys.items()}
+        syncs = []
+        for weight, run in terms:
+            counter = collections.Counter()
             for phase, kind, count in run["syncs"]:
                 counter[phase] += count
-        one, two = (table.get("all", empty) for table in tables["all"])
-        parts[part] = dict(phase=extrapolated(*tables["phase"], layers), whole=extrapolated(one, two, layers),
-                           classes=extrapolated(*tables["class"], layers),
-                           syncs=extrapolated(dict(syncs[0]), dict(syncs[1]), layers),
-                           kernels_per_layer=two["kernels"] - one["kernels"])
+            syncs.append((weight, dict(counter)))
+        per_layer = {kind: sum(n for *_, n in found[kind]["2"]["ops"]) - sum(n for *_, n in found[kind]["1"]["ops"])
+                     for kind in found}
+        parts[part] = dict(phase=combined(tables["phase"]), classes=combined(tables["class"]),
+                           whole=combined([(w, table.get("all", empty)) for w, table in tables["all"]]),
+                           syncs=combined(syncs), kernels_per_layer=per_layer)
     update, decode = parts["update"], parts["decode"]
+    per_layer = sum(count * update["kernels_per_layer"][kind] for kind, count in counts.items() if count) / layers
     update_syncs, decode_syncs = sum(update["syncs"].values()), sum(decode["syncs"].values())
     return dict(update_kernels=round(update["whole"]["kernels"]), update_host_syncs=round(update_syncs),
                 update_host_syncs_per_optimizer_step=update_syncs / max(saved["raw"]["update"]["optimizer_steps"], 1),
                 update_gb=round(update["whole"]["bytes"] / 1e9, 1),
                 update_tflop=round(update["whole"]["flops"] / 1e12, 2),
                 update_roofline_s={name: round(s, 3) for name, s in update["whole"]["seconds"].items()},
-                update_kernels_per_layer=update["kernels_per_layer"],
+                update_kernels_per_layer=round(per_layer),
                 decode_kernels_per_step=round(decode["whole"]["kernels"]),
-                decode_kernels_per_layer=decode["kernels_per_layer"],
+                decode_kernels_per_layer=decode["kernels_per_layer"]["decode"],
                 decode_host_syncs_per_step=round(decode_syncs),
                 decode_gb_per_step=round(decode["whole"]["bytes"] / 1e9, 2),
                 decode_roofline_ms_per_step={name: round(s * 1e3, 3) for name, s in
@@ -406,7 +459,8 @@ def _rows(table, syncs, title):
 
 
 HEADLINES = ("update_kernels", "update_host_syncs", "update_host_syncs_per_optimizer_step", "update_roofline_s",
-             "update_gb", "update_tflop", "update_kernels_per_layer", "decode_kernels_per_step",
+             "update_gb", "update_tflop", "update_kernels_per_layer", "update_checkpointed_layers",
+             "update_kernels_by_card", "decode_kernels_per_step",
              "decode_kernels_per_layer", "decode_host_syncs_per_step", "decode_gb_per_step",
              "decode_roofline_ms_per_step")
 
@@ -473,9 +527,13 @@ def narrow_policy(args, layers, narrow):
     return models.prepare_for_training(narrow_model(args.census_model, layers, narrow, dtype), **lora)
 
 
-def update_run(args, layers, narrow, mapping, rows):
+# What each kind of run replays in the backward: (layers whole, layers' MLPs) as fractions of the layers.
+REPLAYS = {"plain": (0, 0), "mlp": (0, 1), "checkpointed": (1, 0)}
+
+
+def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
-    policy."""
+    policy, its layers replaying what `kind` says (REPLAYS; update.checkpoint_plan decides it on a GPU)."""
     import config
     import grpo_loss
     import models
@@ -519,22 +577,30 @@ def update_run(args, layers, narrow, mapping, rows):
               (torch.nn.utils, "clip_grad_norm_", "gradient clipping"), (optimizer, "step", "optimizer"),
               (optimizer, "zero_grad", "optimizer"), (rollout_check.SamplerGap, "of", "sampler check"),
               (rollout_check, "row_mean_ratios", "sampler check")]
+    if hasattr(update, "checkpoint_plan"):  # (older code: every layer as built)
+        whole, mlps = REPLAYS[kind]
+        phases.append((update, "checkpoint_plan", lambda *a: (whole * layers, mlps * layers)))
     calls, hf = [], models.hf_model(model)
     hf_forward = hf.forward
 
     def forward(*args, **kwargs):  # each model call of the forward phase on its own line: [rows x tokens]
         ids = kwargs.get("input_ids")
         calls.append(tuple(ids.shape))
-        if census.phase != "forward":
-            return hf_forward(*args, **kwargs)
-        with census.labelled(f"forward [{ids.shape[0]} x {mapping.get(ids.shape[1], ids.shape[1])}]"):
-            return hf_forward(*args, **kwargs)
+        phase = census.phase
+        if phase == "forward":
+            phase = f"forward [{ids.shape[0]} x {mapping.get(ids.shape[1], ids.shape[1])}]"
+        census.factories_on_device = True  # the model makes its position ids, masks (...) where it runs
+        try:
+            with census.labelled(phase):
+                return hf_forward(*args, **kwargs)
+        finally:
+            census.factories_on_device = False
 
     hf.forward = functools.wraps(hf_forward)(forward)  # its signature too: prefix.py reads it
     saved = [(owner, name, owner.__dict__[name] if name in vars(owner) else None) for owner, name, _ in phases]
     try:
         for owner, name, phase in phases:
-            setattr(owner, name, label(census, phase, getattr(owner, name)))
+            setattr(owner, name, phase if callable(phase) else label(census, phase, getattr(owner, name)))
         with host_boundary(census, torch.device("cpu")), census, census.labelled("batching and bookkeeping"):
             metrics = run(batches)
     finally:
@@ -580,9 +646,49 @@ def decode_run(args, layers, narrow, mapping, rows):
     return dict(ops=ops, syncs=syncs)
 
 
+def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, tokens, cache):
+    """{card: {"layers": replayed whole, "mlps": replayed MLPs}} as update.checkpoint_plan decides on each card, for a
+    micro-batch of `rows` rows and `tokens` positions: its activations (models.saved_bytes_per_token at the real
+    widths) and logits within the card's memory less update.MEMORY_MARGIN and what is resident (`resident_bytes`),
+    and within update.MEMORY_CEILING."""
+    import models
+    import update
+
+    if {48, 96, 192} & set(mapping):
+        raise ValueError("narrow widths collide with the memory probe's token counts (48 and 96 per row)")
+    probe = narrow_policy(args, 2, narrow).train()
+    real_bytes = lambda t: math.prod(mapping.get(d, d) for d in t.shape) * t.element_size()  # noqa: E731
+    per_token = models.saved_bytes_per_token(probe, tokens=48, nbytes=real_bytes)
+    resident = resident_bytes(args, real, cache)
+    logits = rows * completion * real.vocab_size * 2 * 2 + 4 * 4 * __import__("grpo_loss")._LOGSUMEXP_CHUNK_ELEMENTS
+    plans = {}
+    for name, card in CARDS.items():
+        budget = min(card.memory_bytes * (1 - update.MEMORY_MARGIN) - resident, update.MEMORY_CEILING - resident)
+        whole, mlps = models.checkpoint_plan(layers, per_token, tokens, budget - logits)
+        plans[name] = {"layers": whole, "mlps": mlps}
+    return plans
+
+
+def resident_bytes(args, real, cache):
+    """Device bytes held before the update of a step: the bf16 base weights, the fp32 adapter with its gradient and
+    AdamW's two moments, the engine's merged bf16 copies of the adapted projections and its KV cache (rollout batch
+    rows x cache columns)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench import common
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(real)
+    targets = [m for name, m in model.named_modules() if name.split(".")[-1] in args.lora_target_modules.split(",")]
+    base = sum(p.numel() for p in model.parameters()) * 2
+    adapter = sum(args.lora_rank * (m.in_features + m.out_features) for m in targets) * (4 + 4 + 8)
+    copies = sum(m.weight.numel() for m in targets) * 2
+    return base + adapter + copies + common.kv_cache_bytes(real, args.rollout_batch_size, cache)
+
+
 def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), layers=None, prompt_tokens=200,
-              completion_tokens=None, rows=None):
-    """The census of a preset (a dict: settings, raw records, figures; see `figures`)."""
+              completion_tokens=None, rows=None, card="H200"):
+    """The census of a preset (a dict: settings, raw records, figures for `card`; see `figures`)."""
     import config
     from bench import common
 
@@ -599,12 +705,22 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
     cache = -(-max(prompt_tokens - 1 + completion, args.max_prompt_tokens + args.max_completion_tokens) // 256) * 256
     mapping = width_map(real, narrow, args.lora_rank, prompt_tokens, completion, rows, args.rollout_batch_size, cache)
     layers = layers or real.num_hidden_layers
-    raw = {"update": {}, "decode": {}}
-    for count in (1, 2):
-        raw["update"][str(count)] = update_run(args, count, narrow, mapping, rows)
-        raw["decode"][str(count)] = decode_run(args, count, narrow, mapping, args.rollout_batch_size)
-    raw["update"]["optimizer_steps"] = raw["update"]["1"]["optimizer_steps"]
     settings = config.update_settings(args)
+    planned = hasattr(__import__("update"), "checkpoint_plan")  # older code replays every layer it can
+    kinds = ("plain", "mlp", "checkpointed") if args.gradient_checkpointing and planned else \
+        ("checkpointed",) if args.gradient_checkpointing else ("plain",)
+    runs = {kind: {str(count): update_run(args, count, narrow, mapping, rows, kind) for count in (1, 2)}
+            for kind in kinds}
+    micro_rows = min(rows, settings.micro_batch_size)
+    if len(kinds) == 3:
+        by_card = checkpoint_plans(args, real, narrow, mapping, layers, micro_rows, completion,
+                                   micro_rows * (prompt_tokens + completion), cache)
+    else:
+        by_card = {label: {"layers": layers if kinds == ("checkpointed",) else 0, "mlps": 0} for label in CARDS}
+    first = runs[kinds[0]]["1"]
+    raw = {"update": dict(runs=runs, checkpointed_layers=by_card, optimizer_steps=first["optimizer_steps"]),
+           "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size)
+                      for count in (1, 2)}}
     saved = dict(benchmark="census", preset=preset, flags=list(flags), model=name,
                  precision="bf16 base weights" + (" + LoRA" if args.lora_rank else ""),
                  date=datetime.date.today().isoformat(),
@@ -615,9 +731,10 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
                              micro_batch_size=settings.micro_batch_size,
                              gradient_checkpointing=args.gradient_checkpointing,
                              prefix_sharing=settings.prefix_sharing, decode_rows=args.rollout_batch_size,
-                             decode_cache=cache, model_calls=raw["update"]["1"]["model_calls"]),
-                 narrow=asdict(narrow), cards={name: asdict(card) for name, card in CARDS.items()}, tf32=TF32,
-                 raw=raw)
+                             decode_cache=cache, model_calls=first["model_calls"]),
+                 narrow=asdict(narrow), cards={label: asdict(values) for label, values in CARDS.items()},
+                 tf32=allows_tf32(),
+                 card=card, raw=raw)
     result = figures(saved)
     saved.update({key: result[key] for key in HEADLINES})
     return saved
@@ -636,6 +753,8 @@ def bench_census(argv):
                         "(default: the preset's limit)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch (default: the "
                         "preset's)")
+    parser.add_argument("--card", default="H200", choices=list(CARDS), help="the card whose memory decides the "
+                        "checkpointed layers of the kernel count and tables (default H200; the roofline: every card)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the headline figures)")
     parser.add_argument("--out", default="bench_out/bench_census.json", help="where the records go (JSON)")
     args = parser.parse_args(argv)
@@ -644,7 +763,7 @@ def bench_census(argv):
     torch.set_num_threads(1)
     try:
         saved = census_of(args.preset, flags, vocab=args.vocab, prompt_tokens=args.prompt_tokens,
-                          completion_tokens=args.completion_tokens, rows=args.rows)
+                          completion_tokens=args.completion_tokens, rows=args.rows, card=args.card)
     finally:
         torch.set_num_threads(threads)
     path = Path(args.out)

@@ -107,9 +107,41 @@ def test_completion_logprobs_and_gradients_equal_the_per_row_computation(arch, s
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_rows_folded_or_not_equal_the_per_row_computation(arch, fold, monkeypatch):
+    """Folded (prefix.folds): after the shared prefix, one model call runs every row's own prompt tokens and its
+    completion; not folded: one call for the distinct prompts' own tokens, one for the completions. The same
+    log-probs and gradients either way."""
+    monkeypatch.setattr(prefix, "folds", lambda *args: fold)
+    model = small_model(arch, lora=True)
+    ids, mask, width = grouped_rows()
+    weights = torch.randn(ids.shape[0], width, generator=torch.Generator().manual_seed(1))
+    want, want_grads = logprobs_and_grads(grpo_loss.token_logprobs, model, ids, mask, width, weights)
+    calls = []
+    embed = models.hf_model(model).get_input_embeddings()
+    hook = embed.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
+    got, got_grads = logprobs_and_grads(prefix.completion_logprobs, model, ids, mask, width, weights)
+    hook.remove()
+    assert calls == ([(1, 5), (6, 4 + 3)] if fold else [(1, 5), (3, 4), (6, 3)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-4 * float(grad.abs().max()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_a_row_repeats_its_prompts_own_tokens_only_when_that_is_cheap():
+    assert prefix.folds(16, 1, 1, 512)             # the paper's presets: the prompt's last token, 16 rows
+    assert prefix.folds(4, 1, 1, 2)                # one token per row: always
+    assert not prefix.folds(16, 4, 30, 32)         # the demo: 4 prompts' 30-token questions, 32-token completions
+    assert prefix.folds(16, 4, 80, 512) and not prefix.folds(16, 4, 90, 512)  # 12 x 85 ~ 1/8 of 16 x 511
+
+
 @pytest.mark.parametrize("case", ["one token completions", "one prompt", "all distinct", "no common prefix",
                                   "a prompt that is all prefix"])
-def test_edge_layouts_equal_the_per_row_computation(case):
+@pytest.mark.parametrize("fold", [False, True])
+def test_edge_layouts_equal_the_per_row_computation(case, fold, monkeypatch):
+    monkeypatch.setattr(prefix, "folds", lambda *args: fold)
     model = small_model("llama")
     kwargs = {"one token completions": dict(width=1, lengths=(1,) * 6),
               "one prompt": dict(suffix_tokens=(3,), rows=(0, 0, 0), lengths=(4, 1, 3)),

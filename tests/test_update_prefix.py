@@ -210,7 +210,7 @@ def test_reentrant_checkpointing_falls_back_to_every_row_in_full_said_once():
 def test_the_prefix_every_prompt_of_a_step_shares_runs_once_per_pass():
     """Gradient accumulation over micro-batches (GRPO-GA: one prompt per micro-batch): the step's shared prefix goes
     through the model once per pass (reference, old log-probs, each optimizer step), not once per micro-batch, and
-    each micro-batch runs only its prompt's own tokens and its completions."""
+    each micro-batch runs only its prompt's own tokens and its completions (in one call where prefix.folds)."""
     model = policy()
     settings = update.UpdateSettings(micro_batch_size=4, updates_per_batch=2,
                                      loss=update.grpo_loss.LossSettings(kl_coef=0.3))
@@ -224,8 +224,10 @@ def test_the_prefix_every_prompt_of_a_step_shares_runs_once_per_pass():
     update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
                          [batch], settings)
     hook.remove()
-    per_pass = [(1, 6)] + [call for suffix, width in zip(suffixes, completions) for call in ((1, suffix), (4, width))]
+    per_pass = [(1, 6)] + [call for suffix, width in zip(suffixes, completions) for call in (
+        [(4, suffix + width)] if prefix.folds(4, 1, suffix, width + 1) else [(1, suffix), (4, width)])]
     assert calls == per_pass * 4   # reference, old log-probs, optimizer steps 1 and 2
+    assert 1 + 4 < len(per_pass) < 1 + 2 * 4  # some micro-batches run in one call (folded), some in two
 
 
 def test_a_micro_batch_that_does_not_start_with_the_steps_prefix_is_refused():
@@ -240,7 +242,7 @@ def test_a_micro_batch_that_does_not_start_with_the_steps_prefix_is_refused():
 
 def test_one_prompt_per_step_runs_once_whatever_the_micro_batches():
     """The paper's presets: m rows of one prompt, micro-batches of a few rows. The prompt but its last token runs
-    once per optimizer step; each micro-batch runs that last token and its completions."""
+    once per optimizer step; each micro-batch, in one model call, runs that last token and its completions."""
     model = policy()
     batch = grouped_batch([0] * 8, prefix_tokens=6)
     length = int(batch.prompt_mask[0].sum())
@@ -250,5 +252,5 @@ def test_one_prompt_per_step_runs_once_whatever_the_micro_batches():
     update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), [batch],
                          update.UpdateSettings(micro_batch_size=2))
     hook.remove()
-    assert calls[0] == (1, length - 1) and [call[:1] for call in calls[1::2]] == [(1,)] * 4
-    assert [call[1] for call in calls[1::2]] == [1] * 4 and len(calls) == 9
+    widths = [max(int(batch.completion_mask[row:row + 2].sum(1).max()), 1) for row in range(0, 8, 2)]
+    assert calls == [(1, length - 1)] + [(2, 1 + width - 1) for width in widths]
