@@ -73,7 +73,7 @@ def _smollm2_cache_target():
 def smollm2_cached_folder():
     """A plain safetensors copy of the GGUF demo model, made once (atomically) in ~/.cache/pods.
 
-    De-quantizing the GGUF (Q4_1: 4-bit weights, de-quantized to float32) takes ~20 s on 2 quiet cores; the converted
+    De-quantizing the GGUF (Q4_1: 4-bit weights, de-quantized to float32) takes 20-40 s on 2 quiet cores; the converted
     copy loads in ~1 s, which matters for the rule study's many short runs. PODS_CACHE_DIR moves the cache. A
     conversion interrupted in any way leaves no staging folder behind for long: Ctrl-C or an error removes it, and one
     left by a killed process is removed by the next conversion once it is STALE_STAGING_S old."""
@@ -83,7 +83,7 @@ def smollm2_cached_folder():
         return target
     cache_root = target.parent
     cache_root.mkdir(parents=True, exist_ok=True)
-    print(f"converting the demo model's GGUF file once into {target} (about 20 s; PODS_CACHE_DIR moves this cache)",
+    print(f"converting the demo model's GGUF file once into {target} (20-40 s on 2 cores; PODS_CACHE_DIR moves this cache)",
           flush=True)
     remove_stale_staging(cache_root)
     staging = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-"))

@@ -21,8 +21,8 @@ PAPER_COMMON = dict(lora_rank=64, lora_alpha=64, lora_target_modules=",".join(mo
 # 86% well-formatted vs 13% with a vaguer one, so RL works on the answers from the first step). Its budget is 16
 # steps, not seconds: what it learns is then the same on every CPU (2-core VMs took 5-24 s a step: BENCHMARKS), and
 # only the time differs; the held-out accuracy is greedy, one answer per prompt with no sampling noise (at
-# temperature 0.9 one evaluation of 100 prompts swung by +-0.1). lr 3e-4: at 5e-4 the greedy accuracy swung by up to
-# 0.18 between evaluations 4 steps apart and ended 16 steps at 0.47-0.65 over 3 seeds; at 3e-4 at 0.60-0.66.
+# temperature 0.9 one evaluation of 100 prompts swung by +-0.1). lr 3e-4: over 3 seeds, at 5e-4 the greedy accuracy
+# stood at 0.47-0.65 at step 16 and moved by up to 0.13 over steps 16-24; at 3e-4 at 0.60-0.66, moving by <= 0.05.
 DEMO_SYSTEM_PROMPT = "Reply in the format <think>\n...\n</think>\n<answer>\n...\n</answer>"
 PRESETS = {
     "demo": dict(model=models.SMOLLM2_ALIAS, dataset="arithmetic", one_shot=True, num_rollouts=16,

@@ -113,3 +113,23 @@ def test_the_committed_bf16_demo_runs_reproduce_their_comparison_with_float32(ca
     assert sum("PODS max_variance 16/4, bf16" in row for row in rows) == 2
     runs, _ = studydata.read_study([ROOT / "results" / "demo-330-bf16"])
     assert sorted(r.seed for r in runs) == [0, 1, 2] and {r.label for r in runs} == {"PODS max_variance 16/4, bf16"}
+
+
+@pytest.mark.parametrize("folder, table, baseline", [
+    ("demo-16", "demo.md", "PODS max_variance 16/4"), ("demo-lr", "lr.md", "PODS max_variance 16/4, lr 5e-4")])
+def test_the_committed_runs_of_the_16_step_demo_reproduce_their_tables(capsys, folder, table, baseline):
+    """results/demo-16: today's default demo, 3 seeds, natively and with torch held to AVX2 kernels; results/demo-lr:
+    the runs behind its learning rate. The tables recomputed from each are the committed ones, which BENCHMARKS.md
+    quotes with their commands; demo-16's runs trained with today's demo budget and evaluation."""
+    bootstrap.main(["--from-data", str(ROOT / "results" / folder), "--baseline-label", baseline])
+    printed = capsys.readouterr().out.strip()
+    assert printed == (ROOT / "results" / folder / table).read_text().strip()
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert f'python bootstrap.py --from-data results/{folder}' in " ".join(benchmarks.split())
+    if folder == "demo-16":
+        rows = [line for line in printed.splitlines() if line.startswith("| PODS")]
+        assert len(rows) == 4 and all(row in benchmarks for row in rows)
+        runs, _ = studydata.read_study([ROOT / "results" / folder])
+        demo = __import__("presets").PRESETS["demo"]
+        assert {(r.config["max_steps"], r.config["max_time_s"]) for r in runs} == {(demo["max_steps"], 0.0)}
+        assert sorted(r.seed for r in runs) == [0, 0, 1, 1, 2, 2]
