@@ -268,7 +268,7 @@ def test_preset_evaluates_a_base_model_exactly_as_the_run_evaluates_its_policy(t
     assert [(s["prompt"], s["completion"]) for s in samples] == [(r["prompt"], r["completion"]) for r in logged]
     assert "Reply in the format" in samples[0]["prompt"] and "23 + 45" in samples[0]["prompt"]  # demo, one-shot
     saved = json.loads(out.read_text())
-    assert saved["config"]["temperature"] == 0.9 and saved["config"]["one_shot"] is True
+    assert saved["config"]["temperature"] == 0.0 and saved["config"]["one_shot"] is True  # the demo's: greedy
     base = saved["results"]["base"]
     assert base["accuracy"]["mean"] == step0["eval/accuracy"]
     assert base["mean_completion_length"]["mean"] == step0["eval/mean_completion_length"]

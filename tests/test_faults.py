@@ -45,9 +45,9 @@ def test_a_damaged_data_file_is_one_line_naming_it(tmp_path, case):
     with pytest.raises(ValueError) as error:
         studydata.read_study([path])
     assert str(path) in str(error.value) and "\n" not in str(error.value)
-    with pytest.raises(SystemExit) as exit_info:  # and bench show, on the same file
-        bench_show([str(path)])
-    if case in ("cut", "not utf-8", "a list"):
+    if case in ("cut", "not utf-8", "a list"):  # and bench show, on the same file (any JSON object is a result there)
+        with pytest.raises(SystemExit) as exit_info:
+            bench_show([str(path)])
         assert str(exit_info.value.code).startswith(f"python -m bench show: {path}: ")
 
 

@@ -48,7 +48,7 @@ def test_the_demo_preset_maps_onto_one_trl_generation_per_step(tmp_path, flags, 
     assert (trl_args.loss_type, trl_args.scale_rewards, trl_args.beta, trl_args.top_k) == ("grpo", "group", 0.0, 0)
     assert (trl_args.temperature, trl_args.max_completion_length, trl_args.epsilon) == (1.0, 32, 0.2)
     assert args.device == "cpu" and args.checkpoint_interval_s < 0 and args.log_completions_interval == 0
-    assert trl_args.max_steps > 10 ** 6  # no step limit: --max-time-s (600 s) ends the run, not TRL's epochs
+    assert trl_args.max_steps == 16  # the demo's budget: 16 steps, as in train.py
 
 
 def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
