@@ -142,11 +142,21 @@ def curve_figures(grid, rows, threshold):
             "curve_end": float(points[-1])}
 
 
-def figures(grids, drawn, baseline_label, threshold):
+def figures(grids, drawn, baseline_label, threshold, cache=None):
     """{label: figures} for one draw of seed indices. Each arm is compared with the baseline on the drawn seeds
     both have: an arm run on fewer seeds (5 against the baseline's 8) is paired with the baseline's runs of its
-    own seeds, never with a mean over seeds it lacks."""
-    result = {label: curve_figures(grid, grid.drawn(drawn), threshold) for label, grid in grids.items()}
+    own seeds, never with a mean over seeds it lacks. cache: a dict kept over one bootstrap's draws (the figures
+    depend only on which rows are drawn how often, and draws of a few seeds repeat)."""
+    cache = {} if cache is None else cache
+
+    def curve(label, seed_indices):
+        rows = np.sort(grids[label].drawn(seed_indices))
+        key = (label, rows.tobytes())
+        if key not in cache:
+            cache[key] = curve_figures(grids[label], rows, threshold)
+        return None if cache[key] is None else dict(cache[key])
+
+    result = {label: curve(label, drawn) for label in grids}
     base_grid = grids[baseline_label]
     for label, values in result.items():
         if values is None:
@@ -159,8 +169,7 @@ def figures(grids, drawn, baseline_label, threshold):
             values.update(speedup=bounds, mean_accuracy_difference=0.0)
             continue
         shared = [i for i in drawn if i in grids[label].rows and i in base_grid.rows]
-        arm = curve_figures(grids[label], grids[label].drawn(shared), threshold)
-        base = curve_figures(base_grid, base_grid.drawn(shared), threshold)
+        arm, base = curve(label, shared), curve(baseline_label, shared)
         if arm is None or base is None:  # no drawn seed that both arms ran
             values.update(speedup=(math.nan, math.nan), mean_accuracy_difference=math.nan)
             continue
@@ -208,9 +217,10 @@ def bootstrap(runs_by_label, baseline_label, axis="time", resamples=RESAMPLES, s
     rng = np.random.default_rng(seed)
     keys = ("peak", "final", "mean_accuracy", "mean_accuracy_difference")
     drawn = {label: {key: [] for key in (*keys, "speedup", "reached")} for label in grids}
+    cache = {}
     for _ in range(resamples):
         for label, values in figures(grids, rng.integers(len(seeds), size=len(seeds)), baseline_label,
-                                     threshold).items():
+                                     threshold, cache).items():
             for key in drawn[label]:
                 if values is None:
                     drawn[label][key].append((math.nan, math.nan) if key == "speedup" else math.nan)
