@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-import checkpoint
-import report
+from run import checkpoint
+from run import report
 
 Z_95 = 1.96
 METRICS = ("accuracy", "format_accuracy", "both_accuracy")

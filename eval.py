@@ -71,7 +71,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
     `progress` and a repeat is reproducible on its own."""
     import data
     import rewards
-    import rollout_check
+    from engine import rollout_check
     import sampling
 
     temperature, batch_size = settings.temperature, settings.rollout_batch_size
@@ -199,7 +199,7 @@ def load_adapter(base, folder, base_name):
 
 
 def parse_args(argv):
-    import config
+    from run import config
     import data
     import models
 
@@ -278,8 +278,8 @@ def flag_problem(args):
 def run_settings(args, checkpoints):
     """Model and prompt settings: explicit flags, else the run's config.json (or the --preset's values), else
     defaults (those of train.py, so the prompts are rendered exactly as in training)."""
-    import checkpoint
-    import config
+    from run import checkpoint
+    from run import config
     import data
 
     run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else config.PRESETS.get(args.preset, {})
@@ -300,9 +300,9 @@ def show_rollouts(argv):
     by reward, the kept ones marked with their advantages) or of an evaluation; returns the printed lines. A run
     that has logged no training step yet (train.py logs every --log-completions-interval steps) says so and shows
     its newest evaluation's completions, if any."""
-    import checkpoint
-    import completions
-    import config
+    from run import checkpoint
+    from run import completions
+    from run import config
 
     parser = config.OneLineParser(prog="eval.py rollouts", description="Show a run's logged rollouts: one prompt's "
                                   "n rollouts sorted by reward, the kept ones marked with their advantages.")
@@ -359,10 +359,10 @@ def main(argv=None, load_sharded=None):
     if argv[:1] == ["rollouts"]:
         return show_rollouts(argv[1:])
     args = parse_args(argv)
-    import checkpoint
+    from run import checkpoint
     import data
     import models
-    import runfolder
+    from run import runfolder
     import sampling
 
     if args.checkpoint and not Path(args.checkpoint).exists():

@@ -28,7 +28,7 @@ from transformers import GenerationConfig, LogitsProcessor, TemperatureLogitsWar
 
 import engine
 import models
-import prefix
+from engine import prefix
 
 BACKENDS = (None, "engine", "hf")
 BACKEND_NAMES = {"engine": "the decode engine", "eager": "the decode engine without CUDA graphs",

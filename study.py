@@ -22,6 +22,7 @@ and the step axis with 95% bootstrap intervals over seeds (bootstrap.py): <out>/
     python study.py pods --out runs/pods [--arms grpo ...] [--seeds ...] [-- extra train.py flags]
     python study.py pods --from-data results/pods   (the report recomputed from the committed data files)
     python study.py compare RUN_DIR...            (an alias of python compare.py)
+    python study.py bootstrap RUN_DIR... --baseline-label "GRPO 16/16"   (the paired-bootstrap report of any runs)
 
 Every setting the recorded tables depend on is passed explicitly (studyrun.py's `STUDY_TRAIN_ARGS`), evaluation
 temperature included, so the documented command measures the same thing whatever the demo preset becomes.
@@ -35,8 +36,8 @@ import json
 import sys
 from pathlib import Path
 
-import bootstrap
-import studyrun
+from studies import bootstrap
+from studies import studyrun
 from compare import compare
 
 METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
@@ -190,16 +191,21 @@ def main(argv=None):
 
         return compare_module.main(argv[1:])
     if argv[:1] == ["pods"]:
-        import pods_study
+        from studies import pods_study
 
         return pods_study.main(argv[1:])
+    if argv[:1] == ["bootstrap"]:  # the paired-bootstrap report of any runs (studies/bootstrap.py)
+        try:
+            return bootstrap.main(argv[1:])
+        except (ValueError, OSError) as error:  # a missing path, no runs, no baseline: one line
+            sys.exit(f"study.py bootstrap: error: {error}")
     if argv[:1] in (["-h"], ["--help"]):  # the commands, as the module docstring shows them
         return print("\n\n".join(__doc__.split("\n\n")[1:3]) + "\n\npython study.py run --help (or variants, ga, "
-                     "pods --help) lists a command's flags.")
+                     "pods, bootstrap --help) lists a command's flags.")
     if argv[:1] not in (["run"], ["variants"], ["ga"]):
         sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...] | "
                  "python study.py variants --out DIR [...] | python study.py ga --out DIR [...] | python study.py pods "
-                 "--out DIR [...] "
+                 "--out DIR [...] | python study.py bootstrap RUN_DIR... "
                  "(python study.py --help describes them)")
     command = argv[0]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []

@@ -14,7 +14,7 @@ Flags: config.py; presets: presets.py; the run folder and its checkpoints: check
 import os
 import sys
 
-import config  # the flags; importing it loads no torch
+from run import config  # the flags; importing it loads no torch
 
 if __name__ == "__main__":  # the flags parsed and checked before the imports below, which take seconds
     if "RANK" in os.environ:  # started by torchrun
@@ -33,18 +33,18 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import checkpoint
-import completions
+from run import checkpoint
+from run import completions
 import data
-import dynamic_sampling
+from variants import dynamic_sampling
 import eval as heldout
-import grader
+from grading import grader
 import models
 import pods
-import report
+from run import report
 import rewards
-import rollout_check
-import runfolder
+from engine import rollout_check
+from run import runfolder
 import sampling
 import update
 

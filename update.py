@@ -43,8 +43,8 @@ import torch
 
 import grpo_loss
 import models
-import prefix
-import rollout_check
+from engine import prefix
+from engine import rollout_check
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config

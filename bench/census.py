@@ -516,7 +516,7 @@ def trainer_args(preset, flags=()):
     """The preset's flags as train.py resolves them, in bf16 (the GPU's precision), without data or evaluation."""
     import warnings
 
-    import config
+    from run import config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # --bf16 on a CPU without bf16 instructions: counted, not timed
@@ -526,7 +526,7 @@ def trainer_args(preset, flags=()):
 
 def narrow_policy(args, layers, narrow):
     """The policy as train.py builds it from `args` (LoRA, checkpointing, precision), on a narrow model."""
-    import config
+    from run import config
     import models
 
     dtype = models.compute_dtypes(args.bf16, args.lora_rank)[0]
@@ -556,11 +556,11 @@ def lora_as_on_a_gpu():
 def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
     policy, its layers replaying what `kind` says (REPLAYS; update.checkpoint_plan decides it on a GPU)."""
-    import config
+    from run import config
     import grpo_loss
     import models
-    import prefix
-    import rollout_check
+    from engine import prefix
+    from engine import rollout_check
     import update
 
     model = narrow_policy(args, layers, narrow).train()
@@ -714,7 +714,7 @@ def resident_bytes(args, real, cache):
 def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), layers=None, prompt_tokens=200,
               completion_tokens=None, rows=None, card="H200"):
     """The census of a preset (a dict: settings, raw records, figures for `card`; see `figures`)."""
-    import config
+    from run import config
     from bench import common
 
     args = trainer_args(preset, flags)

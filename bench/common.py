@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-import config
+from run import config
 import engine
 import models
-import report
+from run import report
 import sampling
 import update
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-import config
+from run import config
 import data
 import engine
 import eval as heldout

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import data
-import grader
+from grading import grader
 import rewards
 
 ADVERSARIAL = ["9^9^9^9", "10**10**10**10", "(10^{10})!", "\\int_0^\\infty e^{-x^2} dx", "\\binom{10^{12}}{10^6}",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-import config
+from run import config
 import engine
 import models
 import update

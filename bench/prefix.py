@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-import config
+from run import config
 import data
 import models
-import prefix
+from engine import prefix
 import update
 from bench import common
 from bench.common import print_header, print_row

@@ -21,12 +21,12 @@ import contextlib
 
 import torch
 
-import config
+from run import config
 import data
 import engine
 import engine.weights
 import models
-import rollout_check
+from engine import rollout_check
 import sampling
 from bench.common import print_header, print_row
 from bench.decode import perturb_adapters
@@ -86,7 +86,7 @@ def demo_policy(precision, tiny, seed):
 
 
 def gap_row(model, tokenizer, prompt_ids, prompts, settings, seed, tiny):
-    """rollout_check.SamplerGap of one generation on `settings`' path."""
+    """engine.rollout_check.SamplerGap of one generation on `settings`' path."""
     if tiny:   # random prompt ids, no tokenizer
         ids, mask, _, logprobs, _ = sampling.sample_completions(model, prompt_ids, torch.ones_like(prompt_ids), 4,
                                                                  [], 2, settings, seed)

@@ -8,7 +8,7 @@ BENCHMARKS.md are these tables, recomputed from the JSON files committed under r
 import json
 from pathlib import Path
 
-import studydata
+from studies import studydata
 from bench.common import print_header, print_row
 
 

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-import config
+from run import config
 import models
-import prefix
+from engine import prefix
 import update
 from bench import common
 from bench.common import print_header, print_row

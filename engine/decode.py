@@ -14,8 +14,8 @@ import engine.ops as ops
 import engine.step as decode_step
 import engine.weights as weights
 import models
-import prefix
-import report
+from engine import prefix
+from run import report
 from engine.families import FAMILIES, layer_modules
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

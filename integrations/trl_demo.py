@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import config
+from run import checkpoint
+from run import config
 import data
 import models
-import report
+from run import report
 import rewards
-import runfolder
+from run import runfolder
 import sampling
 import train
 import update

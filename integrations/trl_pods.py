@@ -32,7 +32,7 @@ or vLLM's importance-sampling correction, TRL computes the reference / old log-p
 the rewards exist (one no-grad forward over n rows); the gradient step itself runs on the m kept rows. The vLLM
 per-row tensors are cut like the others, but the tests here run on CPU without vLLM.
 
-Vendoring: copy this file and the repository's `pods.py`, `advantages.py` and `lazy.py` (they need only torch) next
+Vendoring: copy this file and the repository's `pods.py` and `lazy.py` (they need only torch) next
 to your training script; `import pods` must find that copy (tested: the four files alone import). The selection has one
 implementation, pods.py, which the tests pin down.
 """

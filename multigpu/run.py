@@ -18,11 +18,11 @@ import dataclasses
 
 import torch
 
-import config
+from run import config
 import eval as heldout
 import models
-import report
-import rollout_check
+from run import report
+from engine import rollout_check
 import train
 from multigpu import distributed, sharded_checkpoint
 

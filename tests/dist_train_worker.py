@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from multigpu import distributed, run  # noqa: E402
-import prefix  # noqa: E402
+from engine import prefix  # noqa: E402
 import rewards  # noqa: E402
 from run_helpers import every_third_constant, fake_compute_rewards  # noqa: E402
 import train  # noqa: E402

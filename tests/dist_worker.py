@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import checkpoint  # noqa: E402
+from run import checkpoint  # noqa: E402
 from multigpu import distributed, sharded_checkpoint  # noqa: E402
 import grpo_loss  # noqa: E402
 import models  # noqa: E402

@@ -35,7 +35,7 @@ def traced_step_files(backend, tokenizer=None):
         sys.path.insert(0, str(ROOT))
     import torch
 
-    import config
+    from run import config
     import data
     import models
     import train

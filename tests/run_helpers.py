@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-import report
+from run import report
 import rewards
 
 ROOT = Path(__file__).resolve().parents[1]

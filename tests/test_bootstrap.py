@@ -1,14 +1,15 @@
-"""bootstrap.py: the paired 95% intervals over seeds of the speed-up (Appendix A.4), peak, final and mean accuracy
+"""studies/bootstrap.py (python study.py bootstrap): the paired 95% intervals over seeds of the speed-up (Appendix A.4), peak, final and mean accuracy
 on the time and the step axis, checked against hand-computed cases: pairing by seed, the fixed threshold, censored
 ("not reached") speed-ups, the mean-accuracy difference, runs without evaluations; the plot and CLI."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-import bootstrap
+from studies import bootstrap
 import compare
 from test_compare import make_run, ramp
 
@@ -165,12 +166,12 @@ def test_runs_without_evaluations_are_said_so(tmp_path, monkeypatch):
 
     for seed in range(2):
         make_run(tmp_path / "none", f"g{seed}", "GRPO", seed, [], step_times=[1.0, 1.0])
-    monkeypatch.setattr("sys.argv", ["bootstrap.py", str(tmp_path / "none"), "--baseline-label", "GRPO"])
+    monkeypatch.setattr("sys.argv", ["study.py", "bootstrap", str(tmp_path / "none"), "--baseline-label", "GRPO"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(bootstrap.__file__, run_name="__main__")
-    assert str(exit_info.value.code) == ("bootstrap.py: error: none of the 2 runs has an evaluation (no eval lines "
+            runpy.run_path(str(Path(bootstrap.__file__).parents[1] / "study.py"), run_name="__main__")
+    assert str(exit_info.value.code) == ("study.py bootstrap: error: none of the 2 runs has an evaluation (no eval lines "
                                          "in metrics.jsonl: stopped before the first --eval-interval?); nothing "
                                          "to report")
     for seed in range(2):
@@ -232,11 +233,11 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch):
     make_run(tmp_path, "a", "GRPO", 0, ramp(0.5, 100))
     for argv, message in (([str(tmp_path / "missing"), "--baseline-label", "GRPO"], "missing does not exist"),
                           ([str(tmp_path), "--baseline-label", "nope"], "'nope' is not among")):
-        monkeypatch.setattr("sys.argv", ["bootstrap.py", *argv])
+        monkeypatch.setattr("sys.argv", ["study.py", "bootstrap", *argv])
         with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(bootstrap.__file__, run_name="__main__")
+            runpy.run_path(str(Path(bootstrap.__file__).parents[1] / "study.py"), run_name="__main__")
         text = str(exit_info.value.code)
-        assert text.startswith("bootstrap.py: error: ") and message in text and "\n" not in text
+        assert text.startswith("study.py bootstrap: error: ") and message in text and "\n" not in text
     assert np.isnan(bootstrap.interval([math.nan] * 3)[0]) and bootstrap.interval([math.nan] * 3)[2] == 3
 
 

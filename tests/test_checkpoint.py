@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from run import checkpoint
 import models
 
 

@@ -292,7 +292,7 @@ def test_runs_of_different_budgets_are_not_pooled_unless_cut_to_one(tmp_path, mo
     (runs[1] / "config.json").write_text(json.dumps(dict(config, max_steps=5)))
     with pytest.raises(ValueError, match="different step limits"):
         compare.compare(runs, budget_s=180)
-    import bootstrap  # its report refuses them alike
+    from studies import bootstrap  # its report refuses them alike
 
     with pytest.raises(ValueError, match="different budgets"):
         bootstrap.report(runs, "PODS max_variance 16/4", resamples=5)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-import config
+from run import config
 import data
 import models
 import pods
@@ -19,7 +19,7 @@ import sampling
 import train
 import update
 from grpo_loss import LossSettings
-from presets import PRESETS
+from run.presets import PRESETS
 
 
 @pytest.mark.filterwarnings("ignore:--bf16 on CPU")
@@ -308,7 +308,7 @@ def test_a_negative_count_is_a_value_too():
 
 
 def test_a_restarted_run_resumes_from_its_latest_checkpoint(tmp_path):
-    import checkpoint
+    from run import checkpoint
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000002").mkdir(parents=True)

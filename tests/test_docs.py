@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-import config
+from run import config
 import grpo_loss
 import pods
 import rewards
-from presets import PRESETS
+from run.presets import PRESETS
 from reading_path import README, current_block, written_block
 from run_helpers import ROOT
 

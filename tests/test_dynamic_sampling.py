@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
-import completions
-import config
+from run import completions
+from run import config
 import data
-import dynamic_sampling
+from variants import dynamic_sampling
 import eval as eval_module
 import models
 import pods
-import report
+from run import report
 import rewards
 import sampling
 import train

@@ -13,7 +13,7 @@ import engine
 import engine.decode
 import engine.step
 import models
-import prefix
+from engine import prefix
 from sampling import GenerationSettings, completion_mask_after_eos, derived_seed, sample_completions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -121,7 +121,7 @@ def prompts_with_prefix(prefix_tokens, suffix_tokens, seed=0, pad_columns=1):
 
 def test_shared_prefix_layout_by_hand():
     """[prefix][suffix, left padded], the prefix found from the ids, capped so every prompt keeps its last token."""
-    from prefix import shared_prefix_layout
+    from engine.prefix import shared_prefix_layout
 
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 4, 3], [0, 0, 0, 5, 6, 7]])
     mask = (ids != 0).long()
@@ -198,7 +198,7 @@ def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatc
     pass over the whole prompts, so a shared prefix whose K/V reach only the last row (decoding reads them from the
     first, step.attend_shared), or were computed from its tokens in reverse order, raises the gap above the
     fallback limit (a tiny Llama with peaked logits, as a trained model's)."""
-    import rollout_check
+    from engine import rollout_check
     import sampling
 
     model = models.tiny_random_model("llama", seed=0, tie_word_embeddings=False)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-import completions
+from run import checkpoint
+from run import completions
 import eval as eval_module
-import report
+from run import report
 import rewards
 from sampling import GenerationSettings
 

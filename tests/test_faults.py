@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import bootstrap
-import pods_study
-import runfolder
-import studydata
+from studies import bootstrap
+from studies import pods_study
+from run import runfolder
+from studies import studydata
 from bench.show import bench_show
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +61,8 @@ def test_bench_show_says_a_list_that_is_no_table_instead_of_skipping_it(tmp_path
 
 
 def run_command(script, argv):
+    script, *subcommand = script.split()  # "study.py bootstrap": study.py's subcommand
+    argv = [*subcommand, *argv]
     sys_argv = sys.argv
     sys.argv = [script, *argv]
     try:
@@ -73,9 +75,9 @@ def run_command(script, argv):
 
 
 @pytest.mark.parametrize("script, argv, message", [
-    ("bootstrap.py", ["--from-data", "results/pods", "--baseline-label", "GRPO 4/4", "--budget-s", "nan"],
+    ("study.py bootstrap", ["--from-data", "results/pods", "--baseline-label", "GRPO 4/4", "--budget-s", "nan"],
      "--budget-s must be a finite number > 0, got nan"),
-    ("bootstrap.py", ["--from-data", "results/pods", "--baseline-label", "GRPO 4/4", "--resamples", "0"],
+    ("study.py bootstrap", ["--from-data", "results/pods", "--baseline-label", "GRPO 4/4", "--resamples", "0"],
      "--resamples must be >= 1, got 0"),
     ("study.py", ["pods", "--from-data", "results/pods", "--max-time-s", "nan"],
      "--max-time-s must be a finite number > 0, got nan"),

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import grader
+from grading import grader
 import rewards
 from rewards import grade_accuracy
 

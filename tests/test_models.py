@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import models
-import prefix
+from engine import prefix
 
 
 def test_missing_local_path_is_a_clear_error(tmp_path):

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import completions
-import config
+from run import completions
+from run import config
 import models
-import prefix
+from engine import prefix
 import rewards
 import train
 from multigpu import distributed, run, sharded_checkpoint
@@ -212,7 +212,7 @@ def test_train_py_under_torchrun_points_to_the_multigpu_entry_and_the_entry_need
 
 
 def test_the_one_process_path_loads_no_multigpu_module():
-    code = ("import sys, train, eval, compare, study, config\n"
+    code = ("import sys, train, eval, compare, study\nfrom run import config\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('multigpu', 'bench')], sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-import pods_study
+from studies import pods_study
 import study
-import studyrun
-import studydata
+from studies import studyrun
+from studies import studydata
 from test_study import FAKE_TRAIN
 
 
@@ -18,7 +18,7 @@ def test_pods_plan_arms_train_m_4_rows_of_the_same_prompts_with_the_same_setting
     """GRPO 4/4, max-variance 16/4, random 16/4, max-variance 8/4 and 32/4: 8 seeds for the first two, 5 for the
     others (the n arms skip seed 3: every arm of a seed on one machine), seed-major; every setting but the method
     and seed the same, evaluated on 256 greedy held-out prompts every 100 s of training and never by step."""
-    import config
+    from run import config
 
     runs = pods_study.pods_plan()
     assert len(runs) == 8 + 8 + 5 + 5 + 5
@@ -111,7 +111,7 @@ def test_pods_study_end_to_end_with_a_tiny_model(tmp_path, tiny_model_dir):
     --eval-interval-s, and at the end, and the report and the data files are written."""
     import json
 
-    import completions
+    from run import completions
     from run_helpers import read_lines
 
     interval_s = 0.2
@@ -267,7 +267,7 @@ def test_the_committed_study_data_reproduce_the_report_and_benchmarks_quotes_it(
     each run's row."""
     import json
 
-    root = Path(pods_study.__file__).parent
+    root = Path(pods_study.__file__).resolve().parents[1]
     data = root / "results" / "pods"
     recorded = json.loads((data / studydata.STUDY_FILE).read_text())
     assert recorded["train_args"] == list(pods_study.PODS_TRAIN_ARGS)

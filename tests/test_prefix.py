@@ -9,7 +9,7 @@ import torch
 
 import grpo_loss
 import models
-import prefix
+from engine import prefix
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 256

@@ -11,10 +11,10 @@ import pytest
 
 import torch
 
-import checkpoint
-import completions
+from run import checkpoint
+from run import completions
 import data
-import report
+from run import report
 import sampling
 
 LINES = [{"type": "eval", "step": 0, "elapsed_s": 0.0, "eval/accuracy": 0.25},

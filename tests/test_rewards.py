@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import grader
+from grading import grader
 import rewards
 from rewards import (accuracy_reward, compute_rewards, extract_final_answer, format_reward, grade_accuracy,
                      tag_count_reward)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-import config
+from run import config
 import rewards
 import sampling
 import train

@@ -16,7 +16,7 @@ import engine.decode
 import engine.weights
 import grpo_loss
 import models
-import rollout_check
+from engine import rollout_check
 import sampling
 from sampling import GenerationSettings, sample_completions
 
@@ -78,7 +78,7 @@ def test_sampler_logprobs_equal_the_trainers(arch, backend):
 def test_measure_with_prefix_sharing_is_the_full_forward_and_runs_the_prefix_once(monkeypatch):
     """Prompts that share a 6-token prefix: the gap measured with each distinct prompt and the shared prefix run once
     (prefix.completion_logprobs, the default) is the gap of every row in full, and the sharing path is the one taken."""
-    import prefix
+    from engine import prefix
 
     model = eos_model("qwen2")
     ids, mask = left_padded_prompts([9, 7, 11, 8], seed=3)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from run import checkpoint
 import models
-import runfolder
+from run import runfolder
 
 
 def test_a_live_holder_refuses_the_folder_and_a_dead_ones_lock_is_taken_over(tmp_path):

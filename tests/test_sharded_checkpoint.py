@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-import checkpoint
+from run import checkpoint
 import models
 import eval as eval_module
 import multigpu.__main__ as multigpu_cli

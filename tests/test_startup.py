@@ -10,18 +10,20 @@ from pathlib import Path
 
 import pytest
 
-import config
-import report
-from checkpoint import TrainerState
+from run import config
+from run import report
+from run.checkpoint import TrainerState
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "peft", "sympy", "datasets")
-COMMANDS = ("train.py", "eval.py", "compare.py", "study.py", "bootstrap.py")
+COMMANDS = ("train.py", "eval.py", "compare.py", "study.py", "study.py bootstrap")
 
 
 def imported_by(script, argv):
     """(exit status, stderr lines, the heavy modules imported) of `python script argv`, run as the command line runs
     it."""
+    script, *subcommand = script.split()  # "study.py bootstrap": study.py's subcommand
+    argv = [*subcommand, *argv]
     code = (f"import json, runpy, sys; sys.argv = [{script!r}] + {argv!r}\n"
             "try:\n"
             f"    runpy.run_path({script!r}, run_name='__main__')\n"
@@ -32,7 +34,7 @@ def imported_by(script, argv):
 
 
 MISTYPED = {"train.py": ["--bogus"], "eval.py": ["--model", "m", "--bogus"], "compare.py": ["RUN", "--bogus"],
-            "study.py": ["compare", "RUN", "--bogus"], "bootstrap.py": ["RUN", "--baseline-label", "X", "--bogus"]}
+            "study.py": ["compare", "RUN", "--bogus"], "study.py bootstrap": ["RUN", "--baseline-label", "X", "--bogus"]}
 
 
 @pytest.mark.parametrize("script", COMMANDS)
@@ -74,8 +76,8 @@ def test_every_flag_has_help_and_says_its_default():
 
 def test_the_choices_written_in_the_flags_are_their_modules():
     """config.py lists them so that --help needs none of these modules (each loads torch)."""
-    import dynamic_sampling
-    import report as report_module
+    from variants import dynamic_sampling
+    from run import report as report_module
     import sampling
     import update
     assert config.BACKENDS == sampling.BACKENDS[1:] and config.OPTIMIZERS == update.OPTIMIZERS

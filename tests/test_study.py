@@ -3,9 +3,9 @@ script; one slow test runs the variant study with the real train.py and a tiny m
 
 import pytest
 
-import pods_study
+from studies import pods_study
 import study
-import studyrun
+from studies import studyrun
 
 FAKE_TRAIN = r'''
 import argparse, json, pathlib, sys
@@ -73,7 +73,7 @@ UNPINNED_OK = {"baseline", "load_in_4bit", "generation_copy", "prefill_think", "
 
 def test_every_setting_of_the_recorded_tables_is_pinned():
     """Each train.py flag is given explicitly, so a later preset or default edit cannot change the study."""
-    import config
+    from run import config
     import grpo_loss
 
     parser = config.build_parser()
@@ -96,7 +96,7 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
 
 
 def test_the_variant_studys_baseline_label_is_the_label_train_py_writes(tmp_path):
-    import config
+    from run import config
 
     runs, baseline = study.variants_plan([0])
     labels = {name: config.method_label(config.parse_args(studyrun.train_flags(tmp_path / name, flags, 120)))
@@ -106,7 +106,7 @@ def test_the_variant_studys_baseline_label_is_the_label_train_py_writes(tmp_path
 
 
 def test_a_run_with_a_checkpoint_is_resumed(tmp_path, capsys):
-    import checkpoint
+    from run import checkpoint
 
     step = tmp_path / "grpo-n4-m4-s0" / "checkpoints" / "step_000003"
     step.mkdir(parents=True)
@@ -182,7 +182,7 @@ def test_help_describes_the_commands_with_their_flags(capsys):
 def test_ga_plan_arms_differ_only_in_the_method_and_seed_and_evaluate_the_same_prompts(tmp_path):
     """PODS 16/4, GRPO-GA (every one of the same 16 rollouts per prompt trained) and random 16/4: the same prompts per
     step, rollouts per prompt, held-out set (256 prompts, every 5 steps, greedy) and every other setting."""
-    import config
+    from run import config
     import data
 
     runs = study.ga_plan([0, 1, 2, 3, 4])

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-import bootstrap
+from studies import bootstrap
 import compare
-import studydata
+from studies import studydata
 from run_helpers import ROOT
 from test_bootstrap import make_two_arms
 from test_compare import make_run, ramp
@@ -77,7 +77,7 @@ def test_the_committed_ga_data_reproduce_the_committed_tables(capsys):
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(rows) == 8 and all(row in benchmarks for row in rows)  # per step and on the clock
     command = " ".join(f'"{a}"' if " " in a else a for a in GA_COMMAND).replace(str(ROOT) + "/", "")
-    assert f"python bootstrap.py {command}" in benchmarks
+    assert f"python study.py bootstrap {command}" in benchmarks
     runs, _ = studydata.read_study([ROOT / "results" / "ga"])
     assert sorted((r.label, r.seed) for r in runs) == sorted((label, seed) for seed in range(5) for label in
                                                              ("GRPO 16/16", "PODS max_variance 16/4",
@@ -97,7 +97,7 @@ def test_the_committed_demo_runs_with_prefix_sharing_reproduce_their_table(capsy
     rows = [line for line in table.splitlines() if line.startswith("| PODS")]
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     assert len(rows) == 2 and all(row in benchmarks for row in rows)
-    assert f'python bootstrap.py --from-data results/{folder} --baseline-label "PODS max_variance 16/4"' in benchmarks
+    assert f'python study.py bootstrap --from-data results/{folder} --baseline-label "PODS max_variance 16/4"' in benchmarks
     runs, _ = studydata.read_study([ROOT / "results" / folder])
     assert sorted(r.seed for r in runs) == seeds and {r.config["max_time_s"] for r in runs} == {budget_s}
 
@@ -125,11 +125,12 @@ def test_the_committed_runs_of_the_16_step_demo_reproduce_their_tables(capsys, f
     printed = capsys.readouterr().out.strip()
     assert printed == (ROOT / "results" / folder / table).read_text().strip()
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    assert f'python bootstrap.py --from-data results/{folder}' in " ".join(benchmarks.split())
+    assert f'python study.py bootstrap --from-data results/{folder}' in " ".join(benchmarks.split())
     if folder == "demo-16":
         rows = [line for line in printed.splitlines() if line.startswith("| PODS")]
         assert len(rows) == 4 and all(row in benchmarks for row in rows)
         runs, _ = studydata.read_study([ROOT / "results" / folder])
-        demo = __import__("presets").PRESETS["demo"]
+        from run.presets import PRESETS
+        demo = PRESETS["demo"]
         assert {(r.config["max_steps"], r.config["max_time_s"]) for r in runs} == {(demo["max_steps"], 0.0)}
         assert sorted(r.seed for r in runs) == [0, 0, 1, 1, 2, 2]

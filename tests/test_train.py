@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import config
+from run import config
 import data
 import models
 import pods
@@ -214,7 +214,7 @@ def test_groups_of_one_rollout_count_as_zero_std(lora_model, smollm2_tokenizer):
 def test_a_default_step_does_not_enter_dynamic_sampling(lora_model, smollm2_tokenizer, monkeypatch):
     """Without --dynamic-sampling a step calls nothing of dynamic_sampling.py: a reader of the default step never
     needs that file (every function of it here raises)."""
-    import dynamic_sampling
+    from variants import dynamic_sampling
 
     def entered(*args, **kwargs):
         raise AssertionError("a default step entered dynamic_sampling.py")

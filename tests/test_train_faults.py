@@ -15,7 +15,7 @@ import torch
 
 import eval as heldout
 import models
-import runfolder
+from run import runfolder
 import train
 from run_helpers import TIMING, read_lines, tiny_argv
 

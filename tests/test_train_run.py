@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-import completions
-import config
+from run import completions
+from run import config
 import eval as eval_module
 import grpo_loss
 import models

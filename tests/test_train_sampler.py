@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-import completions
+from run import completions
 import data
 import engine
 import engine.weights
 import eval as heldout
 import models
-import rollout_check
+from engine import rollout_check
 import sampling
 import train
 from run_helpers import read_lines, tiny_argv

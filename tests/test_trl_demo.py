@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("integrations.trl_pods", exc_type=ImportError)
 
 import compare  # noqa: E402
-import config  # noqa: E402
+from run import config  # noqa: E402
 import rewards  # noqa: E402
 import train  # noqa: E402
 from integrations import trl_demo  # noqa: E402

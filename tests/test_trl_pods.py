@@ -245,7 +245,7 @@ def test_a_completion_without_any_reward_is_refused():
 
 
 def test_the_vendored_files_alone_import(tmp_path):
-    """What the module's docstring tells a TRL user to copy is all it needs: trl_pods.py, pods.py, advantages.py and
+    """What the module's docstring tells a TRL user to copy is all it needs: trl_pods.py, pods.py and
     lazy.py."""
     import shutil
     import subprocess
@@ -253,7 +253,7 @@ def test_the_vendored_files_alone_import(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    for name in ("integrations/trl_pods.py", "pods.py", "advantages.py", "lazy.py"):
+    for name in ("integrations/trl_pods.py", "pods.py", "lazy.py"):
         shutil.copy(root / name, tmp_path)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-c", "import trl_pods, pods; print(pods.__file__)"], cwd=tmp_path,

@@ -5,7 +5,7 @@ and each flag shown to matter for the input (so that dropping it anywhere on the
 import pytest
 import torch
 
-import config
+from run import config
 import grpo_loss
 import models
 import update

@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-import config
+from run import config
 import models
-import prefix
+from engine import prefix
 import update
 from test_update_flags import flag_args, non_default_flag
 

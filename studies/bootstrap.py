@@ -5,8 +5,8 @@ Paper Appendix A.4 defines the speed-up: (time for the baseline to first reach 0
 bands. compare.py computes the point figures; this module adds how sure they are, on the clock and per optimizer
 step (learning per step, whatever the machine's speed). study.py's PODS vs GRPO-GA study reports through here:
 
-    python bootstrap.py RUN_DIR... --baseline-label "GRPO 16/16" [--budget-s 900] [--plot P.png] [--table ga.md]
-    python bootstrap.py --from-data results/ga --baseline-label "GRPO 16/16"   (committed data, studydata.py)
+    python study.py bootstrap RUN_DIR... --baseline-label "GRPO 16/16" [--budget-s 900] [--plot P.png] [--table ga.md]
+    python study.py bootstrap --from-data results/ga --baseline-label "GRPO 16/16"   (committed data, studydata.py)
 
 Method (documented, tested):
 - Paired by seed: a seed gives every arm the same prompts in the same order, so a resample draws seeds (with
@@ -526,9 +526,9 @@ def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accurac
 
 
 def main(argv=None):
-    import studydata
+    from studies import studydata
 
-    parser = argparse.ArgumentParser(prog="bootstrap.py", description="peak, final and mean accuracy and the "
+    parser = argparse.ArgumentParser(prog="study.py bootstrap", description="peak, final and mean accuracy and the "
                                      "speed-up with paired 95% bootstrap intervals over seeds, per step and on "
                                      "the clock")
     parser.add_argument("run_dirs", nargs="+", help="run folders (or folders of them); with --from-data, data "
@@ -581,9 +581,3 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(by_axis, indent=1))
     return by_axis
 
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as error:  # a missing path, no runs, no baseline: one line
-        sys.exit(f"bootstrap.py: error: {error}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpo_loss
 import rewards
-import runfolder
+from run import runfolder
 
 STUDY_SYSTEM_PROMPT = "Reason inside <think> </think>, then answer inside <answer> </answer>."
 # The settings of the recorded study, all explicit (a later edit of the demo preset or of a flag's default
@@ -79,7 +79,7 @@ def train_flags(run_dir, method_flags, max_time_s, num_threads=1, train_args=(),
 
 
 def train_runs(out_dir, runs, max_time_s, train_args=(), dry_run=False, num_threads=1,
-               train_script=Path(__file__).with_name("train.py"), settings=STUDY_TRAIN_ARGS):
+               train_script=Path(__file__).resolve().parents[1] / "train.py", settings=STUDY_TRAIN_ARGS):
     """Train every run of {name: method flags} (sequentially, one subprocess each) into <out>/<name>; returns the
     names that failed. Resumable: a run with <out>/<name>/study_done.json is skipped; an interrupted one continues
     from its latest checkpoint (train.py --resume) or, without one, starts over."""

@@ -34,7 +34,7 @@ from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
-import checkpoint
+from run import checkpoint
 
 LOCK_FILE = "train.lock"
 

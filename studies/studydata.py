@@ -3,13 +3,13 @@
 A run folder (train.py's config.json + metrics.jsonl, with checkpoints and logs) is too large to commit; what the
 comparison figures need is small: each evaluation's step, training seconds and held-out accuracy, and each step's
 time and generate / update phases. `export_run` writes those as one JSON file per run; `read_study` reads them back
-as compare.RunData, so `python bootstrap.py --from-data results/<study> --baseline-label ...` recomputes a study's
+as compare.RunData, so `python study.py bootstrap --from-data results/<study> --baseline-label ...` recomputes a study's
 tables from the committed files. Values that were not recorded are null (NaN once read): a run whose evaluations'
 seconds are missing is reported per step only. A folder of data files may hold `study.json`: facts recorded for the
 study as a whole, e.g. `arm_clock_s` ({label: {generate_s, update_s, step_s}}, per-arm means where the per-step
 times were not kept).
 
-    python bootstrap.py runs/ga --baseline-label "GRPO 16/16" --budget-s 900 --export-data results/ga
+    python study.py bootstrap runs/ga --baseline-label "GRPO 16/16" --budget-s 900 --export-data results/ga
 """
 
 import json

@@ -34,8 +34,8 @@ from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
-import checkpoint
-import completions
+from run import checkpoint
+from run import completions
 
 PHASE_KEYS = ("generate_s", "reward_s", "select_s", "update_s")  # a step's phases, timed by train.train_step
 TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")

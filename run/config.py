@@ -28,7 +28,7 @@ import grpo_loss
 import models
 import pods
 import rewards
-from presets import BASELINES, PRESETS
+from run.presets import BASELINES, PRESETS
 
 # The choices of flags whose modules load torch: written here so that --help needs none of them (a test keeps each
 # equal to its module's: sampling.BACKENDS, update.OPTIMIZERS, report.REPORT_TO, dynamic_sampling.METRICS).
@@ -241,7 +241,7 @@ def parse_args(argv=None, restarted=False):
     argv = list(sys.argv[1:] if argv is None else argv)
     first = parser.parse_args(argv)  # --help, an unknown flag, a bad choice or number: answered before any import
     if first.output_dir:
-        import runfolder  # torch, safetensors: a run folder's checkpoints
+        from run import runfolder  # torch, safetensors: a run folder's checkpoints
     checkpointed = first.output_dir and runfolder.newest_checkpoint(first.output_dir, readable=False)[0]
     if not first.resume and restarted and checkpointed:
         argv, first.resume = argv + ["--resume"], True
@@ -272,7 +272,7 @@ def parse_args(argv=None, restarted=False):
     unrecorded["bf16"] = resolved_bf16(unrecorded["bf16"], args.device)
     check_args(args, restarted)
     if args.resume:
-        import runfolder
+        from run import runfolder
         saved = dict({key: unrecorded[key] for key in RUN_IDENTITY + RECORDED_AT_RESUME}, **saved)
         _check_reward_terms(args, saved)
         weights = saved["reward_weights"]  # older runs saved the flag's text: the terms then unknown, parsed now
@@ -395,8 +395,8 @@ def check_values(args):
 def check_args(args, restarted=False):
     """The errors that need the machine (device, sinks) or the files: the run folder, the data and the model source
     (check_values first; `args.device` resolved)."""
-    import report
-    import runfolder
+    from run import report
+    from run import runfolder
 
     report.check_report_to(args.report_to)
     _check_device_flags(args)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-import bootstrap
+from studies import bootstrap
 import compare as compare_module
-import studydata
-import studyrun
+from studies import studydata
+from studies import studyrun
 
 # {arm: (rule, n)}: every arm trains m = PODS_UPDATE_SIZE rows of each prompt (the same update cost) and differs in
 # how many rollouts it generates per prompt and which m it keeps.
@@ -64,7 +64,7 @@ PODS_SETTINGS = {**PODS_TASK, "--prompts-per-step": "4", "--eval-samples": "256"
 PODS_TRAIN_ARGS = (studyrun.with_settings(studyrun.STUDY_TRAIN_ARGS, PODS_SETTINGS)
                    + ("--log-completions-interval", "10"))
 PODS_MAX_TIME_S = 600.0
-PODS_DATA = Path(__file__).with_name("results") / "pods"  # the committed data files (studydata.py) and pods.md
+PODS_DATA = Path(__file__).resolve().parents[1] / "results" / "pods"  # the committed data files (studydata.py) and pods.md
 DATA_SUBFOLDER = "data"  # a study's own data files go to <out>/data unless --data names another folder
 # The clock's intervals are quoted with how far their ends move when each run's clock is off by up to 10%: on this
 # shared machine GRPO 4/4's median update took 2.5-3.1 s in its first four seeds, at the same completion lengths.
@@ -378,7 +378,7 @@ def check_finished_runs(out_dir, runs, max_time_s, train_args, num_threads):
 
 def run_pods(out_dir, arms=tuple(PODS_ARMS), seeds=None, max_time_s=PODS_MAX_TIME_S, train_args=(), dry_run=False,
              num_threads=studyrun.TIMED_NUM_THREADS, data_dir=None, plot=None, resamples=bootstrap.RESAMPLES,
-             train_script=Path(__file__).with_name("train.py"), report_only=False, add_to_data=False):
+             train_script=Path(__file__).resolve().parents[1] / "train.py", report_only=False, add_to_data=False):
     """Does PODS help? Train every run of pods_plan (one at a time), then write the report to <out>/pods.md and
     <data_dir>/pods.md, the plot to <out>/pods.png (or `plot`), and each run's data file to data_dir (None:
     <out>/data; the committed data are PODS_DATA, given as data_dir only on purpose); returns the report.
@@ -451,7 +451,7 @@ held-out prompts every 100 s of training in every arm.
   python study.py pods --out runs/more --add-to-data                # a study continued in a new --out (below)
   python study.py pods --from-data results/pods                     # the report recomputed from the data files
   python study.py pods --from-data results/pods --seeds 4 5 6 7     # ... from some seeds' runs only
-  python bootstrap.py --from-data results/pods --baseline-label "GRPO 4/4" --budget-s 600   # its first table alone
+  python study.py bootstrap --from-data results/pods --baseline-label "GRPO 4/4" --budget-s 600   # its first table alone
 
 The run writes <out>/pods.md, pods.png (the seed means) and pods_seeds.png (each seed's curve), and <out>/data/
 (--data): one data file per run, study.json (budget, settings, the reporting checkout's commit) and pods.md, to

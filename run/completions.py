@@ -19,7 +19,7 @@ from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
-import checkpoint
+from run import checkpoint
 
 COMPLETIONS_DIR = "completions"
 EVAL_COMPLETIONS_LOGGED = 16  # held-out completions kept per evaluation (the first prompts of the fixed sample)
