@@ -1,8 +1,8 @@
 """Datasets and prompts of the PODS experiments (paper §4, Appendix A.1): GSM8K, MATH (train / MATH-500),
 SciKnowEval Chemistry L3 multiple choice, and synthetic addition for the offline demo.
 
-`build_prompt_set` builds the prompts of training and evaluation alike: [Example(text, prompt, answer)];
-`graded_completion` is the text the rewards grade. `load_split` gives the rows ("prompt": the paper's
+`build_prompt_set` builds the prompts of training and evaluation alike: [Example(text, prompt, answer)]
+(rewards.graded_completion is the text the rewards grade). `load_split` gives the rows ("prompt": the paper's
 think/answer system prompt, an optional one-shot example turn, the question; "answer"; source fields).
 Rows come from the JSONL files under `data_dir` (else $PODS_DATA_DIR, else ../shared/data beside the
 repository) when such a folder is given or exists, otherwise from the Hugging Face Hub (`HUB_IDS`, cached by
@@ -302,7 +302,7 @@ def render_prompts(tokenizer, prompts, prefill_think=False, *, use_chat_template
     """Prompt texts ending where the assistant's reply starts. With a chat template: apply_chat_template(...,
     add_generation_prompt=True). Without one, or with use_chat_template=False (base models whose tokenizer
     still ships a template): plain "<system>\\n\\nUser: <q>\\nAssistant: <a>\\n...User: <q>\\nAssistant:".
-    prefill_think appends THINK_PREFILL ("<think>\\n", after a space in plain text); graded_completion puts
+    prefill_think appends THINK_PREFILL ("<think>\\n", after a space in plain text); rewards.graded_completion puts
     it back in front of the completion."""
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
@@ -356,8 +356,3 @@ def build_prompt_set(dataset, split, tokenizer, *, data_dir=None, hub_id=None, n
     if not kept:
         raise ValueError(f"every {dataset}/{split} prompt is longer than max_prompt_tokens={max_prompt_tokens}")
     return [Example(texts[i], prompts[i], answers[i]) for i in kept]
-
-
-def graded_completion(completion_text, prefill_think):
-    """The text the rewards grade: a prefilled prompt ended in THINK_PREFILL, which the completion lacks."""
-    return THINK_PREFILL + completion_text if prefill_think else completion_text

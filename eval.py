@@ -7,7 +7,7 @@ checkpoint, every checkpoint of a run, or a base model, and writes the results a
 
 Simplifications: one device; a completion is graded on its text alone (rewards.accuracy_rewards /
 format_rewards, batched), so "both" means answer-correct *and* well-formatted; a prompt ending in the
-"<think>\n" prefill has it put back in front of the completion before grading (data.graded_completion).
+"<think>\n" prefill has it put back in front of the completion before grading (rewards.graded_completion).
 Temperature 0 means greedy decoding: all samples of a prompt would be identical, so K and R collapse to 1
 (with a warning). Prompts come from data.build_prompt_set with the run's settings (config.json), and the run
 folder is read through checkpoint.py.
@@ -69,7 +69,6 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
     Prompts are generated in chunks of rollout_batch_size // K prompts (K samples each, so about rollout_batch_size
     rows per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
     `progress` and a repeat is reproducible on its own."""
-    import data
     import rewards
     from engine import rollout_check
     import sampling
@@ -107,7 +106,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
             rows = [start + row // samples_per_prompt for row in range(len(rollouts.texts))]  # row i*K+j
             # A prompt that ends in the think prefill (data.render_prompts(prefill_think=True)) made the
             # model's output start after "<think>\n": grade prefill + generated text.
-            texts = [data.graded_completion(text, prompts[i].endswith(rewards.THINK_PREFILL))
+            texts = [rewards.graded_completion(text, prompts[i].endswith(rewards.THINK_PREFILL))
                      for i, text in zip(rows, rollouts.texts)]
             with rewards.timeouts_counted() as timeouts:
                 is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows])

@@ -241,6 +241,17 @@ def _check_batch_rule(rule: str, scope: str = "batch") -> None:
                          f"'batch' only with {' or '.join(batch_scope_rules())}")
 
 
+@dataclass(frozen=True)
+class SelectSettings:
+    """What `select` reads besides the rewards, built once per run (train.step_settings): its keywords by name."""
+    m: int                             # --update-size
+    rule: str = "max_variance"         # --rule
+    normalize: str = "selected"        # --advantage-normalization
+    scale_rewards: str = "group"       # --scale-rewards
+    scope: str = "prompt"              # --selection-scope
+    drop_zero_variance: bool = False   # --drop-zero-variance
+
+
 def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", scale_rewards: str = "group",
            scope: str = "prompt", drop_zero_variance: bool = False,
            generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, int]:

@@ -405,6 +405,31 @@ class RewardResult:
         return out
 
 
+@dataclass(frozen=True)
+class RewardSettings:
+    """What scoring a round reads besides the rollouts, built once per run: --reward-weights, --reward-options and
+    whether the prompts end in THINK_PREFILL (--prefill-think)."""
+    weights: dict | None = None
+    options: dict | None = None
+    prefill_think: bool = False
+
+
+def graded_completion(completion_text, prefill_think):
+    """The text the rewards grade: a prefilled prompt ended in THINK_PREFILL, which the completion lacks."""
+    return THINK_PREFILL + completion_text if prefill_think else completion_text
+
+
+def score_rollouts(rollouts, examples, settings) -> RewardResult:
+    """Every rollout of a sampling.Rollouts (row i*n + j: rollout j of examples[i], data.Examples) scored by every
+    registered term, weighted (settings: a RewardSettings)."""
+    rows = rollouts.prompt_index.tolist()
+    completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
+    return compute_rewards([examples[i].prompt for i in rows],
+                           [graded_completion(text, settings.prefill_think) for text in rollouts.texts],
+                           [examples[i].answer for i in rows], weights=settings.weights, options=settings.options,
+                           completion_ids=completion_ids)
+
+
 def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=None, num_workers=0, *, options=None,
                     completion_ids=None) -> RewardResult:
     """Every reward function on every completion, and their weighted sum (paper: 1/1/1).

@@ -8,7 +8,7 @@ One step (`train_step`): n rollouts per prompt -> rewards -> keep m per prompt b
 ones -> clipped GRPO update. The run (`train`): load, then step, log, evaluate and checkpoint until the budget ends.
 Simplifications: a constant learning rate; rule-based rewards only; our own decode engine or HF generate (no vLLM).
 Several GPUs (settings (e), (f)): `torchrun ... -m multigpu` runs this same loop through the seams of `OneProcess`.
-Flags: config.py; presets: presets.py; the run folder and its checkpoints: checkpoint.py; more in docs/training.md.
+The run around the step (flags, presets, checkpoints, the run folder, the metrics line): run/; more in docs/training.md.
 """
 
 import os
@@ -24,8 +24,8 @@ if __name__ == "__main__":  # the flags parsed and checked before the imports be
 
 import contextlib
 import json
+import math
 import signal
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -33,27 +33,19 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from run import checkpoint
-from run import completions
 import data
-from variants import dynamic_sampling
 import eval as heldout
-from grading import grader
 import models
 import pods
-from run import report
 import rewards
-from engine import rollout_check
-from run import runfolder
 import sampling
 import update
+from engine import rollout_check
+from run import checkpoint, completions, report, runfolder, signals
+from variants import dynamic_sampling
 
 NONFINITE_STOP = 3  # consecutive steps whose update was skipped
 SELECTION_STREAM = 0x5E1EC7  # the random rule's seeds: derived_seed(batch seed, this, first chunk), no chunk's seed
-
-
-class Stopped(SystemExit):
-    """The run stopped on SIGTERM or SIGINT after checkpointing its last completed step; exit status 128 + signal."""
 
 
 class OneProcess:
@@ -66,10 +58,10 @@ class OneProcess:
         return models.load_policy(args.model, dtype=models.compute_dtypes(args.bf16, args.lora_rank)[0],
                                   device=args.device, **config.model_options(args))
 
-    def share(self, examples, rows_per_example, chunk_rows, sizes=None):
-        """(this process's examples of a rollout batch, the index of its first generation chunk); sizes: how many
-        each process takes, in process order (None: as many each)."""
-        return examples, 0
+    def rounds(self, make_round):
+        """The round strategy of this process (multigpu: each process generates its share of the prompts, with the
+        full weights gathered for it)."""
+        return make_round
 
     def counts(self, value):
         """Every process's value, in process order: the groups with a spread each holds (--dynamic-sampling)."""
@@ -88,7 +80,7 @@ class OneProcess:
         return value
 
     def merged(self, record):
-        """A step's (scored rounds, update metrics, costs), or an evaluation result, of every process as one."""
+        """A step's (rounds, update metrics, costs), or an evaluation result, of every process as one."""
         return record
 
     def agree(self, value):
@@ -103,175 +95,143 @@ class OneProcess:
         return checkpoint.load_checkpoint(path, model, optimizer)
 
 
-@contextlib.contextmanager
-def cuda_oom_hint(args, phase):
-    """Re-raise CUDA OOM naming the flags that bound the memory of each phase."""
-    try:
-        yield
-    except torch.cuda.OutOfMemoryError as error:
-        raise update.TrainingError(f"CUDA out of memory during {phase}. Lower --rollout-batch-size (now "
-                                   f"{args.rollout_batch_size}) for generation/evaluation or --micro-batch-size (now "
-                                   f"{args.micro_batch_size}) for the update; --gradient-checkpointing and "
-                                   "--load-in-4bit also help.") from error
-
-
-@contextlib.contextmanager
-def stop_on_signal():
-    """SIGTERM (a cluster preempting the job) or SIGINT (Ctrl-C) asks the run to stop at the next step boundary: the
-    yielded dict gets the signal's number; a second signal exits at once (the last checkpoint stays intact). The
-    previous handlers come back afterwards. Outside the main thread no handler can be set: nothing is caught."""
-    requested = {}
-
-    def handler(signum, frame):
-        if requested:
-            raise SystemExit(128 + signum)
-        requested["signal"] = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint (again: stop now)",
-              file=sys.stderr, flush=True)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield requested
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield requested
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+ONE_PROCESS = OneProcess()
 
 
 # ------------------------------------------------------------------------------------------ one step
 
-def score(rollouts, examples, args):
-    """(rewards.RewardResult, [P, n] weighted rewards) of every rollout; a prefilled "<think>\\n" is graded too."""
-    rows = rollouts.prompt_index.tolist()
-    completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
-    result = rewards.compute_rewards([examples[i].prompt for i in rows],
-                                     [data.graded_completion(text, args.prefill_think) for text in rollouts.texts],
-                                     [examples[i].answer for i in rows], weights=args.reward_weights,
-                                     options=args.reward_options, completion_ids=completion_ids)
-    n = len(rows) // len(examples) if examples else args.num_rollouts  # none: a refill only other processes needed
-    return result, result.total.view(len(examples), n)
+@dataclass(frozen=True)
+class StepSettings:
+    """Everything a training step reads, built once per run from the flags (`step_settings`)."""
+    seed: int
+    num_rollouts: int                       # n
+    generation: sampling.GenerationSettings
+    rewards: rewards.RewardSettings
+    select: pods.SelectSettings             # m, the rule, the advantages' normalisation
+    update: update.UpdateSettings           # micro-batches, mu, the loss's options
+    device: str = "cpu"
 
 
 @dataclass
-class Generated:
-    """One generation round of a rollout batch: P prompts x n rollouts, scored."""
+class Round:
+    """One generation round: P prompts x n rollouts, filled as the step goes (rewards, then the rows PODS kept and
+    their advantages, then each kept row's sampler ratio from the update). The metrics line and the completions log
+    read it; several processes' rounds merge into one (multigpu/)."""
     examples: list                  # [P] data.Example
-    rollouts: sampling.Rollouts
+    rollouts: sampling.Rollouts | None  # None once merged over processes (only the update reads it)
     rewards: torch.Tensor           # [P, n] weighted total
-    per_func: dict                  # reward function -> [P*n] (NaN: not applicable)
-    first_chunk: int                # this process's first generation chunk (its rollouts' seeds)
-    filtered: torch.Tensor = None   # [P] bool: no reward spread, set aside by --dynamic-sampling; None: none
-    set_aside: torch.Tensor = None  # [P] bool: a spread, but left out to even out the processes' rows; None: none
-    grader_timeouts: torch.Tensor = None  # [P*n] bool: accuracy scored 0 for want of a verdict; None: none
+    per_func: dict                  # reward term -> [P*n] (NaN: not applicable)
+    grader_timeouts: torch.Tensor | None  # [P*n] bool: accuracy scored 0, its comparison timed out twice
+    first_chunk: int = 0            # this process's first generation chunk (its rollouts' seeds)
+    filtered: torch.Tensor = None   # [P] bool: no reward spread, set aside by --dynamic-sampling
+    set_aside: torch.Tensor = None  # [P] bool: a spread, left out by --dynamic-sampling to even out the processes
+    kept_rows: torch.Tensor = None  # [R] rows trained on (row i*n + j: rollout j of prompt i)
+    advantages: torch.Tensor = None  # [P*n] the advantage the loss used (NaN: not kept)
+    zero_variance_dropped: int = 0  # prompts left out by --drop-zero-variance
+    sampler_ratios: torch.Tensor = None  # [P*n] a kept row's mean pi / pi_sampler over its tokens (NaN: not kept)
+    lengths: torch.Tensor = None    # [P*n] completion tokens
+    truncated: torch.Tensor = None  # [P*n] bool: no EOS within the budget
+    texts: list = None              # [P*n] completions
+    prompt_tokens: int = 0          # tokens of the P prompts, x n (each rollout re-reads its prompt)
+    backends: list = None           # the backend that generated the rollouts (none: no prompt)
 
     def __post_init__(self):
-        for name in ("filtered", "set_aside"):
+        num_prompts, n = self.rewards.shape
+        none = torch.zeros(num_prompts, dtype=torch.bool)
+        self.filtered = none if self.filtered is None else self.filtered
+        self.set_aside = none.clone() if self.set_aside is None else self.set_aside
+        self.kept_rows = torch.zeros(0, dtype=torch.long) if self.kept_rows is None else self.kept_rows
+        if self.grader_timeouts is None:  # a reward function of no answer comparison
+            self.grader_timeouts = torch.zeros(num_prompts * n, dtype=torch.bool)
+        for name in ("advantages", "sampler_ratios"):
             if getattr(self, name) is None:
-                setattr(self, name, torch.zeros(self.rewards.shape[0], dtype=torch.bool))
-        if self.grader_timeouts is None:
-            self.grader_timeouts = torch.zeros(self.rewards.numel(), dtype=torch.bool)
+                setattr(self, name, torch.full((num_prompts * n,), math.nan))
+        if self.rollouts is not None and self.lengths is None:
+            self.lengths, self.truncated, self.texts = self.rollouts.lengths, self.rollouts.truncated, \
+                list(self.rollouts.texts)
+            self.prompt_tokens = int(self.rollouts.prompt_mask.sum()) * n
+            self.backends = [self.rollouts.backend] if self.examples else []
+
+    @property
+    def prompts(self):
+        return [e.text for e in self.examples]
+
+    @property
+    def answers(self):
+        return [e.answer for e in self.examples]
 
     @property
     def entered(self):
         """[P] bool: the groups the selection rule sees."""
         return ~(self.filtered | self.set_aside)
 
+    @property
+    def parts(self):
+        """The generation rounds this round is made of (a --dynamic-sampling refill: several)."""
+        return [self]
 
-def generate_and_score(model, tokenizer, examples, args, seed, costs, processes, sizes=None):
-    """n rollouts per prompt of this process's share of `examples` (sizes: processes.share), scored: a Generated."""
-    examples, first_chunk = processes.share(examples, args.num_rollouts, args.rollout_batch_size, sizes)
-    with report.timed(costs, "generate_s"), cuda_oom_hint(args, "generation"):  # n rollouts per prompt
-        rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], args.num_rollouts,
-                                              config.generation_settings(args), seed, first_chunk) if examples \
-            else dynamic_sampling.no_rollouts()  # a --dynamic-sampling refill only other processes needed
-    with report.timed(costs, "reward_s"):
-        result, reward_matrix = score(rollouts, examples, args)
-    return Generated(examples, rollouts, reward_matrix, result.per_func, first_chunk,
-                     grader_timeouts=result.grader_timeouts)
+    def rewards_seen(self):
+        """[P', n]: the rewards of the groups that entered, what the selection rule sees."""
+        return self.rewards[self.entered]
+
+    def keep(self, kept, advantages, zero_variance_dropped=0):
+        """Record pods.select's choice over `rewards_seen()`: kept [P', m] indices or a [P', n] mask, advantages
+        one per kept rollout ([P', m]), or [P', n] read at the mask."""
+        n = self.rewards.shape[1]
+        groups = self.entered.nonzero().squeeze(1)
+        rows = update.kept_rows(kept, n)  # rows of the entered groups: group g is groups[g] of this round
+        self.kept_rows = groups[rows // n] * n + rows % n
+        kept_advantages = advantages[kept] if kept.dtype == torch.bool else advantages
+        self.advantages[self.kept_rows] = kept_advantages.flatten().float().cpu()
+        self.zero_variance_dropped = zero_variance_dropped
+
+    def update_batch(self):
+        """The kept rollouts as an update.UpdateBatch."""
+        return update.kept_batch(self.rollouts, self.kept_rows, self.advantages[self.kept_rows])
+
+    def record_sampler_ratios(self, ratios):
+        """The update's [R] mean pi / pi_sampler of each kept row, for the completions log."""
+        self.sampler_ratios[self.kept_rows] = ratios
 
 
-def train_step(model, tokenizer, optimizer, rounds, args, step, processes=OneProcess(), draw=None):
+def rollout_round(model, tokenizer, examples, settings, seed, costs, sizes=None, first_chunk=0):
+    """PODS's generation and rewards: n rollouts per prompt of `examples`, scored, as a Round (sizes: see
+    OneProcess.rounds; one process generates every example)."""
+    with report.timed(costs, "generate_s"):  # n rollouts per prompt (the decode engine, or HF generate())
+        rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], settings.num_rollouts,
+                                              settings.generation, seed, first_chunk)
+    with report.timed(costs, "reward_s"):  # accuracy, format and tag count, weighted (paper Appendix A.1)
+        scores = rewards.score_rollouts(rollouts, examples, settings.rewards)
+    return Round(examples, rollouts, scores.total.view(len(examples), -1), scores.per_func, scores.grader_timeouts,
+                 first_chunk)
+
+
+def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=rollout_round, processes=ONE_PROCESS):
     """One training step on `rounds`: G lists of data.Example (G = --grad-accum-steps, usually 1), each generated,
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
-    report.ScoredRounds: every rollout with its rewards, whether it was kept and its advantage). The update's
-    log-probs check the sampler's before the optimizer step (rollout_check.check: off-policy engine rollouts are not
-    trained on, and generation switches to HF). With --dynamic-sampling, `draw(count)` gives the next `count`
-    examples of the prompt order for the refills."""
-    costs = dict.fromkeys(report.PHASE_KEYS, 0.0)
-    if torch.device(args.device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(args.device)
-    if args.dynamic_sampling and draw is None:
-        raise ValueError("train_step with --dynamic-sampling needs draw(count), the next examples of the prompt order")
-
-    def say(line):  # above the progress bar, from the main process
-        if processes.is_main:
-            tqdm.write(f"step {step}: {line}", file=sys.stderr)
-
-    settings = config.update_settings(args)
-    scored, batches, batch_rounds, backends = [], [], [], set()
-    with processes.full_weights(model):
-        for round_index, examples in enumerate(rounds):
-            seed = sampling.derived_seed(args.seed, step, round_index)  # a resumed step draws what it drew before
-            generated = [generate_and_score(model, tokenizer, examples, args, seed, costs, processes)]
-            rewards_seen = generated[0].rewards
-            if args.dynamic_sampling:  # DAPO: groups without a spread set aside, more prompts drawn in their place
-                def more(missing, refill_round, seed=seed):  # `missing`: each process's groups still lacking
-                    return generate_and_score(model, tokenizer, draw(sum(missing)), args,
-                                              sampling.derived_seed(seed, refill_round), costs, processes, missing)
-                generated = dynamic_sampling.refill(generated[0], more, len(generated[0].examples),
-                                                    args.dynamic_sampling_metric, args.max_generation_rounds,
-                                                    processes.counts, say)
-                rewards_seen = dynamic_sampling.entered_rewards(generated)
-            backends.update(part.rollouts.backend for part in generated if part.examples)
-            with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
-                kept, advantages, dropped = pods.select(
-                    rewards_seen, args.update_size, args.rule, normalize=args.advantage_normalization,
-                    scale_rewards=args.scale_rewards, scope=args.selection_scope,
-                    drop_zero_variance=args.drop_zero_variance,
-                    generator=torch.Generator().manual_seed(selection_seed(seed, generated[0].first_chunk)))
-            if args.dynamic_sampling:  # the kept rows mapped back onto each round, joined into one update batch
-                part_batches = dynamic_sampling.kept_batches(generated, kept, advantages)
-                batches.append(dynamic_sampling.join([batch for batch, _ in part_batches], tokenizer.pad_token_id or 0))
-            else:
-                batches.append(update.kept_batch(generated[0].rollouts, kept, advantages))
-                part_batches = [(batches[-1], update.kept_rows(kept, args.num_rollouts))]
-            batch_rounds.append([])
-            for part, (batch, kept_rows) in zip(generated, part_batches):
-                batch_rounds[-1].append(report.ScoredRound.of(part.rollouts, part.examples, part.rewards,
-                                                              part.per_func, kept_rows, batch.advantages, dropped,
-                                                              part.filtered, part.set_aside, part.grader_timeouts))
-                dropped = 0  # counted once per rollout batch
-            scored += batch_rounds[-1]
-    # Rollouts of the decode engine are checked before the optimizer step: off-policy ones are not trained on.
-    engine_made = processes.total(int(any(backend != "hf" for backend in backends))) > 0
-    with report.timed(costs, "update_s"), cuda_oom_hint(args, "the update"):  # the clipped GRPO loss, mu steps
-        update.fill_logprobs(model, batches, settings)
-        result = update.update_policy(model, optimizer, batches, settings, sum_over_processes=processes.total,
-                                      max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT if engine_made else None)
-    for rounds_of_batch, ratios in zip(batch_rounds, result.sampler_ratios or []):  # for the completions log
-        for scored_round, part in zip(rounds_of_batch, ratios.split([len(s.kept_rows) for s in rounds_of_batch])):
-            scored_round.sampler_ratios[scored_round.kept_rows] = part
-    costs["peak_mem_gib"] = update.peak_memory_gib(args.device)
-    scored, result, costs = processes.merged((scored, result, costs))
-    metrics = report.step_metrics(scored, result, optimizer, costs, args.mask_truncated)
-    if args.dynamic_sampling:
-        metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
-    if metrics["rewards/grader_timeouts"]:  # possibly wrong rewards, said where the run is watched
-        say(f"{metrics['rewards/grader_timeouts']} completions scored accuracy 0 because their answer comparison "
-            f"timed out twice ({rewards.VERIFY_TIMEOUT_S:g} s, then {grader.RETRY_FACTOR}x, of the grader's CPU "
-            "time): rewards/grader_timeouts")
-    if result.rows == 0:  # the update_rows 0 of its metrics line, said where the run is watched
-        say("trained nothing: " + ("no group had a reward spread within --max-generation-rounds" if
-                                   args.dynamic_sampling else "every prompt was dropped") + " (no optimizer step)")
-    # Did the rollouts come from the policy? The update's log-probs against the sampler's (rollout_check.py).
-    metrics["sampler/engine"] = float("hf" not in backends)
-    fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
-    if result.sampler_gap is not None and (fallback := rollout_check.check(model, result.sampler_gap, fast,
-                                                                           args.backend, f"step {step}",
-                                                                           result.sampler_rejected)):
-        metrics["sampler/fallback"] = fallback
+    Rounds). settings: a StepSettings. make_round: the round strategy (`rollout_round`; --dynamic-sampling and
+    several processes wrap it: `round_strategy`). The update checks the sampler's log-probs before its optimizer
+    step: off-policy engine rollouts are not trained on, and generation switches to HF (engine/rollout_check.py)."""
+    costs, made = dict.fromkeys(report.PHASE_KEYS, 0.0), []
+    for index, examples in enumerate(rounds):
+        seed = sampling.derived_seed(settings.seed, step, index)  # a resumed step draws what it drew before
+        round_ = make_round(model, tokenizer, examples, settings, seed, costs)  # n rollouts per prompt, scored
+        with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
+            round_.keep(*pods.select(round_.rewards_seen(), **vars(settings.select),
+                                     generator=torch.Generator().manual_seed(selection_seed(seed, round_.first_chunk))))
+        made.append(round_)
+    with report.timed(costs, "update_s"):  # the clipped GRPO loss, mu optimizer steps
+        batches = [round_.update_batch() for round_ in made]
+        update.fill_logprobs(model, batches, settings.update)
+        result = update.update_policy(model, optimizer, batches, settings.update, sum_over_processes=processes.total,
+                                      max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT)
+    for round_, ratios in zip(made, result.sampler_ratios or []):  # for the completions log
+        round_.record_sampler_ratios(ratios)
+    costs["peak_mem_gib"] = update.peak_memory_gib(settings.device)
+    scored, result, costs = processes.merged(([part for round_ in made for part in round_.parts], result, costs))
+    metrics = report.step_metrics(scored, result, optimizer, costs, settings.update.loss.mask_truncated)
+    # Did the rollouts come from the policy? The update's log-probs against the sampler's: else fall back to HF.
+    metrics.update(rollout_check.after_step(model, result, scored, settings.generation.backend, f"step {step}"))
     return metrics, scored
 
 
@@ -280,6 +240,27 @@ def selection_seed(batch_seed, first_chunk):
     chunk's (sampling.derived_seed(batch_seed, chunk)) and refill round's, yet fixed by the batch (a resume redraws
     it)."""
     return sampling.derived_seed(batch_seed, SELECTION_STREAM, first_chunk)
+
+
+def step_settings(args):
+    """The StepSettings of the flags, built once per run."""
+    return StepSettings(
+        seed=args.seed, num_rollouts=args.num_rollouts, generation=config.generation_settings(args),
+        rewards=rewards.RewardSettings(args.reward_weights, args.reward_options, args.prefill_think),
+        select=pods.SelectSettings(args.update_size, args.rule, args.advantage_normalization, args.scale_rewards,
+                                   args.selection_scope, args.drop_zero_variance),
+        update=config.update_settings(args), device=args.device)
+
+
+def round_strategy(args, processes=ONE_PROCESS, draw=None, say=None):
+    """The loop's round strategy, chosen once: `rollout_round`, each process's share of it (several processes), and
+    with --dynamic-sampling refilled with `draw(count)`, the next examples of the prompt order, until the groups
+    with a spread are enough (say(line): a note above the progress bar)."""
+    make_round = processes.rounds(rollout_round)
+    if not args.dynamic_sampling:
+        return make_round
+    return dynamic_sampling.refilling(make_round, draw, args.dynamic_sampling_metric, args.max_generation_rounds,
+                                      processes.counts, say)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -314,7 +295,7 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, 
     examples, first_chunk, chunk = processes.eval_share(eval_set, args.rollout_batch_size)
     settings = config.generation_settings(args, temperature=args.eval_temperature, rollout_batch_size=chunk)
     samples = []  # graded completions, for the completions log
-    with processes.full_weights(model), cuda_oom_hint(args, "evaluation"):
+    with processes.full_weights(model), signals.cuda_oom_hint(args, "evaluation"):
         result = heldout.evaluate(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
                                   settings, seed=first_chunk, samples_out=samples, check_sampler=check_sampler)
     result = processes.merged(result)
@@ -401,6 +382,10 @@ def run(args, run_dir, processes):
         indices, state.position = checkpoint.next_prompt_indices(len(train_set), count, args.seed, state.position)
         return [train_set[i] for i in indices]
 
+    settings = step_settings(args)  # what every step reads, built once
+    make_round = round_strategy(args, processes, draw, lambda line: processes.is_main and tqdm.write(
+        f"step {state.step + 1}: {line}", file=sys.stderr))
+
     def save():
         nonlocal saved, last_checkpoint_s
         state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
@@ -414,7 +399,7 @@ def run(args, run_dir, processes):
 
     with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
                              first_step=state.step + 1 if args.resume else 0, run_config=run_config,
-                             enabled=processes.is_main) as (log, write), stop_on_signal() as signalled, \
+                             enabled=processes.is_main) as (log, write), signals.stop_on_signal() as signalled, \
             contextlib.ExitStack() as closing:
         if changed_now:
             write(dict(type="resume", **changed_now))
@@ -431,7 +416,13 @@ def run(args, run_dir, processes):
                 break
             step_start, before_s = time.perf_counter(), state.elapsed_s
             rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
-            metrics, scored = train_step(model, tokenizer, optimizer, rounds, args, state.step + 1, processes, draw)
+            with signals.cuda_oom_hint(args, "the training step"), report.peak_memory_measured(args.device):
+                metrics, scored = train_step(model, tokenizer, optimizer, rounds, settings, state.step + 1,
+                                             make_round, processes)
+            if args.dynamic_sampling:
+                metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
+            for line in report.step_notes(metrics, args.dynamic_sampling) if processes.is_main else []:
+                tqdm.write(f"step {state.step + 1}: {line}", file=sys.stderr)  # above the progress bar
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
             if state.step == start_step + 1 and processes.is_main and (eta := report.eta_line(args, state, step_s)):
@@ -460,7 +451,7 @@ def run(args, run_dir, processes):
         if processes.is_main:
             print(f"stopped by {signal.Signals(stop).name} after step {state.step}, saved in {run_dir}; continue "
                   f"with --output-dir {run_dir} --resume", file=sys.stderr)
-        raise Stopped(128 + stop)
+        raise signals.Stopped(128 + stop)
     if processes.is_main:
         fallback = sampling.fallback_reason(model)   # the run left the decode engine: its last line says why
         print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)

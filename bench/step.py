@@ -138,7 +138,7 @@ def timed_step(model, tokenizer, optimizer, examples, trainer, step):
     stats = common.engine_stats()
     common.reset_peak(device)
     (metrics, _), step_s = common.timed(
-        lambda: train.train_step(model, tokenizer, optimizer, [examples], trainer, step), device)
+        lambda: train.train_step(model, tokenizer, optimizer, [examples], train.step_settings(trainer), step), device)
     return {"generate_s": metrics["generate_s"], "reward_s": metrics["reward_s"], "select_s": metrics["select_s"],
             "update_s": metrics["update_s"], "step_s": step_s, "mean_length": metrics["completions/mean_length"],
             "new_graphs": common.new_graphs(stats), "graph_warmup_s": engine.STATS.warmup_s - stats.warmup_s,

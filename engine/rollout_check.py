@@ -126,6 +126,19 @@ def check(model, gap, backend, requested, where, rejected=False):
     return reason
 
 
+def after_step(model, result, rounds, requested, where):
+    """After a training step: its sampler metrics, {"sampler/engine": 1.0 when the decode engine generated every
+    rollout, "sampler/fallback": the reason, when the step's gap made generation fall back to HF}. result: the
+    step's update.UpdateMetrics; rounds: its train.Rounds; requested: --backend."""
+    backends = {backend for round_ in rounds for backend in round_.backends}
+    metrics = {"sampler/engine": float("hf" not in backends)}
+    fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
+    if result.sampler_gap is not None and (fallback := check(model, result.sampler_gap, fast, requested, where,
+                                                             result.sampler_rejected)):
+        metrics["sampler/fallback"] = fallback
+    return metrics
+
+
 def measure(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=True):
     """The SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched): the check of
     callers without an update pass. Greedy rollouts are compared at temperature 1, as the sampler records them.

@@ -223,7 +223,7 @@ def reward_function(args):
     """The project's weighted reward (rewards.compute_rewards: --reward-weights, --reward-options, and the token ids
     of each completion, EOS included, as train.py gives them), as a TRL reward function of the dataset's columns."""
     def demo_reward(prompts, completions, answer, messages, completion_ids=None, **kwargs):
-        graded = [data.graded_completion(text, args.prefill_think) for text in completions]
+        graded = [rewards.graded_completion(text, args.prefill_think) for text in completions]
         return rewards.compute_rewards(messages, graded, answer, weights=args.reward_weights,
                                        options=args.reward_options, completion_ids=completion_ids).total.tolist()
     return demo_reward

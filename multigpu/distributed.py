@@ -81,7 +81,7 @@ def shutdown():
 def run_main(main, *args, **kwargs):
     """Run this rank's `main`; an exception prints the rank and its traceback and exits 1. torchrun then
     stops the other ranks (maybe blocked in a collective waiting for this one) and prints a summary naming
-    the rank, with the traceback `record` saved. A deliberate exit (SystemExit, e.g. train.Stopped after a
+    the rank, with the traceback `record` saved. A deliberate exit (SystemExit, e.g. run.signals.Stopped after a
     preemption's checkpoint) keeps its status, without a traceback. os._exit: teardown can block on a live process
     group."""
     from torch.distributed.elastic.multiprocessing.errors import record

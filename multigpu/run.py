@@ -4,9 +4,11 @@
 train.py (plus what W processes need, `check_args`), the process group is joined, and train.train runs with
 `Processes`, which differs from one process at these seams only:
 - load_policy: each rank loads the policy on the CPU and FSDP2 shards it (distributed.shard_model);
-- share: each rank takes P / W prompts of every rollout batch, with the generation seeds one process would use;
-  counts: every rank's count of groups with a spread, from which all decide a --dynamic-sampling refill alike;
-- full_weights: generation runs on weights gathered once (no collective while ranks decode different lengths);
+- rounds: the round strategy's share: each rank takes P / W prompts of every rollout batch, with the generation
+  seeds one process would use, and generates on weights gathered once (no collective while ranks decode different
+  lengths); counts: every rank's count of groups with a spread, from which all decide a --dynamic-sampling refill
+  alike;
+- full_weights: evaluation generates on weights gathered once, as a round does;
 - total: the loss normaliser and the loss are summed over ranks (FSDP sums gradients), so the update is the
   global batch's, and a non-finite loss on any rank skips the step on every rank;
 - merged: the step's metrics of every rank joined in rank order (the single-process order), evaluations pooled;
@@ -18,13 +20,14 @@ import dataclasses
 
 import torch
 
-from run import config
 import eval as heldout
 import models
-from run import report
-from engine import rollout_check
+import rewards
 import train
+from engine import rollout_check
 from multigpu import distributed, sharded_checkpoint
+from run import config
+from variants import dynamic_sampling
 
 
 class Processes(train.OneProcess):
@@ -39,6 +42,20 @@ class Processes(train.OneProcess):
         model = models.load_policy(args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32, device="cpu",
                                    **config.model_options(args))
         return distributed.shard_model(model, self.ctx, mixed_precision=args.bf16)
+
+    def rounds(self, make_round):
+        def this_rank_round(model, tokenizer, examples, settings, seed, costs, sizes=None):
+            mine, first_chunk = self.share(examples, settings.num_rollouts, settings.generation.rollout_batch_size,
+                                           sizes)
+            with self.full_weights(model):  # on every rank: gathering the weights is a collective
+                if mine:
+                    return make_round(model, tokenizer, mine, settings, seed, costs, first_chunk=first_chunk)
+            # A --dynamic-sampling refill only other ranks needed: no rollouts, every reward term's column.
+            rollouts = dynamic_sampling.no_rollouts()
+            scores = rewards.score_rollouts(rollouts, [], settings.rewards)
+            return train.Round([], rollouts, scores.total.view(0, settings.num_rollouts), scores.per_func,
+                               scores.grader_timeouts, first_chunk)
+        return this_rank_round
 
     def share(self, examples, rows_per_example, chunk_rows, sizes=None):
         # Equal shares (every rank runs the same passes, hence the same FSDP collectives). With chunk_rows dividing
@@ -106,12 +123,17 @@ def merge_ranks(gathered):
 
 
 def merge_rounds(parts):
-    """Every rank's report.ScoredRound of one rollout batch as one, in rank order."""
+    """Every rank's train.Round of one rollout batch as one, in rank order (its rollouts left out: the update has
+    read them)."""
     offsets = torch.tensor([0] + [int(p.rewards.numel()) for p in parts[:-1]]).cumsum(0).tolist()
     merged = {}
-    for field in dataclasses.fields(report.ScoredRound):
+    for field in dataclasses.fields(train.Round):
         values = [getattr(p, field.name) for p in parts]
-        if field.name == "kept_rows":
+        if field.name == "rollouts":
+            merged[field.name] = None
+        elif field.name == "first_chunk":
+            merged[field.name] = values[0]
+        elif field.name == "kept_rows":
             merged[field.name] = torch.cat([rows + offset for rows, offset in zip(values, offsets)])
         elif isinstance(values[0], torch.Tensor):
             merged[field.name] = torch.cat(values)
@@ -119,7 +141,7 @@ def merge_rounds(parts):
             merged[field.name] = {key: torch.cat([value[key] for value in values]) for key in values[0]}
         else:  # counts and lists
             merged[field.name] = sum(values[1:], values[0])
-    return report.ScoredRound(**merged)
+    return train.Round(**merged)
 
 
 def check_args(args, world_size):

@@ -27,7 +27,6 @@ import json
 import math
 import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from lazy import lazy_module
@@ -42,43 +41,6 @@ TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")
 REPORT_TO = ("none", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-
-
-@dataclass
-class ScoredRound:
-    """One rollout batch after scoring and selection: the step's metrics and its completions log come from it."""
-    rewards: torch.Tensor        # [P, n] weighted total
-    per_func: dict               # reward function -> [P*n] (NaN: not applicable)
-    kept_rows: torch.Tensor      # [R] rollout rows trained on (m per prompt, or fewer/more: update.kept_rows)
-    advantages: torch.Tensor     # [P*n] the advantage the loss used (NaN: not kept)
-    zero_variance_dropped: int   # prompts left out by --drop-zero-variance
-    lengths: torch.Tensor        # [P*n] completion tokens
-    truncated: torch.Tensor      # [P*n] bool: no EOS within the budget
-    prompt_tokens: int           # tokens of the P prompts, x n (each rollout re-reads its prompt)
-    prompts: list                # [P] rendered prompt texts
-    answers: list                # [P] reference answers
-    texts: list                  # [P*n] completions
-    filtered: torch.Tensor       # [P] bool: set aside by --dynamic-sampling (no reward spread), not trained on
-    set_aside: torch.Tensor      # [P] bool: a spread, but left out by --dynamic-sampling to even out processes' rows
-    grader_timeouts: torch.Tensor  # [P*n] bool: accuracy scored 0 because the answer comparison timed out twice
-    sampler_ratios: torch.Tensor | None = None  # [P*n] mean pi / pi_sampler over a kept rollout's tokens (NaN: not
-                                                # kept); set by train_step after the update
-
-    @classmethod
-    def of(cls, rollouts, examples, rewards, per_func, kept_rows, kept_advantages, zero_variance_dropped,
-           filtered=None, set_aside=None, grader_timeouts=None):
-        """From a sampling.Rollouts, its data.Examples and what was computed from them (kept_advantages: one per
-        kept row, in kept_rows order, as the update received them; filtered, set_aside: [P] bool, grader_timeouts:
-        [P*n] bool; None: none)."""
-        advantages = torch.full((rewards.numel(),), math.nan)
-        advantages[kept_rows] = kept_advantages.float()
-        none = torch.zeros(rewards.shape[0], dtype=torch.bool)
-        return cls(rewards, per_func, kept_rows, advantages, zero_variance_dropped, rollouts.lengths,
-                   rollouts.truncated, int(rollouts.prompt_mask.sum()) * rewards.shape[1],
-                   [e.text for e in examples], [e.answer for e in examples], list(rollouts.texts),
-                   none if filtered is None else filtered, none if set_aside is None else set_aside,
-                   torch.zeros(rewards.numel(), dtype=torch.bool) if grader_timeouts is None else grader_timeouts,
-                   torch.full((rewards.numel(),), math.nan))
 
 
 @contextlib.contextmanager
@@ -97,7 +59,7 @@ def timed(totals, key, device=None):
 
 
 def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
-    """Metrics over all n rollouts per prompt of every ScoredRound; "reward_selected" over the kept ones
+    """Metrics over all n rollouts per prompt of every train.Round; "reward_selected" over the kept ones
     (absent when nothing was kept); num_truncated_masked: kept rows whose loss --mask-truncated zeroed."""
     rewards_all = torch.cat([s.rewards for s in scored])
     kept_rewards = torch.cat([s.rewards.flatten()[s.kept_rows] for s in scored])
@@ -128,8 +90,33 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
     return metrics
 
 
+def step_notes(metrics, dynamic_sampling=False):
+    """The lines a step says where the run is watched (above the progress bar): rewards possibly wrong, nothing
+    trained."""
+    import rewards
+    from grading import grader
+
+    notes = []
+    if metrics["rewards/grader_timeouts"]:
+        notes.append(f"{metrics['rewards/grader_timeouts']} completions scored accuracy 0 because their answer "
+                     f"comparison timed out twice ({rewards.VERIFY_TIMEOUT_S:g} s, then {grader.RETRY_FACTOR}x, of the "
+                     "grader's CPU time): rewards/grader_timeouts")
+    if metrics["update_rows"] == 0:
+        notes.append("trained nothing: " + ("no group had a reward spread within --max-generation-rounds" if
+                                            dynamic_sampling else "every prompt was dropped") + " (no optimizer step)")
+    return notes
+
+
+@contextlib.contextmanager
+def peak_memory_measured(device):
+    """The block's peak memory counted from its start (CUDA: update.peak_memory_gib reads it)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    yield
+
+
 def kept_groups(scored_round):
-    """[each prompt's kept rewards] of a ScoredRound (prompts with none kept: empty)."""
+    """[each prompt's kept rewards] of a train.Round (prompts with none kept: empty)."""
     num_prompts, n = scored_round.rewards.shape
     kept = scored_round.kept_rows
     return [scored_round.rewards.flatten()[kept[kept // n == i]] for i in range(num_prompts)]

@@ -29,6 +29,7 @@ from engine import prefix  # noqa: E402
 import rewards  # noqa: E402
 from run_helpers import every_third_constant, fake_compute_rewards  # noqa: E402
 import train  # noqa: E402
+from run.signals import Stopped  # noqa: E402
 
 CURRENT = {}  # the run this rank is in
 PREFIX_CALLS = []  # this rank's update passes that ran each distinct prompt once (prefix.completion_logprobs)
@@ -56,7 +57,7 @@ def worker_rewards(prompts, completions, answers, **kwargs):
 
 
 def faulty_step(real_step):
-    def step(model, tokenizer, optimizer, rounds, args, step, processes, *rest):
+    def step(model, tokenizer, optimizer, rounds, settings, step, make_round, processes):
         attempt = distributed.restart_count()
         if processes.rank == 1 and CURRENT["name"] == "killed" and step == 3 and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run; the launcher ends rank 0 and restarts both
@@ -65,7 +66,7 @@ def faulty_step(real_step):
         if processes.rank == 1 and CURRENT["name"] == "fail":
             (Path(CURRENT["out"]) / "raised_at.txt").write_text(repr(time.time()))
             raise RuntimeError("boom on purpose")
-        return real_step(model, tokenizer, optimizer, rounds, args, step, processes, *rest)
+        return real_step(model, tokenizer, optimizer, rounds, settings, step, make_round, processes)
     return step
 
 
@@ -83,7 +84,7 @@ def scenario(out, model_dir):
         CURRENT.update(name=name, out=out)
         try:
             run.main(run_argv(model_dir, out, name))
-        except train.Stopped:  # "preempted": every rank stops after the same step; the next scenario follows
+        except Stopped:  # "preempted": every rank stops after the same step; the next scenario follows
             pass
         rank = os.environ["RANK"]
         (Path(out) / f"prefix_calls_{name}_rank{rank}.txt").write_text(str(len(PREFIX_CALLS)))

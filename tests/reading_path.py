@@ -62,12 +62,13 @@ def traced_step_files(backend, tokenizer=None):
             path = Path(filename)
             if path.is_relative_to(ROOT) and not path.is_relative_to(tests):
                 entered[path] = None
+    settings = train.step_settings(args)  # built once per run, before the step (the loop does so too)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     threading.settrace(trace)
     sys.settrace(trace)
     try:
-        train.train_step(model, tokenizer, optimizer, [examples], args, step=1)
+        train.train_step(model, tokenizer, optimizer, [examples], settings, step=1)
     finally:
         sys.settrace(None)
         threading.settrace(None)

@@ -518,7 +518,8 @@ def test_every_selection_flag_arrives_at_the_update(argv, baseline, tiny_model, 
     args = config.parse_args([*SELECT_BASE, *argv])
     model = models.prepare_for_training(tiny_model, lora_rank=4, lora_alpha=8)
     optimizer = update.make_optimizer(model, args.learning_rate)
-    metrics, _ = train.train_step(model, smollm2_tokenizer, optimizer, [SELECT_EXAMPLES], args, SELECT_STEP)
+    metrics, _ = train.train_step(model, smollm2_tokenizer, optimizer, [SELECT_EXAMPLES],
+                                  train.step_settings(args), SELECT_STEP)
     [rollouts], [batch] = seen["rollouts"], seen["batches"]
     assert rollouts.completion_ids.shape[0] == len(SELECT_EXAMPLES) * args.num_rollouts
     expected, dropped = expected_selection(rollouts, args)

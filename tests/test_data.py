@@ -322,8 +322,8 @@ def test_build_prompt_set_renders_every_row_and_drops_only_with_a_limit(smollm2_
 
 def test_graded_completion_restores_the_think_prefill():
     completion = "2 + 3 = 5\n</think>\n<answer>\n5\n</answer>"  # written after a "<think>\n" prefill
-    assert data.graded_completion(completion, prefill_think=False) == completion
-    graded = data.graded_completion(completion, prefill_think=True)
+    assert rewards.graded_completion(completion, prefill_think=False) == completion
+    graded = rewards.graded_completion(completion, prefill_think=True)
     assert graded == rewards.THINK_PREFILL + completion and rewards.format_reward(graded) == 1.0
 
 

@@ -17,7 +17,6 @@ from variants import dynamic_sampling
 import eval as eval_module
 import models
 import pods
-from run import report
 import rewards
 import sampling
 import train
@@ -43,9 +42,9 @@ def test_without_spread_follows_the_metric():
 
 
 def fake_round(group_rewards):
-    """A Generated round with rewards [P, n] and no rollouts (refill looks at the rewards only)."""
+    """A train.Round with rewards [P, n] and no rollouts (refill looks at the rewards only)."""
     group_rewards = torch.tensor(group_rewards, dtype=torch.float32)
-    return train.Generated([None] * len(group_rewards), None, group_rewards, {}, 0)
+    return train.Round([None] * len(group_rewards), None, group_rewards, {}, None)
 
 
 @pytest.mark.parametrize("max_rounds, asked, missing", [(10, [2, 1, 1], 0), (3, [2, 1], 1), (1, [], 2)])
@@ -64,7 +63,7 @@ def test_refill_draws_what_is_missing_until_full_or_out_of_rounds(max_rounds, as
     assert [part.filtered.tolist() for part in rounds] == [[True, True, False], [False, True], [True], [False]][
         :len(rounds)]
     assert 3 - dynamic_sampling.entered(rounds) == missing
-    assert dynamic_sampling.entered_rewards(rounds).tolist() == [[0.0, 1.0], [0.0, 1.0], [0.0, 0.25]][:3 - missing]
+    assert dynamic_sampling.Refilled(rounds).rewards_seen().tolist() == [[0.0, 1.0], [0.0, 1.0], [0.0, 0.25]][:3 - missing]
 
 
 def test_with_several_processes_every_process_refills_its_own_share_and_all_stop_alike():
@@ -112,14 +111,15 @@ def test_groups_set_aside_to_even_out_the_processes_are_not_counted_as_filtered(
     rounds = dynamic_sampling.refill(fake_round([[0.0, 1.0], [1.0, 0.0]]), None, 2, "total", 1,
                                      counts=lambda value: [value, 1])
     assert rounds[0].filtered.tolist() == [False, False] and rounds[0].set_aside.tolist() == [False, True]
-    assert dynamic_sampling.entered_rewards(rounds).tolist() == [[0.0, 1.0]]
+    assert dynamic_sampling.Refilled(rounds).rewards_seen().tolist() == [[0.0, 1.0]]
     metrics = dynamic_sampling.step_metrics(rounds, 2)
     assert metrics["dynamic_sampling/frac_filtered"] == 0.0 and metrics["dynamic_sampling/frac_set_aside"] == 0.5
     assert metrics["dynamic_sampling/groups_missing"] == 1
     rollouts = rollouts_of(2, 2)
     examples = [data.Example(text=f"q{i}", prompt=[], answer=str(i)) for i in range(2)]
-    scored = report.ScoredRound.of(rollouts, examples, rounds[0].rewards, {}, torch.tensor([0, 1]),
-                                   torch.tensor([0.5, -0.5]), 0, rounds[0].filtered, rounds[0].set_aside)
+    scored = train.Round(examples, rollouts, rounds[0].rewards, {}, None, filtered=rounds[0].filtered,
+                         set_aside=rounds[0].set_aside)
+    scored.keep(torch.tensor([[0]]), torch.tensor([[0.5]]))  # the one group that entered: its first rollout
     prompts = [row for row in completions.completions_record(1, [scored])["rows"] if row["type"] == "prompt"]
     assert [(row["filtered"], row["set_aside"]) for row in prompts] == [(False, False), (False, True)]
     lines = completions.rollout_table(completions.completions_record(1, [scored])["rows"], 1)
@@ -150,14 +150,14 @@ def rollouts_of(num_prompts, n):
 
 
 @pytest.mark.parametrize("scope", ["prompt", "batch"])
-def test_kept_batches_train_on_the_entered_groups_rows_only(scope):
+def test_refilled_rounds_train_on_the_entered_groups_rows_only(scope):
     first, second = fake_round([[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]]), fake_round([[3.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
     for part in (first, second):
         part.rollouts = rollouts_of(2, 3)
         part.filtered = pods.zero_variance_prompts(part.rewards)
-    kept, advantages, _ = pods.select(dynamic_sampling.entered_rewards([first, second]), 2, "max_variance",
-                                      scope=scope)
-    (batch_one, rows_one), (batch_two, rows_two) = dynamic_sampling.kept_batches([first, second], kept, advantages)
+    refilled = dynamic_sampling.Refilled([first, second])
+    refilled.keep(*pods.select(refilled.rewards_seen(), 2, "max_variance", scope=scope)[:2])
+    (batch_one, rows_one), (batch_two, rows_two) = [(part.update_batch(), part.kept_rows) for part in refilled.parts]
     assert rows_one.tolist() == batch_one.completion_ids.flatten().tolist() and set(rows_one.tolist()) <= {0, 1, 2}
     assert rows_two.tolist() == batch_two.completion_ids.flatten().tolist() and set(rows_two.tolist()) <= {0, 1, 2}
     expected = pods.masked_advantages(torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]]),
@@ -168,7 +168,8 @@ def test_kept_batches_train_on_the_entered_groups_rows_only(scope):
     alone = fake_round([[0.0, 1.0, 2.0], [3.0, 1.0, 1.0]])  # one round, nothing set aside: update.kept_batch's
     alone.rollouts = rollouts_of(2, 3)
     kept, advantages, _ = pods.select(alone.rewards, 2, "max_variance", scope=scope)
-    [(batch, rows)] = dynamic_sampling.kept_batches([alone], kept, advantages)
+    alone.keep(kept, advantages)
+    batch, rows = alone.update_batch(), alone.kept_rows
     direct = update.kept_batch(alone.rollouts, kept, advantages)
     assert torch.equal(rows, update.kept_rows(kept, 3)) and torch.equal(batch.completion_ids, direct.completion_ids)
     assert torch.equal(batch.advantages, direct.advantages)
@@ -218,7 +219,10 @@ def run_step(model, tokenizer, argv, monkeypatch, rounds=None, pool=EXAMPLES):
 
     lora = models.prepare_for_training(model, lora_rank=4, lora_alpha=8)
     optimizer = update.make_optimizer(lora, args.learning_rate)
-    metrics, scored = train.train_step(lora, tokenizer, optimizer, rounds or [EXAMPLES], args, 2, draw=draw)
+    rounds = rounds or [EXAMPLES]
+    metrics, scored = train.train_step(lora, tokenizer, optimizer, rounds, train.step_settings(args), 2,
+                                       train.round_strategy(args, draw=draw))
+    metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))  # as train.run does
     return args, metrics, scored, seen
 
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import models
-import train
 from multigpu import distributed, run, sharded_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,6 +212,5 @@ def test_the_seams_share_prompts_and_evaluation_chunks_as_one_process_would():
     prompts = list("abcd")
     assert [p.share(prompts, 4, 8) for p in ranks] == [(["a", "b"], 0), (["c", "d"], 1)]  # 8 rows = 1 chunk each
     assert [p.share(prompts, 4, 3) for p in ranks] == [(["a", "b"], 0), (["c", "d"], 3)]  # 3 chunks each, disjoint
-    assert train.OneProcess().share(prompts, 4, 8) == (prompts, 0)
     shares = [p.eval_share(list(range(5)), 4) for p in ranks]  # chunks of min(4, ceil(5 / 2)) = 3 prompts
     assert shares == [([0, 1, 2], 0, 3), ([3, 4], 1, 3)]

@@ -16,6 +16,7 @@ from run import completions
 import data
 from run import report
 import sampling
+import train
 
 LINES = [{"type": "eval", "step": 0, "elapsed_s": 0.0, "eval/accuracy": 0.25},
          {"type": "train", "step": 1, "elapsed_s": 1.5, "loss": 0.5, "num_zero_variance_dropped": 2, "label": "x",
@@ -92,8 +93,9 @@ def scored_round():
                                  truncated=torch.arange(8) == 7, prompt_index=torch.arange(2).repeat_interleave(4))
     examples = [data.Example(text="Q0?", prompt=[], answer="7"), data.Example(text="Q1?", prompt=[], answer="8")]
     per_func = {"accuracy": rewards.flatten() / 3, "format": torch.full((8,), float("nan"))}
-    return report.ScoredRound.of(rollouts, examples, rewards, per_func, torch.tensor([1, 2, 4, 7]),
-                                 torch.tensor([0.7, -0.7, 0.9, -0.9]), 0, grader_timeouts=torch.arange(8) == 5)
+    scored = train.Round(examples, rollouts, rewards, per_func, grader_timeouts=torch.arange(8) == 5)
+    scored.keep(torch.tensor([[1, 2], [0, 3]]), torch.tensor([[0.7, -0.7], [0.9, -0.9]]))
+    return scored
 
 
 def test_completions_rows_hold_every_rollout_and_what_was_kept():

@@ -11,7 +11,6 @@ import torch
 from run import config
 import rewards
 import sampling
-import train
 
 COMPLETIONS = ["<think>\n1 + 1\n</think>\n<answer>\n2\n</answer>", "the answer is 3", ""]
 COMPLETION_IDS = [[5, 6, 7, 8, 9, 10], [11, 12], []]
@@ -68,14 +67,13 @@ def test_a_term_with_options_reaches_the_run_by_name(too_long_term):
             config.parse_args(["--reward-options", spec])
 
 
-def test_train_score_passes_each_completions_token_ids(too_long_term):
+def test_scoring_passes_each_completions_token_ids(too_long_term):
     rollouts = sampling.Rollouts(
         prompt_ids=torch.ones(1, 2, dtype=torch.long), prompt_mask=torch.ones(1, 2, dtype=torch.long),
         completion_ids=torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 0, 0, 0, 0]]),
         completion_mask=torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0]]), texts=COMPLETIONS[:2],
         lengths=torch.tensor([6, 2]), truncated=torch.tensor([True, False]), prompt_index=torch.tensor([0, 0]))
     example = argparse.Namespace(prompt=[], answer="2")
-    args = argparse.Namespace(prefill_think=False, reward_weights=dict(rewards.DEFAULT_REWARD_WEIGHTS),
-                              reward_options={"too_long": {"max_tokens": 1}})
-    result, matrix = train.score(rollouts, [example], args)
-    assert result.per_func["too_long"].tolist() == [-2.5, -0.5] and matrix.shape == (1, 2)
+    settings = rewards.RewardSettings(dict(rewards.DEFAULT_REWARD_WEIGHTS), {"too_long": {"max_tokens": 1}})
+    result = rewards.score_rollouts(rollouts, [example], settings)
+    assert result.per_func["too_long"].tolist() == [-2.5, -0.5] and result.total.shape == (2,)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from run import config
+from run import config, report
 import data
 import models
 import pods
@@ -48,7 +48,8 @@ def lora_model(tiny_model):
 def test_every_rule_runs_one_step(rule, lora_model, smollm2_tokenizer):
     args = step_args(rule=rule, update_size=4 if rule == "none" else 2)
     optimizer = make_optimizer(lora_model, args)
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES],
+                                  train.step_settings(args), step=1)
     assert metrics["update_rows"] == 2 * args.update_size
     for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/char_sum/mean", "completions/mean_length",
                 "completions/clipped_ratio", "clip_ratio/region_mean", "kl", "loss", "grad_norm", "learning_rate",
@@ -61,8 +62,9 @@ def test_micro_batches_give_the_full_batch_gradient(lora_model, smollm2_tokenize
     frozen = torch.optim.SGD([p for p in lora_model.parameters() if p.requires_grad], lr=0.0)
     grads = []
     for micro in (8, 3, 1):
-        train.train_step(lora_model, smollm2_tokenizer, frozen, [EXAMPLES], step_args(update_size=4, rule="none",
-                                                                                       micro_batch_size=micro), step=1)
+        train.train_step(lora_model, smollm2_tokenizer, frozen, [EXAMPLES],
+                         train.step_settings(step_args(update_size=4, rule="none",
+                                                                                       micro_batch_size=micro)), step=1)
         grads.append(torch.cat([p.grad.flatten() for p in lora_model.parameters() if p.requires_grad]))
     assert grads[0].abs().max() > 0
     for other in grads[1:]:
@@ -73,7 +75,8 @@ def test_mu_above_one_uses_old_logprobs_and_kl_uses_adapter_off(lora_model, smol
     args = step_args(updates_per_batch=3, kl_coef=0.05)
     optimizer = make_optimizer(lora_model, args)
     lora_b = [p.detach().clone() for name, p in lora_model.named_parameters() if "lora_B" in name]
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES],
+                                  train.step_settings(args), step=1)
     # Update 1 has pi = pi_old = pi_ref (LoRA B starts at 0); updates 2-3 moved away from both.
     assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-6) and metrics["kl"] > 0
     assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "clip_ratio/region_mean"))
@@ -84,7 +87,8 @@ def test_mu_above_one_uses_old_logprobs_and_kl_uses_adapter_off(lora_model, smol
 def test_grad_accum_rounds_use_every_round(lora_model, smollm2_tokenizer):
     args = step_args(grad_accum_steps=2)
     optimizer = make_optimizer(lora_model, args)
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES, EXAMPLES[:1]], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES, EXAMPLES[:1]],
+                                  train.step_settings(args), step=1)
     assert metrics["update_rows"] == 3 * args.update_size
 
 
@@ -105,7 +109,8 @@ def test_step_trains_on_the_kept_rows_with_kept_subset_advantages(lora_model, sm
     monkeypatch.setattr(sampling, "generate_rollouts", spy_generate)
     monkeypatch.setattr(update, "update_policy", spy_update)
     args = step_args()
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args,
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                                  train.step_settings(args),
                                   step=1)
     rollouts, [batch] = seen["rollouts"], seen["batches"]
     reward_matrix = fake_compute_rewards(None, rollouts.texts, None).total.view(2, 4)
@@ -146,7 +151,8 @@ def test_batch_scope_trains_on_the_rows_of_the_cross_prompt_mask(lora_model, smo
 
     monkeypatch.setattr(update, "update_policy", spy_update)
     args = step_args(selection_scope="batch", scale_rewards="batch")
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, 1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                                  train.step_settings(args), 1)
     rollouts, [batch] = seen["rollouts"], seen["batches"]
     reward_matrix = rewards_constant_for_answer("5")(None, rollouts.texts, ["5"] * 4 + ["17"] * 4).total.view(2, 4)
     keep = pods.select_across_prompts(reward_matrix, 2)
@@ -161,26 +167,28 @@ def test_a_step_whose_prompts_are_all_dropped_takes_no_optimizer_step(lora_model
                         rewards.RewardResult(total=torch.ones(len(completions)), per_func={}))
     args = step_args(drop_zero_variance=True, loss_aggregation="token", weight_decay=0.1)
     optimizer = make_optimizer(lora_model, args)
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES], args, step=1)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES],
+                                  train.step_settings(args), step=1)
     assert (metrics["num_zero_variance_dropped"], metrics["update_rows"], metrics["optimizer_steps"]) == (2, 0, 0)
     assert "reward_selected" not in metrics and all(math.isfinite(v) for v in metrics.values())
     assert not optimizer.state and metrics["frac_reward_zero_std"] == 1.0
 
 
-def test_a_step_that_trains_nothing_says_so(lora_model, smollm2_tokenizer, monkeypatch, capsys):
-    """update_rows 0 in the metrics line is also said in one line where the run is watched (stderr, above the bar)."""
+def test_a_step_that_trains_nothing_says_so(lora_model, smollm2_tokenizer, monkeypatch):
+    """update_rows 0 in the metrics line is also said in one line where the run is watched (the loop prints the
+    step's notes on stderr, above the bar)."""
     monkeypatch.setattr(rewards, "compute_rewards", lambda prompts, completions, answers, **kwargs:
                         rewards.RewardResult(total=torch.ones(len(completions)), per_func={}))
     args = step_args(drop_zero_variance=True)
-    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, step=3)
-    err = capsys.readouterr().err
-    assert "step 3: trained nothing: every prompt was dropped (no optimizer step)" in err
-    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
-                     step_args(), step=4)
-    assert "trained nothing" not in capsys.readouterr().err
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                                  train.step_settings(args), step=3)
+    assert report.step_notes(metrics) == ["trained nothing: every prompt was dropped (no optimizer step)"]
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                                  train.step_settings(step_args()), step=4)
+    assert report.step_notes(metrics) == []
 
 
-def test_a_step_whose_grader_timed_out_counts_it_and_says_so(lora_model, smollm2_tokenizer, monkeypatch, capsys):
+def test_a_step_whose_grader_timed_out_counts_it_and_says_so(lora_model, smollm2_tokenizer, monkeypatch):
     """Accuracy 0 for want of a verdict is a possibly wrong reward: counted (rewards/grader_timeouts, the completions
     log's grader_timeout) and said in one line; a step without one says nothing."""
     def two_timed_out(prompts, completions, answers, **kwargs):
@@ -192,21 +200,22 @@ def test_a_step_whose_grader_timed_out_counts_it_and_says_so(lora_model, smollm2
     monkeypatch.setattr(rewards, "compute_rewards", two_timed_out)
     args = step_args()
     metrics, scored = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
-                                       args, step=3)
+                                       train.step_settings(args), step=3)
     assert metrics["rewards/grader_timeouts"] == 2
     assert scored[0].grader_timeouts.nonzero().flatten().tolist() == [1, 6]
-    assert "step 3: 2 completions scored accuracy 0 because their answer comparison timed out twice" in \
-        capsys.readouterr().err
+    [note] = report.step_notes(metrics)
+    assert note.startswith("2 completions scored accuracy 0 because their answer comparison timed out twice")
     monkeypatch.undo()
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args,
-                                  step=4)
-    assert metrics["rewards/grader_timeouts"] == 0 and "timed out" not in capsys.readouterr().err
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                                  train.step_settings(args), step=4)
+    assert metrics["rewards/grader_timeouts"] == 0 and report.step_notes(metrics) == []
 
 
 def test_groups_of_one_rollout_count_as_zero_std(lora_model, smollm2_tokenizer):
     """-n 1: a group's std is NaN (one value), yet all its rewards are equal: frac_reward_zero_std is 1, not 0."""
     args = step_args(num_rollouts=1, update_size=1, rule="none")
-    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args,
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                                  train.step_settings(args),
                                   step=1)
     assert metrics["frac_reward_zero_std"] == 1.0 and metrics["reward_std"] == 0.0
 
@@ -225,7 +234,7 @@ def test_a_default_step_does_not_enter_dynamic_sampling(lora_model, smollm2_toke
     for extra in ({}, {"selection_scope": "batch"}, {"grad_accum_steps": 2}):
         args = step_args(**extra)
         metrics, scored = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args),
-                                           [EXAMPLES] * args.grad_accum_steps, args, step=1)
+                                           [EXAMPLES] * args.grad_accum_steps, train.step_settings(args), step=1)
         assert metrics["update_rows"] == 2 * 2 * args.grad_accum_steps and len(scored) == args.grad_accum_steps
         assert not any(part.filtered.any() or part.set_aside.any() for part in scored)
 
@@ -247,7 +256,8 @@ def test_the_random_rules_generator_has_a_stream_of_its_own(lora_model, smollm2_
     monkeypatch.setattr(sampling, "generate_rollouts", spy_generate)
     monkeypatch.setattr(pods, "select", spy_select)
     args = step_args(rule="random", rollout_batch_size=2)   # 2 prompts x 4 rollouts: 4 chunks of 2 rows
-    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES], args, step=5)
+    train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args), [EXAMPLES],
+                     train.step_settings(args), step=5)
     [(seed, first_chunk)], [selection] = seen["generate"], seen["select"]
     chunk_seeds = {sampling.derived_seed(seed, first_chunk + chunk) for chunk in range(1000)}
     refill_seeds = {sampling.derived_seed(seed, refill) for refill in range(1, 101)}

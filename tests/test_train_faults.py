@@ -15,7 +15,7 @@ import torch
 
 import eval as heldout
 import models
-from run import runfolder
+from run import runfolder, signals
 import train
 from run_helpers import TIMING, read_lines, tiny_argv
 
@@ -77,7 +77,7 @@ def test_a_signal_in_any_phase_stops_with_a_checkpoint_and_the_resume_is_exact(t
     run_dir = tmp_path / "run"
     with monkeypatch.context() as patch:
         signal_at(patch, phase)
-        with pytest.raises(train.Stopped) as stopped:
+        with pytest.raises(signals.Stopped) as stopped:
             train.main(tiny_argv(tiny_model_dir, run_dir, *EXTRA))
     assert stopped.value.code == 128 + signal.SIGTERM and "--resume" in capsys.readouterr().err
     assert (run_dir / "checkpoints/latest.txt").read_text().strip() == saved

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from run import completions
+from run import completions, signals
 from run import config
 import eval as eval_module
 import grpo_loss
@@ -324,7 +324,7 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_resume_continu
 
 def test_a_second_signal_stops_at_once_and_the_handlers_come_back():
     before = signal.getsignal(signal.SIGTERM)
-    with train.stop_on_signal() as signalled:
+    with signals.stop_on_signal() as signalled:
         os.kill(os.getpid(), signal.SIGINT)
         assert signalled == {"signal": signal.SIGINT}
         with pytest.raises(SystemExit) as exited:

@@ -10,13 +10,15 @@ prompts as groups are missing from the seeded prompt order and generates again, 
 has. The rule keeps m rollouts of each group that entered: pods.select runs once over all of them, so
 --selection-scope batch and --scale-rewards batch see exactly the groups that entered.
 
-train.py calls this module only with --dynamic-sampling; a round is a train.Generated (its prompts, rollouts and
-rewards), whose `filtered` and `set_aside` marks `refill` sets.
+train.py plugs it in once, as its round strategy (`refilling`, chosen by train.round_strategy): the step then gets a
+`Refilled` rollout batch where it would get one train.Round, with the same four calls (rewards_seen, keep,
+update_batch, record_sampler_ratios), so the step itself has no --dynamic-sampling branch.
 - `without_spread`: the groups whose metric is equal for all n rollouts (the weighted total by default, or accuracy).
-- `refill`: the generation rounds of one rollout batch; with several processes each refills its own share and every
-  process decides from every process's count (train.OneProcess.counts), so all agree on the rounds.
-- `entered_rewards` / `kept_batches` / `join`: what the selection sees, its result mapped back onto each round's rows,
-  and those rows as one update batch.
+- `refill`: the generation rounds of one rollout batch, each a train.Round whose `filtered` and `set_aside` it marks;
+  with several processes each refills its own share and every process decides from every process's count
+  (train.OneProcess.counts), so all agree on the rounds.
+- `Refilled`: what the selection sees (the groups that entered, in draw order), its result mapped back onto each
+  round's rows, and those rows as one update batch (`join`).
 - `step_metrics`: groups generated, fraction without a spread, fraction set aside to even out the processes'
   rows, generation rounds, groups missing.
 
@@ -24,6 +26,8 @@ Simplifications: a refill draws only the missing number of prompts (verl generat
 surplus with a spread), and a step whose rounds ran out trains on fewer groups (verl stops with an error); with
 several processes, then on as many per process as the one with the fewest holds (`even_out`).
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -78,7 +82,7 @@ def refill(first, generate, wanted, metric="total", max_rounds=1, counts=lambda 
 
 
 def mark(part, metric):
-    """`part` (a train.Generated) with its groups without a spread marked `filtered`, none yet `set_aside`."""
+    """`part` (a train.Round) with its groups without a spread marked `filtered`, none yet `set_aside`."""
     part.filtered = without_spread(part.rewards, part.per_func, metric)
     part.set_aside = torch.zeros_like(part.filtered)
     return part
@@ -101,27 +105,47 @@ def no_rollouts():
                              torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.long))
 
 
-def entered_rewards(rounds):
-    """[P', n]: the rewards of the groups that entered, in draw order: what the selection rule sees."""
-    return torch.cat([part.rewards[part.entered] for part in rounds])
+def refilling(make_round, draw, metric="total", max_rounds=1, counts=lambda value: [value], say=None):
+    """The round strategy of --dynamic-sampling: make_round (train.rollout_round, or each process's share of it), then
+    `refill` with draw(count), the next `count` examples of the prompt order -> a Refilled rollout batch."""
+    def refilled_round(model, tokenizer, examples, settings, seed, costs):
+        def more(missing, index):  # `missing`: the groups each process still lacks
+            return make_round(model, tokenizer, draw(sum(missing)), settings, sampling.derived_seed(seed, index),
+                              costs, sizes=missing)
+        first = make_round(model, tokenizer, examples, settings, seed, costs)
+        return Refilled(refill(first, more, len(first.examples), metric, max_rounds, counts, say),
+                        tokenizer.pad_token_id or 0)
+    return refilled_round
 
 
-def kept_batches(rounds, kept, advantages):
-    """pods.select's (kept, advantages) over `entered_rewards(rounds)` mapped back onto each round: [(its
-    update.UpdateBatch, its kept rows in sampling.Rollouts order)]. A round none of whose groups entered gives an
-    empty batch; with one round and nothing set aside this is update.kept_batch(rollouts, kept, advantages)."""
-    batches, start = [], 0
-    for part in rounds:
-        groups = part.entered.nonzero().squeeze(1)
-        n = part.rewards.shape[1]
-        part_kept, part_advantages = kept[start:start + len(groups)], advantages[start:start + len(groups)]
-        start += len(groups)
-        rows = update.kept_rows(part_kept, n)  # rows of the entered groups only: group g is groups[g] here
-        rows = groups[rows // n] * n + rows % n
-        if part_kept.dtype == torch.bool:
-            part_advantages = part_advantages[part_kept]
-        batches.append((update.kept_batch(part.rollouts, rows, part_advantages.flatten()), rows))
-    return batches
+@dataclass
+class Refilled:
+    """A rollout batch of several generation rounds (train.Round each), which the step treats as one round."""
+    parts: list
+    pad_id: int = 0
+
+    @property
+    def first_chunk(self):
+        return self.parts[0].first_chunk
+
+    def rewards_seen(self):
+        """[P', n]: the rewards of the groups that entered, in draw order: what the selection rule sees."""
+        return torch.cat([part.rewards_seen() for part in self.parts])
+
+    def keep(self, kept, advantages, zero_variance_dropped=0):
+        """pods.select's (kept, advantages) over `rewards_seen()` mapped back onto each round."""
+        start = 0
+        for part in self.parts:
+            count = int(part.entered.sum())
+            part.keep(kept[start:start + count], advantages[start:start + count], zero_variance_dropped)
+            start, zero_variance_dropped = start + count, 0  # counted once per rollout batch
+
+    def update_batch(self):
+        return join([part.update_batch() for part in self.parts], self.pad_id)
+
+    def record_sampler_ratios(self, ratios):
+        for part, part_ratios in zip(self.parts, ratios.split([len(part.kept_rows) for part in self.parts])):
+            part.record_sampler_ratios(part_ratios)
 
 
 def join(batches, pad_id):
@@ -145,11 +169,12 @@ def join(batches, pad_id):
                               padded([b.completion_mask for b in batches], completion_width, 0, False),
                               torch.cat([b.advantages for b in batches]), torch.cat([b.truncated for b in batches]),
                               sampler_logprobs=None if any(s is None for s in sampler) else
-                              padded(sampler, completion_width, 0.0, False))
+                              padded(sampler, completion_width, 0.0, False),
+                              engine_made=any(b.engine_made for b in batches))
 
 
 def step_metrics(scored, wanted):
-    """A step's counters from its report.ScoredRounds (every generation round of every rollout batch); wanted:
+    """A step's counters from its train.Rounds (every generation round of every rollout batch); wanted:
     --prompts-per-step x --grad-accum-steps groups. frac_filtered: groups without a spread; frac_set_aside: groups
     with a spread left out so that every process trains on as many rows (several processes, rounds out)."""
     generated = sum(len(part.filtered) for part in scored)
