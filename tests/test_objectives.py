@@ -232,3 +232,65 @@ def test_entropies_come_with_the_log_probs_at_no_gradient(temperature):
     torch.testing.assert_close(entropies, entropy_from_logits(logits.detach() / temperature))
     assert logprobs.requires_grad and not entropies.requires_grad
     assert not torch.allclose(entropies, entropies.mean())  # positions differ: the ranking has something to rank
+
+
+# ------------------------------------------------------------------------------------------ the study's plan
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_the_objectives_studys_plan_is_todays_demo_with_one_objective_changed(native_bf16, tmp_path):
+    """python study.py objectives: 3 arms x 3 seeds, seed-major; every arm at --updates-per-batch 2 (the baseline
+    too); each run is the demo preset's settings, every flag given explicitly, and differs from the baseline's only
+    in its objective, which train.py's label names; bf16 follows the machine."""
+    import warnings
+
+    from run import config
+    from run.presets import PRESETS
+    import study
+    from studies import studyrun
+    from test_study import UNPINNED_OK
+
+    runs = study.objectives_plan([0, 1, 2])
+    assert list(runs)[:3] == ["paper-n16-m4-s0", "gspo-n16-m4-s0", "cispo-n16-m4-s0"] and len(runs) == 9
+    settings = study.objectives_train_args(native_bf16=native_bf16)
+    parser = config.build_parser()
+    unset = object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
+    demo = config.preset_defaults("demo")
+    parsed = {}
+    for name, flags in runs.items():
+        argv = studyrun.train_flags(tmp_path / name, flags, 0, settings=settings)
+        unpinned = {dest for dest, value in vars(parser.parse_args(argv)).items() if value is unset}
+        assert unpinned <= UNPINNED_OK, f"pin these: {sorted(unpinned - UNPINNED_OK)}"
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            parsed[name] = args = config.parse_args(argv)
+        assert not [w for w in said if "cannot act" in str(w.message) or "does nothing" in str(w.message)]
+        assert args.updates_per_batch == 2 and args.bf16 is native_bf16 and args.max_steps == 16
+        for key in ("learning_rate", "prompts_per_step", "eval_samples", "eval_interval", "eval_temperature",
+                    "system_prompt", "num_rollouts", "update_size", "rule", "temperature", "max_completion_tokens",
+                    "lora_rank", "lora_alpha", "micro_batch_size", "max_prompt_tokens", "one_shot", "dataset",
+                    "clip_eps", "loss_aggregation", "prefix_sharing"):
+            assert getattr(args, key) == demo[key] or (key == "prefix_sharing" and args.prefix_sharing == "on"), key
+        assert args.seed == int(name[-1])
+    assert config.loss_settings(parsed["paper-n16-m4-s1"]) == gl.LossSettings(clip_eps_high=0.2, max_completion_tokens=32)
+    assert config.method_label(parsed["paper-n16-m4-s1"]) == study.OBJECTIVES_BASELINE
+    for arm, field, value in (("gspo", "importance_sampling_level", "sequence"), ("cispo", "policy_loss", "cispo")):
+        args = parsed[f"{arm}-n16-m4-s1"]
+        changed = {key for key, val in vars(args).items() if val != vars(parsed["paper-n16-m4-s1"])[key]}
+        assert changed == {field, "output_dir"}, changed
+        assert getattr(config.loss_settings(args), field) == value
+        label = config.method_label(args)
+        assert label.startswith(study.OBJECTIVES_BASELINE + " + ") and value in label
+    assert PRESETS["demo"]["max_steps"] == study.OBJECTIVES_STEPS
+
+
+def test_the_objectives_command_prints_its_runs_and_trains_nothing_on_a_dry_run(tmp_path, capsys):
+    import study
+
+    study.main(["objectives", "--out", str(tmp_path / "out"), "--seeds", "0", "1", "--dry-run"])
+    printed = capsys.readouterr().out  # the system prompt's line breaks are inside each command's quotes
+    commands = printed.split("\n[")
+    assert len(commands) == 6 and commands[0].startswith("[1/6]") and "paper-n16-m4-s0" in commands[0]
+    assert commands[1].rstrip().endswith("--importance-sampling-level sequence")
+    assert commands[2].rstrip().endswith("--policy-loss cispo") and "--updates-per-batch 2" in commands[2]
+    assert "--max-steps 16" in commands[0] and not (tmp_path / "out").exists()
