@@ -105,15 +105,15 @@ class LossSettings:
                                  example=1.5, acts_with=("--importance-sampling-correction", "tis"),
                                  needs="importance_sampling_correction")
     importance_sampling_level: str = loss_option(
-        "token", "GSPO (Zheng et al. 2025; TRL importance_sampling_level, verl loss_mode gspo): sequence = one ratio per "
-        "completion, the geometric mean of its token ratios, clipped to [1 - --clip-eps, 1 + --clip-eps-high] (the GSPO "
-        "paper clips at 3e-4 / 4e-4); token: per token (the paper); acts only with --updates-per-batch > 1",
+        "token", "GSPO (Zheng et al. 2025; TRL importance_sampling_level, verl loss_mode gspo): sequence = one ratio "
+        "per completion, the geometric mean of its token ratios, clipped to [1 - --clip-eps, 1 + --clip-eps-high] (the "
+        "GSPO paper clips at 3e-4 / 4e-4); token: per token (the paper); acts only with --updates-per-batch > 1",
         ratio_only=True, choices=IMPORTANCE_SAMPLING_LEVELS)
     policy_loss: str = loss_option(
         "ppo_clip", "cispo (MiniMax-M1's CISPO; verl loss_mode cispo, TRL loss_type cispo): -sg(clip(ratio, 1 - "
-        "--clip-eps, 1 + --clip-eps-high)) x advantage x log-prob, so no token loses its gradient to the clip (MiniMax: "
-        "no lower bound, i.e. --clip-eps 1; TRL recommends a weight <= 5, i.e. --clip-eps-high 4); ppo_clip: the "
-        "paper's min(ratio A, clip(ratio) A); acts only with --updates-per-batch > 1",
+        "--clip-eps, 1 + --clip-eps-high)) x advantage x log-prob, so no token loses its gradient to the clip "
+        "(MiniMax: no lower bound, i.e. --clip-eps 1; TRL recommends a weight <= 5, i.e. --clip-eps-high 4); "
+        "ppo_clip: the paper's min(ratio A, clip(ratio) A); acts only with --updates-per-batch > 1",
         ratio_only=True, choices=POLICY_LOSSES)
 
 

@@ -272,7 +272,8 @@ def test_the_objectives_studys_plan_is_todays_demo_with_one_objective_changed(na
                     "clip_eps", "loss_aggregation", "prefix_sharing"):
             assert getattr(args, key) == demo[key] or (key == "prefix_sharing" and args.prefix_sharing == "on"), key
         assert args.seed == int(name[-1])
-    assert config.loss_settings(parsed["paper-n16-m4-s1"]) == gl.LossSettings(clip_eps_high=0.2, max_completion_tokens=32)
+    paper = gl.LossSettings(clip_eps_high=0.2, max_completion_tokens=32)  # the paper's loss, as pinned
+    assert config.loss_settings(parsed["paper-n16-m4-s1"]) == paper
     assert config.method_label(parsed["paper-n16-m4-s1"]) == study.OBJECTIVES_BASELINE
     for arm, field, value in (("gspo", "importance_sampling_level", "sequence"), ("cispo", "policy_loss", "cispo")):
         args = parsed[f"{arm}-n16-m4-s1"]
