@@ -19,6 +19,14 @@ token_truncate, verl's rollout_is="token"), or by w where w <= C and 0 above ("t
 token still counts in every denominator), or rejects the tokens outside [1/C, C] ("token_reject": verl's
 rollout_rs="token_k1": weight 1 inside, and a rejected token leaves the loss mask, so it leaves its row's token
 count and the "token" denominator, and adds no KL term either; `loss_tokens`).
+Two objectives of later work, each off by default: `importance_sampling_level` "sequence" (GSPO: one ratio per row,
+s_i = exp(mean_t (log pi - log pi_old)), clipped like rho and shared by the row's tokens; TRL's
+importance_sampling_level="sequence", verl's loss_mode "gspo") and `policy_loss` "cispo" (CISPO: the token term
+-sg(clip(rho, 1 - eps, 1 + eps_high)) A log pi, so a clipped token keeps its gradient, only its weight is bounded;
+verl's loss_mode "cispo", TRL's loss_type="cispo" with no lower bound). Both act on the ratio alone: with one update
+per batch (rho = 1) their gradient is the paper's.
+The high-entropy tokens ("Beyond the 80/20 rule", TRL's top_entropy_quantile): `high_entropy_mask` keeps the tokens
+whose entropy (`picked_logprobs(..., with_entropies=True)`) is at or above the (1 - q) quantile of the kept tokens'.
 The trainer accumulates micro-batches, so "token" and "fixed" must normalise over the whole update batch:
 `grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
 
@@ -46,6 +54,8 @@ if TYPE_CHECKING:
 _LOGSUMEXP_CHUNK_ELEMENTS = 1 << 26
 
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
+POLICY_LOSSES = ("ppo_clip", "cispo")
 IS_CORRECTIONS = ("none", "tis", "token_mask", "token_reject")
 # Modes of older versions, refused with what to use instead (a mapping would change what a resumed run trains).
 REMOVED_IS_CORRECTIONS = {
@@ -94,6 +104,17 @@ class LossSettings:
                                  "TRL's default is 3 with its sequence-level mask)", type=float,
                                  example=1.5, acts_with=("--importance-sampling-correction", "tis"),
                                  needs="importance_sampling_correction")
+    importance_sampling_level: str = loss_option(
+        "token", "GSPO (Zheng et al. 2025; TRL importance_sampling_level, verl loss_mode gspo): sequence = one ratio "
+        "per completion, the geometric mean of its token ratios, clipped to [1 - --clip-eps, 1 + --clip-eps-high] (the "
+        "GSPO paper clips at 3e-4 / 4e-4); token: per token (the paper); acts only with --updates-per-batch > 1",
+        ratio_only=True, choices=IMPORTANCE_SAMPLING_LEVELS)
+    policy_loss: str = loss_option(
+        "ppo_clip", "cispo (MiniMax-M1's CISPO; verl loss_mode cispo, TRL loss_type cispo): -sg(clip(ratio, 1 - "
+        "--clip-eps, 1 + --clip-eps-high)) x advantage x log-prob, so no token loses its gradient to the clip "
+        "(MiniMax: no lower bound, i.e. --clip-eps 1; TRL recommends a weight <= 5, i.e. --clip-eps-high 4); "
+        "ppo_clip: the paper's min(ratio A, clip(ratio) A); acts only with --updates-per-batch > 1",
+        ratio_only=True, choices=POLICY_LOSSES)
 
 
 def flag_name(option: dataclasses.Field) -> str:
@@ -142,24 +163,33 @@ def check_logprob_inputs(input_ids: Tensor, attention_mask: Tensor, num_completi
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
-def picked_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+def picked_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0,
+                    with_entropies: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """float32 log-softmax(logits / temperature) at `targets`: logits [B, C, V], targets [B, C] -> [B, C].
-    In float32, chunked over rows (`_LOGSUMEXP_CHUNK_ELEMENTS`)."""
+    In float32, chunked over rows (`_LOGSUMEXP_CHUNK_ELEMENTS`). with_entropies: also the entropy of each position's
+    distribution at that temperature, [B, C], with no gradient (what `high_entropy_mask` ranks; TRL's
+    entropy_from_logits), from the same chunks: (logprobs, entropies)."""
     c = max(1, logits.shape[1])
     rows_per_chunk = max(1, _LOGSUMEXP_CHUNK_ELEMENTS // (c * logits.shape[-1]))
-    chunks = []
+    chunks, entropies = [], []
     for start in range(0, logits.shape[0], rows_per_chunk):
         scaled = logits[start : start + rows_per_chunk].float()
         if temperature != 1.0:  # a pass over [rows, C, V] and its backward saved at the usual temperature 1
             scaled = scaled / temperature
         picked = scaled.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1)
-        chunks.append(picked - torch.logsumexp(scaled, dim=-1))
-    return torch.cat(chunks, dim=0)
+        normaliser = torch.logsumexp(scaled, dim=-1)
+        chunks.append(picked - normaliser)
+        if with_entropies:  # H = logsumexp(z) - sum_v p_v z_v
+            with torch.no_grad():
+                entropies.append(normaliser - (torch.softmax(scaled, dim=-1) * scaled).sum(-1))
+    logprobs = torch.cat(chunks, dim=0)
+    return (logprobs, torch.cat(entropies, dim=0)) if with_entropies else logprobs
 
 
 def token_logprobs(
-    model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int, temperature: float = 1.0
-) -> Tensor:
+    model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int, temperature: float = 1.0,
+    with_entropies: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """float32 log p(input_ids[:, -C:]) under `model` at sampling temperature, shape [B, C].
 
     Rows are prompt + completion, left padded; C = num_completion_tokens is the (right-aligned)
@@ -167,7 +197,8 @@ def token_logprobs(
     (`logits_to_keep`); the logits at position t predict token t+1, so the last C tokens are scored
     by logits[:, :-1]. log p = logit[token] / T - logsumexp(logits / T), in float32, chunked over rows
     (`picked_logprobs`). Gradients flow into `model` unless the caller wraps the call in torch.no_grad().
-    prefix.completion_logprobs gives the same with each distinct prompt run once.
+    prefix.completion_logprobs gives the same with each distinct prompt run once. with_entropies: (logprobs, the
+    entropies [B, C] of those positions' distributions, no gradient; `picked_logprobs`).
     """
     check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
     c = num_completion_tokens
@@ -180,7 +211,7 @@ def token_logprobs(
     ).logits
     # Drop the last position (it predicts past the row); slicing from -(c+1) also covers a model that
     # ignores logits_to_keep and returns all T positions.
-    return picked_logprobs(logits[:, -(c + 1) : -1, :], input_ids[:, -c:], temperature)
+    return picked_logprobs(logits[:, -(c + 1) : -1, :], input_ids[:, -c:], temperature, with_entropies)
 
 
 def mask_truncated(completion_mask: Tensor, truncated: Tensor) -> Tensor:
@@ -232,6 +263,23 @@ def loss_tokens(completion_mask: Tensor, old_logprobs: Tensor | None, sampler_lo
                          "know which tokens count in the loss")
     accepted = importance_weights(old_logprobs, sampler_logprobs, "token_reject", settings.is_clip).bool()
     return completion_mask * accepted.to(completion_mask.device).to(completion_mask.dtype)
+
+
+def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: float) -> Tensor:
+    """bool [B, C]: the tokens of `completion_mask` whose entropy is at or above the (1 - quantile) quantile of the
+    masked tokens' entropies (torch.quantile, linear interpolation), i.e. about the top `quantile` fraction by entropy
+    ("Beyond the 80/20 rule": 0.2; TRL's get_high_entropy_mask with threshold 1 - top_entropy_quantile). Over the
+    tokens given (TRL: the local batch gathered over processes); no token given: all False."""
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"the entropy quantile must be in [0, 1], got {quantile}")
+    if entropies.shape != completion_mask.shape:
+        raise ValueError(f"entropies shape {tuple(entropies.shape)} != mask shape {tuple(completion_mask.shape)}")
+    keep = completion_mask.bool()
+    values = entropies.detach().float()[keep]
+    if not values.numel():
+        return torch.zeros_like(keep)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return (entropies.detach().float() >= threshold) & keep
 
 
 def _check_aggregation(aggregation: str) -> None:
@@ -291,6 +339,9 @@ def grpo_loss_sum(
     sum_it loss_it (they differ only in the denominator). Micro-batches therefore accumulate exactly:
     sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) = the full-batch loss.
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO clip-higher; None = clip_eps).
+    importance_sampling_level "sequence" (GSPO): the ratio is exp of the row's mean token log-ratio, one per row, shared
+    by its tokens (TRL's [B, 1]; verl writes it per token as exp(logp - sg(logp) + sg(mean)): the same value and
+    gradient). policy_loss "cispo": each token's term is -sg(clipped ratio) A log pi instead of the min.
     With importance_sampling_correction, the weights (`importance_weights` of old_logprobs and sampler_logprobs
     [B, C], the sampler's) multiply each token's policy-gradient term, not its KL term; "token_reject" takes its
     rejected tokens out of the mask instead (`loss_tokens`: their KL term too, and out of their row's token count).
@@ -316,6 +367,10 @@ def grpo_loss_sum(
     if not clip_eps > 0 or not clip_high > 0:
         raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {clip_eps_high}")
     _check_aggregation(aggregation)
+    for name, value, allowed in (("importance_sampling_level", settings.importance_sampling_level,
+                                  IMPORTANCE_SAMPLING_LEVELS), ("policy_loss", settings.policy_loss, POLICY_LOSSES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logprobs is None:
@@ -340,9 +395,15 @@ def grpo_loss_sum(
 
     logp = tokens(logprobs)
     adv = advantages.float()[:, None]
-    ratio = torch.exp(logp - tokens(old_logprobs))
+    log_ratio = logp - tokens(old_logprobs)
+    if settings.importance_sampling_level == "sequence":  # GSPO: [B, 1], the row's mean log-ratio (TRL's form)
+        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_high)
-    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if settings.policy_loss == "cispo":  # the weight bounded and detached: every token keeps grad log pi
+        per_token = -clipped_ratio.detach() * adv * logp
+    else:
+        per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
     if token_weights is not None:
         per_token = per_token * tokens(token_weights.detach())
     if ref_logprobs is not None:
@@ -361,8 +422,10 @@ def grpo_loss_sum(
         def masked_mean(x: Tensor) -> Tensor:
             return (x.float() * mask).sum() / num_tokens
 
-        low = (ratio < 1 - clip_eps) & (adv < 0)
-        high = (ratio > 1 + clip_high) & (adv > 0)
+        # ppo_clip: the tokens the clip takes the gradient from; cispo: those whose weight is bounded (verl's).
+        signs = (adv < 0, adv > 0) if settings.policy_loss == "ppo_clip" else (True, True)
+        low = (ratio < 1 - clip_eps) & signs[0]
+        high = (ratio > 1 + clip_high) & signs[1]
         metrics = {
             "clip_ratio/low_mean": masked_mean(low),
             "clip_ratio/high_mean": masked_mean(high),

@@ -15,12 +15,19 @@ PODS max_variance 16/4 on 16 of them, and a random 16/4 control on 16 random one
 only fewer rows?). A 256-prompt held-out set every 5 steps; peak and final accuracy and the speed-up on the time
 and the step axis with 95% bootstrap intervals over seeds (bootstrap.py): <out>/ga.md, ga.json, ga.png (--plot).
 `pods`: does PODS help? The paper's single-device comparison, GRPO 4/4 against PODS n/4 (pods_study.py).
+`objectives`: PODS max_variance 16/4 with the paper's loss against the same with GSPO's sequence-level ratio
+(--importance-sampling-level sequence) and with CISPO's clipped, detached weight (--policy-loss cispo), on today's
+demo settings (16 steps, lr 3e-4, 4 prompts a step, 100 greedy held-out prompts every 8 steps, bf16 where the CPU
+computes it), 3 seeds paired by seed; every arm takes 2 optimizer steps per rollout batch (both objectives act on
+the ratio pi / pi_old alone, which is 1 with one). Peak, final, mean accuracy and the speed-up per step and on the
+clock with paired bootstrap intervals: <out>/objectives.md, .json, .png, and each run's data file in <out>/data.
 
     python study.py run --out runs/study --seeds 0 1 2 --max-time-s 120 [-- extra train.py flags]
     python study.py variants --out runs/variants --seeds 0 1 2 --max-time-s 150 [-- extra train.py flags]
     python study.py ga --out runs/ga --seeds 0 1 2 3 4 [--max-time-s 900] [--plot P] [-- extra train.py flags]
     python study.py pods --out runs/pods [--arms grpo ...] [--seeds ...] [-- extra train.py flags]
     python study.py pods --from-data results/pods   (the report recomputed from the committed data files)
+    python study.py objectives --out runs/objectives --seeds 0 1 2 [--dry-run] [-- extra train.py flags]
     python study.py compare RUN_DIR...            (an alias of python compare.py)
     python study.py bootstrap RUN_DIR... --baseline-label "GRPO 16/16"   (the paired-bootstrap report of any runs)
 
@@ -39,6 +46,7 @@ from pathlib import Path
 from studies import bootstrap
 from studies import studyrun
 from compare import compare
+from run.presets import DEMO_SYSTEM_PROMPT
 
 METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
 STUDY_RULES = ("max_variance", "random", "max_reward", "percentile")  # paper Fig. 5, plus the GRPO baseline
@@ -115,6 +123,44 @@ def ga_plan(seeds, num_rollouts=16):
             for seed in seeds for arm, (rule, m) in GA_ARMS.items()}
 
 
+# The objectives study: {arm: flags on top of the paper's loss}. Every other setting is shared, clip bounds included
+# (0.2 both ways: verl's default CISPO bounds; the GSPO paper's 3e-4 / 4e-4 would be a second change), so each arm
+# differs from the baseline in its objective alone. All arms take OBJECTIVES_UPDATES_PER_BATCH optimizer steps per
+# rollout batch, the baseline too: with one, both objectives give the paper's gradient exactly (their ratio is 1),
+# and a baseline at one would credit the second step's extra update to the objective. The high-entropy-token arm
+# ("Beyond the 80/20 rule", --top-entropy-quantile 0.2) joins when the update hands the loss its entropies.
+OBJECTIVES = {"paper": [], "gspo": ["--importance-sampling-level", "sequence"], "cispo": ["--policy-loss", "cispo"]}
+OBJECTIVES_UPDATES_PER_BATCH = 2
+OBJECTIVES_BASELINE = "PODS max_variance 16/4"
+OBJECTIVES_STEPS = 16  # today's demo budget: steps, not seconds (run/presets.py)
+# What the study changes in STUDY_TRAIN_ARGS: today's demo preset (run/presets.py "demo") where the recorded
+# studies' settings differ from it, and mu; --bf16 follows the machine, as the demo's "auto" does
+# (`objectives_train_args`).
+OBJECTIVES_SETTINGS = {"--system-prompt": DEMO_SYSTEM_PROMPT, "--prompts-per-step": "4", "--learning-rate": "3e-4",
+                       "--eval-samples": "100", "--eval-interval": "8", "--checkpoint-interval-s": "120",
+                       "--prefix-sharing": "on", "--updates-per-batch": str(OBJECTIVES_UPDATES_PER_BATCH)}
+
+
+def objectives_plan(seeds, num_rollouts=16, update_size=4):
+    """{run name: train.py method flags}: every arm of OBJECTIVES with max_variance n/m, per seed, seed-major (a
+    study cut short has whole seeds)."""
+    return {f"{arm}-n{num_rollouts}-m{update_size}-s{seed}": [
+        "--rule", "max_variance", "--num-rollouts", str(num_rollouts), "--update-size", str(update_size), "--seed",
+        str(seed), *flags] for seed in seeds for arm, flags in OBJECTIVES.items()}
+
+
+def objectives_train_args(native_bf16=None):
+    """STUDY_TRAIN_ARGS with OBJECTIVES_SETTINGS, --bf16 where the CPU computes bf16 natively (native_bf16 None:
+    ask models.native_bf16, as the demo preset's "auto" does) and the demo's step budget."""
+    if native_bf16 is None:
+        import models
+
+        native_bf16 = models.native_bf16("cpu")
+    args = studyrun.with_settings(studyrun.STUDY_TRAIN_ARGS, OBJECTIVES_SETTINGS)
+    args = tuple("--bf16" if arg == "--no-bf16" and native_bf16 else arg for arg in args)
+    return args + ("--max-steps", str(OBJECTIVES_STEPS))
+
+
 def compare_studies(out_dir, studies, titles, baseline_label=None):
     """<out>/<study>{,_both}.png and .md for each {study: [run names]} (compare.py); returns {file stem: table}."""
     out_dir, tables = Path(out_dir), {}
@@ -184,6 +230,30 @@ def run_ga(out_dir, seeds, max_time_s=GA_MAX_TIME_S, train_args=(), dry_run=Fals
     return table
 
 
+def run_objectives(out_dir, seeds, train_args=(), dry_run=False, num_threads=studyrun.TIMED_NUM_THREADS,
+                   resamples=bootstrap.RESAMPLES, train_script=Path(__file__).with_name("train.py")):
+    """The objectives study (module docstring): train every arm for every seed, one run at a time, each for
+    OBJECTIVES_STEPS steps, then write <out>/objectives.md, .json, .png and each run's data file in <out>/data (the
+    report again from them: python study.py bootstrap --from-data <out>/data --baseline-label OBJECTIVES_BASELINE);
+    returns the table."""
+    from studies import studydata
+
+    present = studyrun.trained_runs(out_dir, objectives_plan(seeds), 0, train_args, dry_run, num_threads,
+                                    train_script, objectives_train_args())
+    if dry_run:
+        return None
+    out_dir = Path(out_dir)
+    title = (f"Objectives beside the paper's loss, {OBJECTIVES_BASELINE}, mu = {OBJECTIVES_UPDATES_PER_BATCH}, demo "
+             f"scale, {len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
+    by_axis, table = bootstrap.report(present, OBJECTIVES_BASELINE, out_dir / "objectives.png", title,
+                                      resamples=resamples)
+    (out_dir / "objectives.md").write_text(table + "\n")
+    (out_dir / "objectives.json").write_text(json.dumps(by_axis, indent=1))
+    studydata.export_runs(present, out_dir / "data")
+    print(f"\n## {title}\n\n{table}\nplot: {out_dir / 'objectives.png'}", flush=True)
+    return table
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:
@@ -202,11 +272,13 @@ def main(argv=None):
     if argv[:1] in (["-h"], ["--help"]):  # the commands, as the module docstring shows them
         return print("\n\n".join(__doc__.split("\n\n")[1:3]) + "\n\npython study.py run --help (or variants, ga, "
                      "pods, bootstrap --help) lists a command's flags.")
-    if argv[:1] not in (["run"], ["variants"], ["ga"]):
+    if argv[:1] not in (["run"], ["variants"], ["ga"], ["objectives"]):
         sys.exit("usage: python study.py compare RUN_DIR... [--plot P] | python study.py run --out DIR [...] | "
                  "python study.py variants --out DIR [...] | python study.py ga --out DIR [...] | python study.py pods "
-                 "--out DIR [...] | python study.py bootstrap RUN_DIR... "
+                 "--out DIR [...] | python study.py objectives --out DIR [...] | python study.py bootstrap RUN_DIR... "
                  "(python study.py --help describes them)")
+    if argv[0] == "objectives":
+        return _objectives_main(argv[1:])
     command = argv[0]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[1:argv.index("--")] if "--" in argv else argv[1:]
@@ -239,6 +311,22 @@ def main(argv=None):
         return run_variants(args.out, args.seeds, args.max_time_s, train_args, args.dry_run, args.num_threads)
     return run_study(args.out, args.seeds, args.max_time_s, train_args, tuple(args.nm_values), args.dry_run,
                      args.num_threads)
+
+
+def _objectives_main(argv):
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="study.py objectives", description="PODS 16/4 with the paper's loss vs "
+                                     "GSPO's and CISPO's objectives at demo scale, paired by seed; arguments after -- "
+                                     "go to every train.py run")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS,
+                        help="torch CPU threads per run: timed, it wants a quiet machine and both of its cores")
+    parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
+    parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
+    args = parser.parse_args(argv)
+    return run_objectives(args.out, args.seeds, train_args, args.dry_run, args.num_threads, args.resamples)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ MAPPED = frozenset((
     "num_rollouts", "update_size", "rule", "advantage_normalization", "scale_rewards",  # PODSConfig
     "reward_weights", "reward_options",  # the reward function (reward_function)
     "prompts_per_step", "clip_eps", "clip_eps_high", "loss_aggregation", "mask_truncated",  # PODSConfig
+    "importance_sampling_level", "policy_loss",  # PODSConfig: importance_sampling_level, loss_type "cispo"
     "learning_rate", "weight_decay", "optimizer", "max_grad_norm",  # train.load's optimizer (constant rate); TRL
     "temperature", "top_p", "max_completion_tokens", "rollout_batch_size", "micro_batch_size",
     "seed", "num_threads", "max_steps", "max_time_s", "eval_interval", "eval_interval_s", "eval_samples",
@@ -145,7 +146,11 @@ def refusal(args, given=()):
 
 
 def unsupported_combination(args):
-    """The one line refusing mapped flags whose combination TRL's batch layout cannot run, or None."""
+    """The one line refusing mapped flags whose combination TRL's batch layout or loss cannot run, or None."""
+    if args.policy_loss == "cispo" and (args.loss_aggregation != "token" or args.clip_eps < 1):
+        return (f"--policy-loss cispo maps onto TRL's loss_type 'cispo' only with --loss-aggregation token (its "
+                f"normaliser) and --clip-eps >= 1 (its weight has no lower bound); got --loss-aggregation "
+                f"{args.loss_aggregation}, --clip-eps {args.clip_eps:g}")
     rows, kept_rows = args.prompts_per_step * args.num_rollouts, args.prompts_per_step * args.update_size
     if kept_rows % args.micro_batch_size:
         return (f"the kept rows of a step ({args.prompts_per_step} x {args.update_size}) must be a multiple of "
@@ -196,6 +201,16 @@ def parse_args(argv=None):
     return args
 
 
+def _policy_loss(args):
+    """TRL's loss_type and epsilon_high: the aggregation's loss type and the upper clip (1 + it), or for CISPO
+    loss_type "cispo" with epsilon_high its weight's bound itself, 1 + --clip-eps-high (`unsupported_combination`
+    refuses what it cannot run)."""
+    clip_high = args.clip_eps_high or args.clip_eps
+    if args.policy_loss == "cispo":
+        return dict(loss_type="cispo", epsilon_high=1 + clip_high)
+    return dict(loss_type=LOSS_TYPES[args.loss_aggregation], epsilon_high=clip_high)
+
+
 def trl_config(args, run_dir):
     """PODSConfig with the demo's settings: one generation per optimizer step, --micro-batch-size kept rows a pass."""
     from integrations.trl_pods import PODSConfig
@@ -206,8 +221,8 @@ def trl_config(args, run_dir):
         output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, report_to="none", seed=args.seed,
         num_generations=args.num_rollouts, num_generations_kept=args.update_size,
         downsampling_rule=args.rule, advantage_normalization=args.advantage_normalization,
-        scale_rewards=args.scale_rewards, loss_type=LOSS_TYPES[args.loss_aggregation], beta=0.0,
-        epsilon=args.clip_eps, epsilon_high=args.clip_eps_high or args.clip_eps, num_iterations=1,
+        scale_rewards=args.scale_rewards, beta=0.0, epsilon=args.clip_eps, num_iterations=1,
+        importance_sampling_level=args.importance_sampling_level, **_policy_loss(args),
         mask_truncated_completions=args.mask_truncated, temperature=args.temperature, top_p=args.top_p, top_k=0,
         max_completion_length=args.max_completion_tokens,
         # transformers' own name: `gradient_checkpointing` is a deprecated alias (a FutureWarning at every start)

@@ -51,6 +51,22 @@ def test_the_demo_preset_maps_onto_one_trl_generation_per_step(tmp_path, flags, 
     assert trl_args.max_steps == 16  # the demo's budget: 16 steps, as in train.py
 
 
+@pytest.mark.parametrize("flags, loss_type, epsilon_high, level", [
+    (["--importance-sampling-level", "sequence"], "grpo", 0.2, "sequence"),
+    (["--policy-loss", "cispo", "--loss-aggregation", "token", "--clip-eps", "1", "--clip-eps-high", "4"], "cispo",
+     5.0, "token"),
+    (["--policy-loss", "cispo", "--loss-aggregation", "token", "--clip-eps", "1", "--importance-sampling-level",
+      "sequence"], "cispo", 2.0, "sequence")])
+def test_gspo_and_cispo_map_onto_trls_settings(tmp_path, flags, loss_type, epsilon_high, level):
+    """--importance-sampling-level is TRL's; --policy-loss cispo is loss_type "cispo" with its weight's bound
+    epsilon_high = 1 + --clip-eps-high (test_trl_pods checks TRL's loss on them against grpo_loss)."""
+    with pytest.warns(UserWarning, match="cannot act with --updates-per-batch 1"):
+        args = trl_demo.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
+    trl_args = trl_demo.trl_config(args, tmp_path)
+    assert (trl_args.loss_type, trl_args.importance_sampling_level) == (loss_type, level)
+    assert trl_args.epsilon_high == pytest.approx(epsilon_high)
+
+
 def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
     args = trl_demo.parse_args(["--output-dir", str(tmp_path / "run"), "--gradient-checkpointing"])
     with warnings.catch_warnings(record=True) as caught:
@@ -74,6 +90,9 @@ def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
     (["--prompts-per-step", "3", "--num-rollouts", "5", "--micro-batch-size", "3"], "15 rows a step generates"),
     (["--rollout-batch-size", "4"], "--rollout-batch-size 4 is less than"),
     (["--bf16"], "--bf16 True is not mapped onto TRL by this demo \\(only --no-bf16"),
+    (["--policy-loss", "cispo"], "--policy-loss cispo maps onto TRL's loss_type 'cispo' only with "
+     "--loss-aggregation token"),
+    (["--policy-loss", "cispo", "--loss-aggregation", "token"], "--clip-eps >= 1 \\(its weight has no lower bound"),
 ])
 @pytest.mark.usefixtures("nothing_loads")
 def test_flags_it_cannot_map_are_refused_before_anything_loads(tiny_model_dir, tmp_path, flags, message):

@@ -152,6 +152,49 @@ def test_trl_loss_on_the_kept_batch_equals_grpo_loss(scored, loss_type):
         torch.testing.assert_close(trl_grad, our_grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("level, loss_type, epsilon_high, options", [
+    ("sequence", "grpo", 0.2, dict(importance_sampling_level="sequence")),
+    ("sequence", "dapo", 0.2, dict(importance_sampling_level="sequence", aggregation="token")),
+    ("token", "cispo", 1.3, dict(policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.3)),
+    ("sequence", "cispo", 1.05, dict(policy_loss="cispo", importance_sampling_level="sequence", aggregation="token",
+                                     clip_eps=1.0, clip_eps_high=0.05))])
+def test_trls_gspo_and_cispo_on_stale_log_probs_equal_grpo_loss(scored, monkeypatch, level, loss_type, epsilon_high,
+                                                                  options):
+    """TRL 1.16's own _compute_loss with importance_sampling_level / loss_type="cispo" (its weight clamped at
+    epsilon_high, no lower bound: pods' clip_eps 1 and clip_eps_high = epsilon_high - 1) against grpo_loss, on old
+    log-probs 0.3-noisy per token and per row, so that the ratios differ from 1 and the clip binds: value and
+    gradient."""
+    trainer, _, _, _ = scored
+    kept_batch = downsample(scored)
+    model = trainer.model
+    input_ids = torch.cat([kept_batch["prompt_ids"], kept_batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([kept_batch["prompt_mask"], kept_batch["completion_mask"]], dim=1)
+    width = kept_batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        current = grpo_loss.token_logprobs(model, input_ids, attention_mask, width, temperature=trainer.temperature)
+    noise = torch.Generator().manual_seed(1)
+    old = current + 0.3 * torch.randn(current.shape, generator=noise) + 0.3 * torch.randn(len(current), 1,
+                                                                                          generator=noise)
+    kept_batch["old_per_token_logps"] = old
+    for name, value in (("loss_type", loss_type), ("importance_sampling_level", level),
+                        ("epsilon_high", epsilon_high)):
+        monkeypatch.setattr(trainer, name, value)
+    params = [p for p in model.parameters() if p.requires_grad]
+    trl_grads = torch.autograd.grad(trainer._compute_loss(model, kept_batch), params)
+    trl_loss = trainer._compute_loss(model, kept_batch)
+    logprobs = grpo_loss.token_logprobs(model, input_ids, attention_mask, width, temperature=trainer.temperature)
+    ours, metrics = grpo_loss.grpo_loss(logprobs, old, kept_batch["advantages"], kept_batch["completion_mask"],
+                                        **options)
+    assert metrics["clip_ratio/region_mean"] > 0  # the clip binds somewhere
+    our_grads = torch.autograd.grad(ours, params)
+    torch.testing.assert_close(trl_loss.detach(), ours.detach(), rtol=1e-5, atol=1e-6)
+    for trl_grad, our_grad in zip(trl_grads, our_grads):
+        torch.testing.assert_close(trl_grad, our_grad, rtol=1e-4, atol=1e-6)
+    plain, _ = grpo_loss.grpo_loss(logprobs, old, kept_batch["advantages"], kept_batch["completion_mask"],
+                                   aggregation=options.get("aggregation", "sequence"))
+    assert abs(float(plain) - float(ours)) > 1e-4  # the option changes the loss of this batch
+
+
 def weights(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
