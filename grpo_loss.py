@@ -64,6 +64,16 @@ REMOVED_IS_CORRECTIONS = {
             "1/C <= ratio <= C, rejected tokens out of the loss and its denominators) in a new run"}
 
 
+def fraction(text: str) -> float:
+    """argparse type of a fraction in [0, 1] (one-line error otherwise)."""
+    import argparse
+
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def loss_option(default, help=None, flag=None, ratio_only=False, example=None, acts_with=(), needs=None,
                 **argparse_options):
     """A LossSettings field. help: it gets a train.py flag (--field-name, or `flag`) with this help, these argparse
@@ -115,6 +125,11 @@ class LossSettings:
         "(MiniMax: no lower bound, i.e. --clip-eps 1; TRL recommends a weight <= 5, i.e. --clip-eps-high 4); "
         "ppo_clip: the paper's min(ratio A, clip(ratio) A); acts only with --updates-per-batch > 1",
         ratio_only=True, choices=POLICY_LOSSES)
+    top_entropy_quantile: float = loss_option(
+        1.0, "train only on the top fraction of each micro-batch's completion tokens by the policy's entropy at them "
+        "(Beyond the 80/20 rule: 0.2; TRL top_entropy_quantile); the others keep only their KL term and still count "
+        "in the denominators; 1: every token (the paper)", type=fraction, example=0.2,
+        acts_with=("--micro-batch-size", "6"))  # per micro-batch: the flag tests' 6 rows in one, as their direct loss
 
 
 def flag_name(option: dataclasses.Field) -> str:
@@ -329,6 +344,7 @@ def grpo_loss_sum(
     settings: LossSettings | None = None,
     ref_logprobs: Tensor | None = None,
     sampler_logprobs: Tensor | None = None,
+    entropies: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Numerator of the loss of these rows: divide by `loss_denominator` of the whole update batch.
@@ -406,6 +422,11 @@ def grpo_loss_sum(
         per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
     if token_weights is not None:
         per_token = per_token * tokens(token_weights.detach())
+    if settings.top_entropy_quantile < 1:  # TRL: per_token_loss * entropy_mask, before the KL term
+        if entropies is None or entropies.shape != logprobs.shape:
+            raise ValueError(f"top_entropy_quantile {settings.top_entropy_quantile} needs the entropies [B, C] of the "
+                             "policy at the completion tokens (token_logprobs(..., with_entropies=True))")
+        per_token = per_token * high_entropy_mask(entropies, keep, settings.top_entropy_quantile)
     if ref_logprobs is not None:
         log_ref_ratio = tokens(ref_logprobs) - logp
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
@@ -446,6 +467,7 @@ def grpo_loss(
     settings: LossSettings | None = None,
     ref_logprobs: Tensor | None = None,
     sampler_logprobs: Tensor | None = None,
+    entropies: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO loss -J of one whole batch (see module docstring) and TRL-named metrics.
@@ -467,7 +489,7 @@ def grpo_loss(
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")
     loss_sum, metrics = grpo_loss_sum(logprobs, old_logprobs, advantages, completion_mask, settings, ref_logprobs,
-                                      sampler_logprobs)
+                                      sampler_logprobs, entropies)
     denominator = loss_denominator(loss_tokens(completion_mask, old_logprobs, sampler_logprobs, settings),
                                    settings.aggregation, settings.max_completion_tokens)
     return loss_sum / max(denominator, 1), {key: float(value) for key, value in metrics.items()}

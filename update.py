@@ -226,7 +226,7 @@ def _compute(settings, device):
         yield
 
 
-def _logprobs(model, micro, settings, device, step=None):
+def _logprobs(model, micro, settings, device, step=None, with_entropies=False):
     """The micro-batch's completion log-probs [b, C'] (grad mode as the caller's), each distinct prompt run once
     where prefix.logprobs_function allows it, reading the step's shared prefix where `_step_prefix` ran one: the same
     numbers either way, up to float rounding."""
@@ -234,6 +234,8 @@ def _logprobs(model, micro, settings, device, step=None):
     options = {} if logprobs is grpo_loss.token_logprobs else dict(host=micro.host)
     if step is not None:
         options["step"] = step
+    if with_entropies:  # (logprobs, entropies): --top-entropy-quantile
+        options["with_entropies"] = True
     with _compute(settings, device):
         return logprobs(model, micro.input_ids, micro.attention_mask, micro.width, settings.temperature, **options)
 
@@ -283,12 +285,12 @@ def fill_logprobs(model, batches, settings):
                         getattr(batch, name)[micro.rows, :micro.width] = _logprobs(model, micro, settings, device, step)
 
 
-def micro_batch_loss(logprobs, micro, settings):
+def micro_batch_loss(logprobs, micro, settings, entropies=None):
     """(the micro-batch's loss numerator, grpo_loss metrics): divided by `loss_normaliser` it adds up to the
     step's loss. mu == 1 and no old log-probs: pi_old = pi, so the ratio is 1 with no extra forward pass."""
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
     return grpo_loss.grpo_loss_sum(logprobs, old, micro.advantages, micro.completion_mask, settings.loss,
-                                   micro.ref_logprobs, micro.sampler_logprobs)
+                                   micro.ref_logprobs, micro.sampler_logprobs, entropies)
 
 
 def loss_denominator(batches, settings):
@@ -344,13 +346,15 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
             step = _step_prefix(model, batches, settings, device)
             for batch, batch_ratios in zip(batches, ratios):
                 for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
-                    logprobs = _logprobs(model, micro, settings, device, step)
+                    logprobs, entropies = _logprobs(model, micro, settings, device, step, True) \
+                        if settings.loss.top_entropy_quantile < 1 else (_logprobs(model, micro, settings, device, step),
+                                                                        None)
                     if checked and first_pass:
                         gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(
                             logprobs, micro.sampler_logprobs, micro.completion_mask))
                         batch_ratios[micro.rows] = rollout_check.row_mean_ratios(
                             logprobs, micro.sampler_logprobs, micro.completion_mask)
-                    loss_sum, metrics = micro_batch_loss(logprobs, micro, settings)
+                    loss_sum, metrics = micro_batch_loss(logprobs, micro, settings, entropies)
                     scaled = loss_sum / normaliser
                     scaled.backward()
                     loss = loss + scaled.detach()

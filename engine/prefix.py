@@ -352,7 +352,7 @@ def _own_tokens(model, ids, mask, own, suffix, prefix_length, cache, logits_to_k
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
                         temperature: float = 1.0, shared_prefix: bool = True, step: StepPrefix | None = None,
-                        host: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                        host: tuple[Tensor, Tensor] | None = None, with_entropies: bool = False):
     """grpo_loss.token_logprobs (same arguments: rows [left-padded prompt | completion], C = num_completion_tokens)
     with each distinct prompt run once (its keys and values repeated for its rows), and with shared_prefix the
     prefix every prompt shares run once (not with several processes: `several_processes`), or with `step` read from
@@ -380,7 +380,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
         ids = torch.cat([prompt_ids[:, -plan.suffix:], completion_ids[:, :c - 1]], 1)
         mask = torch.cat([prompt_mask[:, -plan.suffix:], completion_mask[:, :c - 1]], 1)
         logits, _, _ = _own_tokens(model, ids, mask, own, plan.suffix, plan.prefix, cache, c)
-        return grpo_loss.picked_logprobs(logits, completion_ids, temperature)
+        return grpo_loss.picked_logprobs(logits, completion_ids, temperature, with_entropies)
     first, group = (index.to(input_ids.device, non_blocking=True) for index in (plan.first, plan.group))
     last_logits, cache, cache_mask = _own_tokens(model, prompt_ids[first, -plan.suffix:],
                                                  prompt_mask[first, -plan.suffix:], own[first], plan.suffix,
@@ -392,6 +392,9 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     positions = grpo_loss.position_ids_from_mask(mask)[:, -inputs:]
     logits, _ = _forward(model, completion_ids[:, :inputs], mask, positions, repeat_cache(model, cache, group),
                          inputs)
-    return torch.cat([grpo_loss.picked_logprobs(last_logits.index_select(0, group), completion_ids[:, :1],
-                                                temperature),
-                      grpo_loss.picked_logprobs(logits[:, :c - 1], completion_ids[:, 1:], temperature)], 1)
+    first = grpo_loss.picked_logprobs(last_logits.index_select(0, group), completion_ids[:, :1], temperature,
+                                      with_entropies)
+    rest = grpo_loss.picked_logprobs(logits[:, :c - 1], completion_ids[:, 1:], temperature, with_entropies)
+    if with_entropies:  # (logprobs, entropies), each in two parts
+        return tuple(torch.cat(parts, 1) for parts in zip(first, rest))
+    return torch.cat([first, rest], 1)

@@ -63,9 +63,10 @@ def direct_update(model, batch, args):
     for _ in range(args.updates_per_batch):
         for p in params:
             p.grad = None
-        logprobs = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
+        logprobs, entropies = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature,
+                                                       with_entropies=True)
         loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, config.loss_settings(args), ref,
-                                      batch.sampler_logprobs)
+                                      batch.sampler_logprobs, entropies)
         loss.backward()
         norm = float(torch.cat([p.grad.flatten() for p in params]).norm())
         scale = min(1.0, args.max_grad_norm / (norm + 1e-6)) if args.max_grad_norm > 0 else 1.0
@@ -177,6 +178,10 @@ UPDATE_FLAG_CASES = [  # (flags, the flags they are compared with (power), batch
      ["--clip-eps", "1", "--clip-eps-high", "4", "--loss-aggregation", "token", "--mu", "2"], stale_batch),
     (["--policy-loss", "cispo", "--importance-sampling-level", "sequence", "--mu", "2"],
      ["--policy-loss", "cispo", "--mu", "2"], stale_batch),
+    # the quantile is over each micro-batch's tokens (TRL's): one micro-batch of the 6 rows, as the direct update
+    (["--top-entropy-quantile", "0.2", "--micro-batch-size", "6"], ["--micro-batch-size", "6"], fresh_batch),
+    (["--top-entropy-quantile", "0.5", "--micro-batch-size", "6", "--kl-coef", "0.5", "--mu", "2"],
+     ["--micro-batch-size", "6", "--kl-coef", "0.5", "--mu", "2"], stale_batch),
     (["--clip-eps", "0.15", "--clip-eps-high", "0.25", "--kl-coef", "0.2", "--loss-aggregation", "token",
       "--mask-truncated", "--temperature", "0.8", "--max-grad-norm", "0.5", "--mu", "2"], [], stale_batch),
 ]
