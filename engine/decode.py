@@ -14,7 +14,7 @@ import engine.ops as ops
 import engine.step as decode_step
 import engine.weights as weights
 import models
-from engine import prefix
+import engine.prefix as prefix
 from run import report
 from engine.families import FAMILIES, layer_modules
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import models
-from engine import prefix
+import engine.prefix as prefix
 import sampling
 
 # Mean |log pi_trainer - log pi_sampler| per token above which the sampler is taken to be broken. Measured on the

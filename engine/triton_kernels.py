@@ -9,11 +9,17 @@ them, so bf16 outputs match the reference's bit for bit or to one rounding.
 Simplifications: the cache's last dimension and the projections' outputs are contiguous; one query per row.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-import engine.ops as ops
+
+def interpreting():
+    """Triton's interpreter is on (TRITON_INTERPRET=1): the kernels run on CPU tensors (engine/ops.py's check)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
 
 BLOCK_N = 64        # cache columns per step of the attention's loop (32 for float32 caches: shared memory)
 BLOCK_V = 4096      # vocabulary entries per step of the sampler's loops
@@ -27,7 +33,7 @@ def pow2(n, floor=1):
 def dot_in_fp32(tensor):
     """fp32 operands for tl.dot (ieee, not TF32) in fp32 models, and under the interpreter, which holds bf16 as
     integers (its bf16 dot is wrong, its casts to bf16 truncate); bf16 / fp16 operands go to the tensor cores."""
-    return tensor.dtype == torch.float32 or ops.interpreting()
+    return tensor.dtype == torch.float32 or interpreting()
 
 
 # ------------------------------------------------------------------------- residual add + RMSNorm
@@ -256,7 +262,7 @@ def decode_attention(q, key_cache, value_cache, start, shared, slot, scaling, sp
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
         value_cache.stride(2), scaling, q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16),
         BLOCK_D=pow2(head_dim, 16), BLOCK_N=block, SPLITS=splits, DOT_FP32=dot_in_fp32(q),
-        WHILE_LOOP=ops.interpreting(), num_warps=4)
+        WHILE_LOOP=interpreting(), num_warps=4)
     if splits > 1:
         _attention_combine[(batch * q_heads,)](out, partial, maxima, sums, HEAD_DIM=head_dim, SPLITS=splits,
                                                BLOCK_D=pow2(head_dim), num_warps=1)

@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 
+import grpo_loss
+
 pytest.importorskip("integrations.trl_pods", exc_type=ImportError)
 
 import compare  # noqa: E402
@@ -106,7 +108,8 @@ def example_argv(action):
     flag = action.option_strings[0]
     if action.nargs == 0:
         return [flag]
-    return [flag, str(action.choices[-1] if action.choices else {int: 1, float: 1.5}.get(action.type, "x"))]
+    accepted = {int: 1, float: 1.5, grpo_loss.fraction: 0.5}
+    return [flag, str(action.choices[-1] if action.choices else accepted.get(action.type, "x"))]
 
 
 @pytest.mark.usefixtures("nothing_loads")
