@@ -381,9 +381,8 @@ def record_files(args):
     """What config.json records of the files a run reads besides its model, so that a resume refuses a changed one:
     `data_files` ({role: {"path", "sha256"}} of one's own rows) and `reward_functions` ({name: {"path", "sha256",
     "weight"}} of --reward-function). A file not there is left out here: the checks refuse it."""
-    source = data_source(args)
-    args.data_files = data.own_files(data.DataSource(*(name if name and Path(name).is_file() else None
-                                                       for name in (source.dataset, source.eval_dataset))))
+    present = [name if name and Path(name).is_file() else None for name in (args.dataset, args.eval_dataset)]
+    args.data_files = data.own_files(data.DataSource(present[0], eval_dataset=present[1]))
     args.reward_functions = {}
     for spec in args.reward_function:
         try:
