@@ -117,7 +117,8 @@ def build_parser():
     add("--lora-rank", type=int, default=0, help="LoRA rank r; 0 = full fine-tuning")
     add("--lora-alpha", type=int, help="LoRA alpha (the adapter's scale is alpha / r)")
     add("--lora-target-modules", default=",".join(models.DEFAULT_LORA_TARGETS),
-        help="comma-separated names of the projections LoRA adapts")
+        help="comma-separated names of the projections LoRA adapts; auto: every linear projection inside the decoder "
+             "blocks, named from the model (Phi-3's fused qkv_proj and gate_up_proj included)")
     add("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (QLoRA), CUDA only")
     add("--bf16", action=argparse.BooleanOptionalAction, default=False,
         help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast); "
