@@ -209,3 +209,18 @@ def test_a_reward_function_that_fails_stops_the_step_and_keeps_the_last_checkpoi
         train.main(argv)
     assert [s["step"] for s in read_lines(tmp_path / "run", "train")] == [1]
     assert (tmp_path / "run" / "checkpoints" / "latest.txt").read_text().strip() == "step_000001"
+
+
+def test_eval_reads_the_runs_held_out_rows_and_any_other_benchmark_by_the_same_flags(tiny_model_dir, tmp_path):
+    import eval as eval_module
+
+    run_dir = train.main(tiny_argv(tiny_model_dir, tmp_path / "run", *WORKED, "--max-steps", "1"))
+    flags = ["--repeats", "1", "--temperature", "0", "--max-completion-tokens", "4", "--no-progress",
+             "--num-threads", "1", "--device", "cpu"]
+    eval_module.main(["--checkpoint", str(run_dir), *flags])
+    own = json.loads((run_dir / "eval_test.json").read_text())
+    assert own["config"]["dataset"].endswith("pens.jsonl") and own["results"]
+    other = write_jsonl(tmp_path / "sums.jsonl", [{"q": f"What is {i} + 1?", "a": str(i + 1)} for i in range(10)])
+    eval_module.main(["--checkpoint", str(run_dir), "--dataset", str(other), "--question-field", "q",
+                      "--answer-field", "a", "--prompt-template", "{question}", "--eval-fraction", "0.2", *flags])
+    assert json.loads((run_dir / "eval_sums_test.json").read_text())["results"]
