@@ -280,6 +280,11 @@ def flag_problem(args):
         return f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"
     if not 0 < args.top_p <= 1:
         return f"--top-p must be in (0, 1], got {args.top_p}"
+    import data
+
+    if args.dataset and args.dataset not in data.DATASET_READERS and data.own_kind(args.dataset) is None:
+        return (f"--dataset {args.dataset!r}: not a registered dataset ({', '.join(data.DATASETS)}), a .jsonl / .csv "
+                "/ .parquet file or a Hub id (owner/name)")
     return None
 
 
