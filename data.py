@@ -9,6 +9,11 @@ repository) when such a folder is given or exists, otherwise from the Hugging Fa
 `datasets`), converted to the rows of the local files (same rows and order; MATH train: the Hub's order
 within each subject, which the local file sorts by problem number).
 
+Datasets are readers in a registry, `DATASET_READERS` (name -> `DatasetReader`), filled by `@register_dataset`: the
+four above, and a researcher's own rows come as a local file (.jsonl, .csv, .parquet) or a Hub dataset id with named
+question / answer fields and a prompt template (`DataSource`, read by `read_own_rows`), checked row by row before
+anything loads (`check_own_rows`: one line naming the file, row and field).
+
 Simplifications: the chemistry held-out split is ours (the source has none): a fixed seeded 20% of the
 rows. Arithmetic train and test use disjoint sets of {a, b} pairs.
 """
@@ -20,8 +25,10 @@ import logging
 import os
 import random
 import re
-from dataclasses import dataclass
+import string
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from rewards import THINK_PREFILL, last_boxed_content
 
@@ -31,7 +38,6 @@ SYSTEM_PROMPT = (
     "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
     "</answer> tags, respectively, i.e., <think>\nreasoning process here\n</think>\n<answer>\nanswer here\n"
     "</answer>")
-DATASETS = ("gsm8k", "math", "chemistry", "arithmetic")
 SPLITS = ("train", "test")
 CHEMISTRY_TEST_FRACTION = 0.2  # 2100 rows -> 1680 train / 420 test
 ARITHMETIC_TEST_FRACTION = 0.2  # of the unordered {a, b} pairs
@@ -79,12 +85,17 @@ def default_data_dir():
     return DEFAULT_DATA_DIR if DEFAULT_DATA_DIR.is_dir() else None
 
 
-def check_data_source(name, data_dir=None, splits=SPLITS):
+def check_data_source(name, data_dir=None, splits=SPLITS, source=None):
     """A one-line ValueError when `name` has neither its local files nor a usable Hub source. Fast and offline
     (run before any model loads): "usable" = a Hub id and an importable `datasets`; an unreachable Hub shows
-    when the rows are read (load_split's RuntimeError)."""
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}")
+    when the rows are read (load_split's RuntimeError). A file of one's own (source: its DataSource) is read and
+    every row checked (check_own_rows)."""
+    if name not in DATASET_READERS:
+        if own_kind(name) is None:
+            raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}, a .jsonl / .csv / .parquet file "
+                             "or a Hub dataset id (owner/name)")
+        check_own_rows(source or DataSource(name), splits)
+        return
     folder = Path(data_dir) if data_dir is not None else default_data_dir()
     if name == "arithmetic":
         return
@@ -246,6 +257,258 @@ def _arithmetic_rows(split, num_rows, seed, max_digits):
     return rows
 
 
+# ------------------------------------------------------------------------------------ the registry of datasets
+@dataclass
+class DatasetReader:
+    """A dataset: read(split, *, data_dir, hub_id, num_rows, seed, max_digits) -> rows, each a dict with "question" and
+    "answer" (strings) and any other columns (the reward functions receive them by name). template: the user turn,
+    str.format'ed with the row. makes_rows: read() makes exactly num_rows rows itself (synthetic data). answer_kind:
+    what the accuracy reward compares (ANSWER_KINDS; None: told by the answer, a letter A-D a choice)."""
+    name: str
+    read: Callable
+    template: str = "{question}"
+    answer_kind: str | None = None
+    makes_rows: bool = False
+    summary: str = ""
+
+
+DATASET_READERS: dict[str, DatasetReader] = {}  # name -> reader, in registration order
+ANSWER_KINDS = ("number", "latex", "choice")
+
+
+def register_dataset(name, *, template="{question}", answer_kind=None, makes_rows=False, summary=""):
+    """Decorator: add a reader of rows to the registry as `name` (--dataset NAME)."""
+    def add(read):
+        DATASET_READERS[name] = DatasetReader(name, read, template, answer_kind, makes_rows, summary)
+        return read
+    return add
+
+
+def _read_files(name, split, data_dir, hub_id):
+    """The rows of a dataset with local files or a Hub copy, converted (_CONVERTERS)."""
+    folder = None if hub_id else Path(data_dir) if data_dir is not None else default_data_dir()
+    if folder is None:  # no local folder: the Hub
+        hub_id = hub_id or HUB_IDS[(name, split)]
+        return _convert(name, _hub_rows(name, split, hub_id), f"{hub_id} ({split})")
+    path = folder / _FILES[(name, split)]
+    return _convert(name, read_jsonl(path, _FIELDS[name]), str(path))
+
+
+@register_dataset("gsm8k", answer_kind="number", summary="GSM8K grade-school word problems (number answers)")
+def read_gsm8k(split, *, data_dir=None, hub_id=None, **unused):
+    return _read_files("gsm8k", split, data_dir, hub_id)
+
+
+@register_dataset("math", answer_kind="latex", summary="MATH competition problems; held out: MATH-500 (LaTeX answers)")
+def read_math(split, *, data_dir=None, hub_id=None, **unused):
+    return _read_files("math", split, data_dir, hub_id)
+
+
+@register_dataset("chemistry", template=f"{CHEMISTRY_INSTRUCTION}\n\n{{question}}", answer_kind="choice",
+                  summary="SciKnowEval Chemistry L3, four-choice questions (a letter A-D)")
+def read_chemistry(split, *, data_dir=None, hub_id=None, **unused):
+    rows = _read_files("chemistry", split, data_dir, hub_id)
+    return _split_part(rows, [row["question"] for row in rows], CHEMISTRY_TEST_FRACTION, split)
+
+
+@register_dataset("arithmetic", answer_kind="number", makes_rows=True,
+                  summary="synthetic sums of two 1-3 digit numbers (the offline demo's)")
+def read_arithmetic(split, *, hub_id=None, num_rows=None, seed=0, max_digits=2, **unused):
+    if hub_id:
+        raise ValueError("the arithmetic task is synthetic: it has no Hub id")
+    return _arithmetic_rows(split, num_rows or ARITHMETIC_DEFAULT_ROWS[split], seed, max_digits)
+
+
+DATASETS = tuple(DATASET_READERS)
+
+
+# ------------------------------------------------------------------------------------------ your own rows
+OWN_FILE_SUFFIXES = (".jsonl", ".csv", ".parquet")
+DEFAULT_EVAL_FRACTION = 0.1  # of your own rows, held out by a stable hash when no --eval-dataset is given
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where a run's rows come from and how they are shaped (the data flags). dataset: a registered name, a local
+    .jsonl / .csv / .parquet file or a Hub dataset id; the rest apply to one's own rows (a template also to the
+    registered ones). eval_dataset: the held-out rows' file or Hub id; else eval_fraction of the rows (by a
+    stable hash of the question) are held out."""
+    dataset: str
+    question_field: str = "question"
+    answer_field: str = "answer"
+    prompt_template: str | None = None
+    eval_dataset: str | None = None
+    eval_fraction: float | None = None
+    answer_kind: str | None = None
+
+
+def own_kind(name):
+    """"file" for a path ending in a known suffix, "hub" for an owner/name id, else None."""
+    if name is None:
+        return None
+    if str(name).lower().endswith(OWN_FILE_SUFFIXES):
+        return "file"
+    return "hub" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)) and not Path(name).exists() else None
+
+
+def answer_kind_of(source):
+    """The answer kind the accuracy reward compares: --answer-kind, else the registered dataset's, else None."""
+    reader = DATASET_READERS.get(source.dataset)
+    return source.answer_kind or (reader.answer_kind if reader else None)
+
+
+def _numbered_rows(path):
+    """[(row number, row)] of a local file: JSONL line numbers; CSV and Parquet count data rows from 1."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        with path.open("rb") as handle:
+            for line_number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise ValueError(f"{path} row {line_number}: not UTF-8 ({error.reason})") from None
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((line_number, json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path} row {line_number}: malformed JSON ({error.msg})") from None
+        return rows
+    if suffix == ".csv":
+        import csv
+
+        with path.open(newline="", encoding="utf-8") as handle:
+            return list(enumerate(csv.DictReader(handle), start=1))
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), start=1))
+
+
+def _hub_own_rows(hub_id, split):
+    import datasets
+
+    try:
+        return list(enumerate(datasets.load_dataset(hub_id, split=split), start=1))
+    except Exception as error:  # noqa: BLE001  network, auth, unknown id or split: one clear message
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise HubUnavailable(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {reason}") from error
+
+
+def template_fields(template):
+    """The column names a prompt template's {placeholders} name."""
+    try:
+        return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as error:
+        raise ValueError(f"--prompt-template: {error} (write a literal brace as {{{{ or }}}})") from None
+
+
+def shaped_rows(numbered_rows, where, source):
+    """Rows of one's own as loader rows ({**columns, "question", "answer"}), each checked: an object, the question
+    and answer fields present and not empty, every template column present, an answer of --answer-kind; the first bad
+    row is one ValueError line naming `where`, the row number and the field."""
+    template = source.prompt_template or "{question}"
+    fields = template_fields(template)
+    if any(not name or not name.isidentifier() for name in fields):
+        raise ValueError(f"--prompt-template {template!r}: every placeholder must name a column, e.g. {{question}}")
+    rows = []
+    for number, row in numbered_rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} row {number}: expected an object with fields, got {type(row).__name__}")
+        for name in (source.question_field, source.answer_field):
+            if name not in row:
+                raise ValueError(f"{where} row {number}: no field {name!r} (fields: {sorted(row)}); name another "
+                                 f"with --{'question' if name == source.question_field else 'answer'}-field")
+            if row[name] is None or not str(row[name]).strip():
+                raise ValueError(f"{where} row {number}: field {name!r} is empty")
+        shaped = {**row, "question": str(row[source.question_field]), "answer": str(row[source.answer_field]).strip()}
+        missing = [name for name in fields if name not in shaped]
+        if missing:
+            raise ValueError(f"{where} row {number}: --prompt-template names field {missing[0]!r}, which the row "
+                             f"lacks (fields: {sorted(row)})")
+        problem = answer_problem(shaped["answer"], source.answer_kind)
+        if problem:
+            raise ValueError(f"{where} row {number}: field {source.answer_field!r} {problem}")
+        rows.append(shaped)
+    if not rows:
+        raise ValueError(f"{where}: no rows")
+    return rows
+
+
+def answer_problem(answer, kind):
+    """Why `answer` is not of --answer-kind `kind`, or None."""
+    from rewards import plain_number
+
+    if kind == "number" and plain_number(answer) is None:
+        return f"is not a number: {answer!r} (--answer-kind number)"
+    if kind == "choice" and answer not in ("A", "B", "C", "D"):
+        return f"is not a choice letter A-D: {answer!r} (--answer-kind choice)"
+    return None
+
+
+def _own_part(name, split, source):
+    """[(number, row)] of a file or Hub id, and where they come from (for messages)."""
+    if own_kind(name) == "file":
+        return _numbered_rows(name), str(name)
+    return _hub_own_rows(name, split), f"{name} ({split})"
+
+
+def read_own_rows(source, split):
+    """One split of one's own rows: --eval-dataset's rows for "test" where given, else the `eval_fraction` of the
+    --dataset rows whose question hashes smallest (train: the rest). A Hub id without --eval-dataset or
+    --eval-fraction reads its own "train" / "test" splits."""
+    if split == "test" and source.eval_dataset:
+        return shaped_rows(*_own_part(source.eval_dataset, "test", source), source)
+    hub_splits = own_kind(source.dataset) == "hub" and not source.eval_dataset and source.eval_fraction is None
+    rows = shaped_rows(*_own_part(source.dataset, split if hub_splits else "train", source), source)
+    if source.eval_dataset or hub_splits:
+        return rows
+    fraction = DEFAULT_EVAL_FRACTION if source.eval_fraction is None else source.eval_fraction
+    part = _split_part(rows, [json.dumps([row["question"], row["answer"]]) for row in rows], fraction, split)
+    if not part:
+        raise ValueError(f"{source.dataset}: the {split} part of {len(rows)} rows is empty (--eval-fraction "
+                         f"{fraction:g}); give another --eval-fraction or an --eval-dataset file")
+    return part
+
+
+def check_own_rows(source, splits=SPLITS):
+    """The offline checks of one's own rows before anything loads: local files read and every row checked
+    (shaped_rows); a Hub id needs `datasets` importable (its rows are checked as they are read)."""
+    if source.answer_kind is not None and source.answer_kind not in ANSWER_KINDS:
+        raise ValueError(f"--answer-kind must be one of {ANSWER_KINDS}, got {source.answer_kind!r}")
+    names = [source.dataset] + ([source.eval_dataset] if source.eval_dataset and "test" in splits else [])
+    for name in names:
+        kind = own_kind(name)
+        if kind is None:
+            raise ValueError(f"--eval-dataset {name!r}: expected a .jsonl / .csv / .parquet file or a Hub id")
+        if kind == "hub" and importlib.util.find_spec("datasets") is None:
+            raise ValueError(f"reading {name} from the Hub needs the `datasets` package (pip install datasets)")
+    for split in splits:
+        if all(own_kind(name) == "file" for name in names):
+            read_own_rows(source, split)
+
+
+def file_sha256(path):
+    """The SHA-256 of a file's bytes (what config.json records of one's own data and reward files)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def own_files(source):
+    """{role: {"path", "sha256"}} of the local files a run reads its rows from (none for registered datasets)."""
+    return {role: {"path": str(Path(name).resolve()), "sha256": file_sha256(name)}
+            for role, name in (("dataset", source.dataset), ("eval_dataset", source.eval_dataset))
+            if name and name not in DATASET_READERS and own_kind(name) == "file"}
+
+
 def system_prompt_of(flag):
     """The system turn of --system-prompt: unset (None) is the paper's (SYSTEM_PROMPT), '' is none."""
     return SYSTEM_PROMPT if flag is None else flag
@@ -259,42 +522,39 @@ def _messages(system_prompt, example, user_content):
 
 
 def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None, seed=0, one_shot=False,
-               system_prompt=SYSTEM_PROMPT, max_digits=2):
+               system_prompt=SYSTEM_PROMPT, max_digits=2, source=None):
     """One split of a dataset as a `datasets.Dataset` ("prompt", "answer", "question", source fields).
 
-    num_rows: a seeded random subset (in file order); for arithmetic, the number of generated rows
-    (default 1000 train / 100 test). Rows come from data_dir, else default_data_dir(), else the Hub
-    (HUB_IDS); hub_id reads that Hub dataset whatever folders exist."""
+    name: a registered dataset (DATASET_READERS), a local .jsonl / .csv / .parquet file or a Hub dataset id (read as
+    `source`, a DataSource, says: fields, template, held-out part). num_rows: a seeded random subset (in file order);
+    for arithmetic, the number of generated rows (default 1000 train / 100 test). Rows come from data_dir, else
+    default_data_dir(), else the Hub (HUB_IDS); hub_id reads that Hub dataset whatever folders exist."""
     import datasets
 
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}")
+    reader = DATASET_READERS.get(name)
+    if reader is None and own_kind(name) is None:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}, a .jsonl / .csv / .parquet file "
+                         "or a Hub dataset id (owner/name)")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
     if num_rows is not None and num_rows <= 0:
         raise ValueError(f"num_rows must be positive, got {num_rows}")
-    if name == "arithmetic":
-        if hub_id:
-            raise ValueError("the arithmetic task is synthetic: it has no Hub id")
-        rows = _arithmetic_rows(split, num_rows or ARITHMETIC_DEFAULT_ROWS[split], seed, max_digits)
+    source = source or DataSource(name)
+    if reader is None:
+        rows, template, example = read_own_rows(source, split), source.prompt_template or "{question}", None
+        if one_shot:
+            raise ValueError("--one-shot has a worked example for the registered datasets only; for your own rows, "
+                             "write the example into --prompt-template")
     else:
-        folder = None if hub_id else Path(data_dir) if data_dir is not None else default_data_dir()
-        if folder is None:  # no local folder: the Hub
-            hub_id = hub_id or HUB_IDS[(name, split)]
-            rows = _convert(name, _hub_rows(name, split, hub_id), f"{hub_id} ({split})")
-        else:
-            path = folder / _FILES[(name, split)]
-            rows = _convert(name, read_jsonl(path, _FIELDS[name]), str(path))
-        if name == "chemistry":
-            rows = _split_part(rows, [row["question"] for row in rows], CHEMISTRY_TEST_FRACTION, split)
-        if num_rows is not None:
-            if num_rows > len(rows):
-                raise ValueError(f"num_rows={num_rows} but {name}/{split} has only {len(rows)} rows")
-            rows = [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), num_rows))]
-    example = ONE_SHOT[name] if one_shot else None
+        options = dict(data_dir=data_dir, hub_id=hub_id, num_rows=num_rows, seed=seed, max_digits=max_digits)
+        rows, template = reader.read(split, **options), source.prompt_template or reader.template
+        example = ONE_SHOT[name] if one_shot else None
+    if num_rows is not None and not (reader and reader.makes_rows):
+        if num_rows > len(rows):
+            raise ValueError(f"num_rows={num_rows} but {name}/{split} has only {len(rows)} rows")
+        rows = [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), num_rows))]
     for row in rows:
-        content = f"{CHEMISTRY_INSTRUCTION}\n\n{row['question']}" if name == "chemistry" else row["question"]
-        row["prompt"] = _messages(system_prompt, example, content)
+        row["prompt"] = _messages(system_prompt, example, template.format_map(row))
     return datasets.Dataset.from_list(rows)
 
 
@@ -341,18 +601,20 @@ class Example:
     text: str     # the rendered prompt the model continues (render_prompts)
     prompt: list  # its chat messages (what the rewards see as the prompt)
     answer: str   # ground truth the accuracy reward compares against
+    columns: dict = field(default_factory=dict, compare=False)  # the row's other columns: reward functions get them by name
 
 
 def build_prompt_set(dataset, split, tokenizer, *, data_dir=None, hub_id=None, num_rows=None, seed=0,
                      one_shot=False, system_prompt=SYSTEM_PROMPT, prefill_think=False, max_prompt_tokens=None,
-                     max_digits=2):
+                     max_digits=2, source=None):
     """One split as [Example] rendered for `tokenizer`, for training and evaluation alike. Prompts longer than
-    max_prompt_tokens are dropped (a logged count); None keeps all."""
+    max_prompt_tokens are dropped (a logged count); None keeps all. source: the DataSource of one's own rows."""
     rows = load_split(dataset, split, data_dir=data_dir, hub_id=hub_id, num_rows=num_rows, seed=seed,
-                      one_shot=one_shot, system_prompt=system_prompt, max_digits=max_digits)
+                      one_shot=one_shot, system_prompt=system_prompt, max_digits=max_digits, source=source)
     prompts, answers = list(rows["prompt"]), list(rows["answer"])
+    columns = [{key: value for key, value in row.items() if key not in ("prompt", "answer")} for row in rows]
     texts = render_prompts(tokenizer, prompts, prefill_think=prefill_think)
     kept, _ = filter_long_prompts(texts, tokenizer, max_prompt_tokens)
     if not kept:
         raise ValueError(f"every {dataset}/{split} prompt is longer than max_prompt_tokens={max_prompt_tokens}")
-    return [Example(texts[i], prompts[i], answers[i]) for i in kept]
+    return [Example(texts[i], prompts[i], answers[i], columns[i]) for i in kept]

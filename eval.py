@@ -25,6 +25,7 @@ A checkpoint written by several processes (dcp/) is evaluated with `python -m mu
 
 import json
 import math
+import re
 import sys
 import time
 import warnings
@@ -213,8 +214,16 @@ def parse_args(argv):
                         help="evaluate --model (default: the preset's) as a run of this train.py preset evaluates its "
                              "policy: its prompts, held-out sample, temperature, lengths, batch and dtype")
     parser.add_argument("--base-model", help="override the base model named in the checkpoint's config.json")
-    parser.add_argument("--dataset", choices=data.DATASETS,
-                        help="default: the run's dataset (config.json), else gsm8k")
+    parser.add_argument("--dataset", help=f"a registered dataset ({', '.join(data.DATASETS)}), a .jsonl / .csv / "
+                        ".parquet file or a Hub id (default: the run's, config.json, with its fields, template and "
+                        "held-out rows; else gsm8k)")
+    parser.add_argument("--question-field", help="your own rows' question column (default: the run's, else question)")
+    parser.add_argument("--answer-field", help="your own rows' answer column (default: the run's, else answer)")
+    parser.add_argument("--prompt-template", help="the user turn, a text or a file, {question} and any column "
+                        "(default: the run's)")
+    parser.add_argument("--eval-dataset", help="your own held-out rows' file or Hub id (default: the run's)")
+    parser.add_argument("--eval-fraction", type=float, help="the fraction of --dataset held out (default: the run's)")
+    parser.add_argument("--answer-kind", choices=data.ANSWER_KINDS, help="default: the run's, else told by the answer")
     parser.add_argument("--data-dir", help="folder with the dataset files (default: the run's, else "
                                            "$PODS_DATA_DIR or ../shared/data, else the Hugging Face Hub)")
     parser.add_argument("--split", default="test", choices=("train", "test"))
@@ -271,7 +280,22 @@ def flag_problem(args):
         return f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"
     if not 0 < args.top_p <= 1:
         return f"--top-p must be in (0, 1], got {args.top_p}"
+    import data
+
+    if args.dataset and args.dataset not in data.DATASET_READERS and data.own_kind(args.dataset) is None:
+        return (f"--dataset {args.dataset!r}: not a registered dataset ({', '.join(data.DATASETS)}), a .jsonl / .csv "
+                "/ .parquet file or a Hub id (owner/name)")
     return None
+
+
+def benchmark_name(dataset, run_dataset):
+    """"" for the run's own dataset, else the other benchmark's name and "_" (a file's stem, a Hub id's name):
+    eval_<benchmark>_<split>.json beside the run's eval_<split>.json."""
+    import data
+
+    if not dataset or dataset == run_dataset:
+        return ""
+    return re.sub(r"[^\w.-]+", "-", Path(dataset).stem if data.own_kind(dataset) == "file" else dataset.split("/")[-1]) + "_"
 
 
 def run_settings(args, checkpoints):
@@ -282,8 +306,16 @@ def run_settings(args, checkpoints):
     import data
 
     run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else config.PRESETS.get(args.preset, {})
+    own = {key: getattr(args, key) if getattr(args, key) is not None else run_config.get(key)
+           for key in ("question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",
+                       "answer_kind")}
+    if own["prompt_template"] and Path(own["prompt_template"]).is_file():
+        own["prompt_template"] = Path(own["prompt_template"]).read_text(encoding="utf-8")
+    dataset = args.dataset or run_config.get("dataset") or "gsm8k"
+    source = data.DataSource(dataset, own["question_field"] or "question", own["answer_field"] or "answer",
+                             own["prompt_template"], own["eval_dataset"], own["eval_fraction"], own["answer_kind"])
     settings = {"model": args.model or args.base_model or run_config.get("model"),
-                "dataset": args.dataset or run_config.get("dataset") or "gsm8k",
+                "dataset": dataset, "source": source, "benchmark": benchmark_name(args.dataset, run_config.get("dataset")),
                 "data_dir": args.data_dir or run_config.get("data_dir"),
                 "one_shot": bool(run_config.get("one_shot", False)),
                 "system_prompt": data.system_prompt_of(run_config.get("system_prompt")),
@@ -381,16 +413,16 @@ def main(argv=None, load_sharded=None):
         raise ValueError(f"{sharded[0]} was written by several processes (dcp/): evaluate it with "
                          "python -m multigpu eval and the same flags")
     settings = run_settings(args, checkpoints)
-    data.check_data_source(settings["dataset"], settings["data_dir"], splits=(args.split,))
+    data.check_data_source(settings["dataset"], settings["data_dir"], splits=(args.split,), source=settings["source"])
     try:
         models.check_model_source(settings["model"])  # a missing local model: one line, before anything loads
     except (ValueError, OSError) as error:
         named_by = "--model" if args.model else "--base-model" if args.base_model else \
             "the model named in the run's config.json (another: --base-model)"
         raise ValueError(f"{named_by}: {error}") from None
+    name = f"eval_{settings['benchmark']}{args.split}.json"  # one result file per benchmark
     out_path = Path(args.out) if args.out else (
-        checkpoint.run_dir_of(args.checkpoint) / f"eval_{args.split}.json" if args.checkpoint
-        else Path(f"eval_{args.split}.json"))
+        checkpoint.run_dir_of(args.checkpoint) / name if args.checkpoint else Path(name))
     eval_config = {"model": settings["model"], "dataset": settings["dataset"], "split": args.split,
                    "num_prompts_requested": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
                    "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p,
@@ -413,7 +445,7 @@ def main(argv=None, load_sharded=None):
         examples = data.build_prompt_set(settings["dataset"], args.split, tokenizer, data_dir=settings["data_dir"],
                                          num_rows=args.num_prompts, seed=0, one_shot=settings["one_shot"],
                                          system_prompt=settings["system_prompt"],
-                                         prefill_think=settings["prefill_think"])
+                                         prefill_think=settings["prefill_think"], source=settings["source"])
     except data.HubUnavailable as error:  # the user's situation, one line (see __main__)
         raise ValueError(str(error)) from error
     prompts, answers = [e.text for e in examples], [e.answer for e in examples]

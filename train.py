@@ -246,7 +246,7 @@ def step_settings(args):
     """The StepSettings of the flags, built once per run."""
     return StepSettings(
         seed=args.seed, num_rollouts=args.num_rollouts, generation=config.generation_settings(args),
-        rewards=rewards.RewardSettings(args.reward_weights, args.reward_options, args.prefill_think),
+        rewards=config.reward_settings(args),
         select=pods.SelectSettings(args.update_size, args.rule, args.advantage_normalization, args.scale_rewards,
                                    args.selection_scope, args.drop_zero_variance),
         update=config.update_settings(args), device=args.device)
@@ -269,7 +269,7 @@ def load(args, processes):
     """(tokenizer, training prompts, held-out prompts (long ones kept, as eval.py does), policy, optimizer)."""
     tokenizer = models.load_tokenizer(args.model)
     common = dict(data_dir=args.data_dir, one_shot=args.one_shot, prefill_think=args.prefill_think,
-                  system_prompt=data.system_prompt_of(args.system_prompt))
+                  system_prompt=data.system_prompt_of(args.system_prompt), source=config.data_source(args))
     train_set = data.build_prompt_set(args.dataset, "train", tokenizer, num_rows=args.num_train_rows,
                                       max_prompt_tokens=args.max_prompt_tokens, **common)
     if args.prompts_per_step > len(train_set):  # a step would repeat prompts (a typo's count: fill the memory)

@@ -58,7 +58,8 @@ NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", 
 # prompt). A key the run's config.json lacks (a run older than the option) is compared as the option's default,
 # what the run ran with.
 RUN_IDENTITY = ("preset", "baseline", "seed", "model", "lora_rank", "lora_alpha", "lora_target_modules",
-                "dataset", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
+                "dataset", "question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",
+                "answer_kind", "num_train_rows", "one_shot", "prefill_think", "system_prompt", "max_prompt_tokens",
                 "rule", "num_rollouts", "update_size", "prompts_per_step", "grad_accum_steps", "updates_per_batch",
                 "advantage_normalization", "scale_rewards", "selection_scope", "drop_zero_variance", "reward_weights",
                 "reward_options", "dynamic_sampling", "dynamic_sampling_metric", "max_generation_rounds", "optimizer",
@@ -116,7 +117,8 @@ def build_parser():
     add("--lora-rank", type=int, default=0, help="LoRA rank r; 0 = full fine-tuning")
     add("--lora-alpha", type=int, help="LoRA alpha (the adapter's scale is alpha / r)")
     add("--lora-target-modules", default=",".join(models.DEFAULT_LORA_TARGETS),
-        help="comma-separated names of the projections LoRA adapts")
+        help="comma-separated names of the projections LoRA adapts; auto: every linear projection inside the decoder "
+             "blocks, named from the model (Phi-3's fused qkv_proj and gate_up_proj included)")
     add("--load-in-4bit", action="store_true", help="bitsandbytes NF4 base weights (QLoRA), CUDA only")
     add("--bf16", action=argparse.BooleanOptionalAction, default=False,
         help="bfloat16 compute (LoRA: bf16 frozen base weights; full fine-tuning: fp32 weights + bf16 autocast); "
@@ -131,9 +133,18 @@ def build_parser():
              "completions, loss and gradients, to float rounding; off: every row runs its prompt in full)")
     add("--device", help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     add = parser.add_argument_group("data").add_argument
-    add("--dataset", choices=data.DATASETS,
-        help="gsm8k, math (MATH), chemistry (SciKnowEval Chemistry L3, multiple choice) or arithmetic (synthetic "
-             "2-digit sums, the demo's); docs/rewards_and_data.md")
+    add("--dataset", help=f"a registered dataset ({', '.join(data.DATASETS)}: docs/rewards_and_data.md), your own "
+        "rows as a .jsonl / .csv / .parquet file, or a Hub dataset id (owner/name)")
+    add("--question-field", default="question", help="your own rows: the column holding the question")
+    add("--answer-field", default="answer", help="your own rows: the column holding the ground-truth answer")
+    add("--prompt-template", help="the user turn, a text or a file holding it, with {question} and any other column "
+        "by name, e.g. 'Solve: {question}' (default: the question; chemistry: its instruction, then the question)")
+    add("--eval-dataset", help="your own rows: the held-out rows' file or Hub id (default: --eval-fraction of "
+        "--dataset's rows)")
+    add("--eval-fraction", type=float, help=f"your own rows: the fraction held out, chosen by a stable hash of each "
+        f"row (default: {data.DEFAULT_EVAL_FRACTION:g} of a file; a Hub id's own test split)")
+    add("--answer-kind", choices=data.ANSWER_KINDS, help="what the accuracy reward compares: a number, a LaTeX "
+        "expression (math-verify) or a choice letter A-D (default: the dataset's; your own rows: told by the answer)")
     add("--data-dir", help="folder with the dataset files (default: $PODS_DATA_DIR, else ../shared/data, else the Hub)")
     add("--num-train-rows", type=int,
         help="use this many training rows (arithmetic: the synthetic set size; default: every row)")
@@ -167,6 +178,9 @@ def build_parser():
              f"({DEFAULT_REWARD_WEIGHTS}, the paper's; weight 0 logs a reward without training on it)")
     add("--reward-options", default="",
         help="term.option=value,... for the reward terms with options of their own (rewards.REWARD_TERMS)")
+    add("--reward-function", action="append", default=[], metavar="FILE.py:NAME[=WEIGHT]",
+        help="a reward function of your own, TRL's signature (prompts, completions, completion_ids and every dataset "
+             "column by keyword; returns a float or None per completion), weight 1 unless given; repeatable (default: none)")
     add("--prompts-per-step", type=int, help="prompts per rollout batch (P): P x n rollouts are generated")
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
@@ -262,6 +276,8 @@ def parse_args(argv=None, restarted=False):
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    if args.dataset not in data.DATASET_READERS and "--one-shot" not in argv:
+        args.one_shot = False  # the preset's worked example is for its own dataset; given for one's own rows: refused
     if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
         resolve_device(args)
         resolve_defaults(args)  # as config.json will hold them, with the run's label and folder
@@ -275,6 +291,8 @@ def parse_args(argv=None, restarted=False):
         from run import runfolder
         saved = dict({key: unrecorded[key] for key in RUN_IDENTITY + RECORDED_AT_RESUME}, **saved)
         _check_reward_terms(args, saved)
+        _check_data_files(args, saved)
+        _check_reward_functions(args, saved)
         weights = saved["reward_weights"]  # older runs saved the flag's text: the terms then unknown, parsed now
         saved["reward_weights"] = rewards.parse_reward_weights(weights) if isinstance(weights, str) else \
             {**{name: 0.0 for name in args.reward_weights}, **weights}  # a term the run did not record weighed 0
@@ -354,6 +372,27 @@ def resolve_defaults(args):
     args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
     args.reward_options = rewards.parse_reward_options(args.reward_options)
     args.reward_terms = reward_terms(args.reward_weights, args.reward_options)  # recorded in config.json
+    if args.prompt_template and Path(args.prompt_template).is_file():  # a file: its text is what the run uses
+        args.prompt_template = Path(args.prompt_template).read_text(encoding="utf-8")
+    args.reward_function = list(dict.fromkeys(args.reward_function or []))  # a resume given its specs again
+    record_files(args)
+
+
+def record_files(args):
+    """What config.json records of the files a run reads besides its model, so that a resume refuses a changed one:
+    `data_files` ({role: {"path", "sha256"}} of one's own rows) and `reward_functions` ({name: {"path", "sha256",
+    "weight"}} of --reward-function). A file not there is left out here: the checks refuse it."""
+    present = [name if name and Path(name).is_file() else None for name in (args.dataset, args.eval_dataset)]
+    args.data_files = data.own_files(data.DataSource(present[0], eval_dataset=present[1]))
+    args.reward_functions = {}
+    for spec in args.reward_function:
+        try:
+            path, name, weight = rewards.parse_reward_function(spec)
+        except ValueError:
+            continue  # refused by check_values
+        if Path(path).is_file():
+            args.reward_functions[name] = {"path": str(Path(path).resolve()), "sha256": data.file_sha256(path),
+                                           "weight": weight}
 
 
 def check_values(args):
@@ -385,6 +424,11 @@ def check_values(args):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _check_variant_flags(args)
+    _check_data_flags(args)
+    for spec in args.reward_function:
+        path, name, _ = rewards.parse_reward_function(spec)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--reward-function {spec!r}: file not found: {path}")
     if not args.dist_timeout_s > 0:
         raise ValueError(f"--dist-timeout-s must be > 0, got {args.dist_timeout_s}")
     _check_dynamic_sampling(args)
@@ -402,6 +446,9 @@ def check_args(args, restarted=False):
     _check_device_flags(args)
     runfolder.check_run_dir(args, restarted)
     _check_data(args)
+    names = [rewards.load_reward_function(spec).name for spec in args.reward_function]  # imports each file
+    if len(set(names)) < len(names):
+        raise ValueError(f"--reward-function: two functions named {[n for n in names if names.count(n) > 1][0]!r}")
     models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
     if args.bf16 and not str(args.device).startswith("cuda") and not models.native_bf16(args.device):
         warnings.warn("--bf16 on a CPU without bf16 instructions (AVX-512 BF16, AMX): allowed, but slower than "
@@ -477,10 +524,78 @@ def _check_variant_flags(args):
 
 
 def _check_data(args):
-    """The dataset is readable: synthetic, files in the data folder (data.default_data_dir) or its Hub source."""
+    """The dataset is readable: synthetic, files in the data folder (data.default_data_dir) or its Hub source; one's
+    own file read and every row checked, its path and SHA-256 recorded (args.data_files, config.json)."""
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir} is not a folder")
-    data.check_data_source(args.dataset, args.data_dir, splits=("train", "test") if args.eval_samples else ("train",))
+    source = data_source(args)
+    data.check_data_source(args.dataset, args.data_dir, splits=("train", "test") if args.eval_samples else ("train",),
+                           source=source)
+
+
+def _check_data_flags(args):
+    """The data flags that act on one's own rows only are refused with a registered dataset (they would do
+    nothing); a template's placeholders must be names; the held-out fraction a fraction."""
+    own = args.dataset not in data.DATASET_READERS
+    if not own:
+        given = [flag for flag, value, default in (("--question-field", args.question_field, "question"),
+                                                   ("--answer-field", args.answer_field, "answer"),
+                                                   ("--eval-dataset", args.eval_dataset, None),
+                                                   ("--eval-fraction", args.eval_fraction, None)) if value != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape your own rows (a file or Hub id as --dataset); "
+                             f"{args.dataset} is a registered dataset with its own fields and held-out split")
+    elif data.own_kind(args.dataset) is None:
+        raise ValueError(f"--dataset {args.dataset!r}: not a registered dataset ({', '.join(data.DATASETS)}), "
+                         "a .jsonl / .csv / .parquet file or a Hub id (owner/name)")
+    elif args.one_shot:
+        raise ValueError("--one-shot has a worked example for the registered datasets only; with your own rows, "
+                         "write an example into --prompt-template (--no-one-shot)")
+    if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
+        raise ValueError(f"--eval-fraction must be in (0, 1), got {args.eval_fraction:g}")
+    if args.eval_dataset and args.eval_fraction is not None:
+        raise ValueError("--eval-dataset and --eval-fraction both name the held-out rows: give one")
+    if args.prompt_template is not None:
+        data.template_fields(args.prompt_template)  # a stray brace: one line now
+
+
+def reward_settings(args):
+    """The rewards.RewardSettings of the flags: the registered terms' weights and options, --prefill-think,
+    --answer-kind and the --reward-function functions (loaded)."""
+    return rewards.RewardSettings(args.reward_weights, args.reward_options, args.prefill_think, args.answer_kind,
+                                  tuple(rewards.load_reward_function(spec) for spec in args.reward_function or []))
+
+
+def _check_reward_functions(args, saved):
+    """A resume trains on the functions of one's own its run started with, unchanged (name, file SHA-256, weight)."""
+    recorded, now = saved.get("reward_functions") or {}, args.reward_functions
+    if json.dumps(recorded, sort_keys=True) == json.dumps(now, sort_keys=True):
+        return
+    changed = sorted(name for name in set(recorded) | set(now) if recorded.get(name) != now.get(name))
+    said = "; ".join(f"{name}: {_reward_function_said(recorded.get(name))} -> {_reward_function_said(now.get(name))}"
+                     for name in changed)
+    raise ValueError(f"--resume: the run in {args.output_dir} started with other --reward-function functions ({said}); "
+                     "restore them or start a new run in another --output-dir")
+
+
+def _reward_function_said(entry):
+    return "absent" if not entry else f"{Path(entry['path']).name} sha256 {entry['sha256'][:12]} weight {entry['weight']:g}"
+
+
+def data_source(args):
+    """The data flags as a data.DataSource."""
+    return data.DataSource(args.dataset, args.question_field, args.answer_field, args.prompt_template,
+                           args.eval_dataset, args.eval_fraction, args.answer_kind)
+
+
+def _check_data_files(args, saved):
+    """A resume reads the files its run started with: a file of one's own rows changed since is refused."""
+    for role, recorded in (saved.get("data_files") or {}).items():
+        now = (args.data_files.get(role) or {}).get("sha256")
+        if now != recorded.get("sha256"):
+            raise ValueError(f"--resume: {recorded.get('path')} (--{role.replace('_', '-')}) changed since the run "
+                             f"in {args.output_dir} started (sha256 {recorded.get('sha256', '')[:12]} -> "
+                             f"{(now or 'absent')[:12]}); restore it or start a new run in another --output-dir")
 
 
 # The method label names what a run optimises (compare.py groups runs by it): the rule and n/m, then each flag below
@@ -499,6 +614,8 @@ LABEL_FLAGS = {
     "kl_coef": lambda value, args: f"kl {value:g}",
     "reward_weights": lambda value, args: "rewards " + ",".join(
         f"{name}={weight:g}" for name, weight in value.items() if weight != rewards.DEFAULT_REWARD_WEIGHTS.get(name)),
+    "reward_function": lambda value, args: "own rewards " + ",".join(spec.rpartition(":")[2] for spec in value)
+    if value else "",
     "reward_options": lambda value, args: "reward options " + ",".join(
         f"{term}.{key}={option}" for term, given in value.items() for key, option in given.items()),
 }

@@ -89,10 +89,12 @@ def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         config.parse_args(["--model", str(tmp_path / "nowhere")])
     unknown_rule = "not_" + "_or_".join(pods.RULES)  # derived from the registry: never a registered rule
-    for flag, value in (("--rule", unknown_rule), ("--preset", "z"), ("--dataset", "imagenet")):
+    for flag, value in (("--rule", unknown_rule), ("--preset", "z")):
         with pytest.raises(SystemExit):
             config.parse_args([flag, value])
         assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--dataset 'imagenet': not a registered dataset"):  # nor a file or Hub id
+        config.parse_args(["--dataset", "imagenet"])
 
 
 def test_reward_weights_are_parsed_once_into_a_dict():
@@ -115,7 +117,7 @@ def test_every_label_flag_that_differs_from_the_preset_is_in_the_label(name):  #
     changed = {"loss_aggregation": "token", "scale_rewards": "none", "selection_scope": "batch", "clip_eps_high": 0.28,
                "mask_truncated": True, "drop_zero_variance": True, "advantage_normalization": "group",
                "clip_eps": 0.3, "kl_coef": 0.05, "dynamic_sampling": True,
-               "reward_weights": dict(paper["reward_weights"], format=0.1)}
+               "reward_weights": dict(paper["reward_weights"], format=0.1), "reward_function": ["mine.py:mine=0.5"]}
     args = argparse.Namespace(**dict(paper, **{name: changed[name]}))
     words = config.LABEL_FLAGS[name](changed[name], args)
     assert words and config.method_label(args) == f"PODS max_variance 16/4 + {words}"

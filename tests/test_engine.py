@@ -286,8 +286,8 @@ def test_model_generation_config_does_not_shape_the_rollouts(backend):
 def lora_model(seed=0, arch="llama"):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(eos_model(arch), LoraConfig(r=4, lora_alpha=8, target_modules=list(
-        models.DEFAULT_LORA_TARGETS)))
+    base = eos_model(arch)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=models.lora_targets(base)))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -314,7 +314,7 @@ def run_main_as_a_command(monkeypatch, capsys, argv):
     (["--temperature", "nan"], "--temperature must be >= 0"),
     (["--top-p", "2"], "--top-p must be in \\(0, 1\\], got 2.0"),
     (["--num-threads", "-1"], "--num-threads must be >= 0 .*got -1"),
-    (["--dataset", "bogus"], "--dataset: invalid choice"),
+    (["--dataset", "bogus"], "--dataset 'bogus': not a registered dataset"),
     (["--model", "{tmp}/missing"], "--model: .*missing' does not exist"),
     (["--checkpoint", "{tmp}/missing", "--model", None], "--checkpoint .*missing: no such"),
     (["--checkpoint", "{tmp}", "--model", None], "--checkpoint: .* is neither a checkpoint"),
