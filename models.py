@@ -345,8 +345,6 @@ def prepare_for_training(model, *, lora_rank=0, lora_alpha=None, lora_target_mod
             config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or lora_rank, lora_dropout=lora_dropout,
                                 target_modules=targets, task_type="CAUSAL_LM")
             model = lora_in_base_dtype(get_peft_model(model, config))
-        trainable, total = model.get_nb_trainable_parameters()
-        print(f"LoRA r={lora_rank} on {','.join(targets)}: {trainable:,} of {total:,} parameters train", flush=True)
     return model
 
 
@@ -707,6 +705,19 @@ def tf32_matmuls(device):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def trainable_line(model):
+    """What trains, in one line (train.py prints it once the policy is loaded): the adapter's rank and targets and
+    peft's count of trainable parameters, or the full model's."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if hasattr(model, "get_nb_trainable_parameters"):  # peft: counts 4-bit weights as what they hold
+        trainable, total = model.get_nb_trainable_parameters()
+        config = model.peft_config["default"]
+        return f"LoRA r={config.r} on {','.join(sorted(config.target_modules))}: {trainable:,} of {total:,} " \
+               "parameters train"
+    return f"full fine-tuning: {trainable:,} of {total:,} parameters train"
 
 
 def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):

@@ -364,6 +364,8 @@ def run(args, run_dir, processes):
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
+    if processes.is_main:
+        print(models.trainable_line(model), flush=True)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
     changed_now = args.changes[-1] if args.changes and args.changes[-1]["step"] is None else None
     if changed_now:  # what this resume changed (config.RECORDED_AT_RESUME), at the step it continues from

@@ -34,7 +34,9 @@ def test_a_run_prints_what_it_does_and_where_its_results_are_and_nothing_else(ti
     assert lines[0].startswith(f"PODS max_variance 4/2: {tiny_model_dir} on arithmetic, 2 steps; "
                                "held-out evaluation of 2 prompts at step 0, every 1 steps")
     assert lines[0].endswith(f"-> {run_dir}")
-    assert lines[1] == "evaluating 2 held-out prompts at step 0 ..."
+    assert re.fullmatch(r"LoRA r=4 on down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj: [\d,]+ of [\d,]+ "
+                        "parameters train", lines[1])  # every projection of the decoder (the default targets)
+    assert lines[2] == "evaluating 2 held-out prompts at step 0 ..."
     assert [int(m.group(1)) for m in map(re.compile(r"step (\d+): held-out accuracy 0\.\d\d, format ").match, lines)
             if m] == [0, 1, 2]
     assert any(re.fullmatch(rf"done: 2 steps, \d+ s of training -> {re.escape(str(run_dir))}", line) for line in lines)
@@ -61,7 +63,8 @@ def test_the_demo_starts_up_quietly_from_the_gguf_file(tmp_path):
     assert lines[0].startswith("PODS max_variance 4/2: smollm2-135m-offline on arithmetic, 1 steps; held-out "
                                "evaluation of 4 prompts") and lines[0].endswith(f"-> {run_dir}")
     assert lines[1].startswith(f"converting the demo model's GGUF file once into {cache}")
-    assert lines[2] == "evaluating 4 held-out prompts at step 0 ..." and lines[3].startswith("step 0: held-out")
+    assert lines[2].startswith("LoRA r=16 on ") and lines[2].endswith(" parameters train")
+    assert lines[3] == "evaluating 4 held-out prompts at step 0 ..." and lines[4].startswith("step 0: held-out")
     assert "bitsandbytes imported: False" in lines and "done: 1 steps" in done.stdout
     bar_lines = [part.strip() for part in re.split(r"[\r\n]", done.stderr) if part.strip()]
     assert bar_lines and all(part.startswith("PODS max_variance 4/2:") for part in bar_lines), done.stderr
