@@ -39,6 +39,7 @@ Simplification: the KL term is optional (paper and TRL default beta = 0) and use
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -145,6 +146,32 @@ def loss_settings(settings: LossSettings | None = None, **options) -> LossSettin
     if unknown:
         raise TypeError(f"unknown loss option(s) {unknown}; LossSettings has {sorted(names)}")
     return dataclasses.replace(base, **options)
+
+
+# ------------------------------------------------ the policy's forward passes: the HF model, dropout off
+
+def hf_model(model):
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def dropout_off(model, keep_checkpointing=False):
+    """Every module in eval mode for the block (no dropout; gradients still flow), each module's own flag restored
+    afterwards. keep_checkpointing=True (the update) leaves gradient-checkpointed layers in training mode: their
+    flag is what switches checkpointing on (transformers), and they hold no dropout of their own. Generation
+    wants them in eval mode too: a checkpointed layer in training mode turns the KV cache off."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    if keep_checkpointing:
+        for module, training in modes:
+            if getattr(module, "gradient_checkpointing", False) is True:
+                module.training = training
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

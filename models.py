@@ -11,7 +11,8 @@ runs the update's forward passes under bf16 autocast (update.py), since bf16 wei
 (the bf16 spacing at 0.02 is ~1e-4: the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 `native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
 
-`dropout_off` is the one place that switches dropout off (generation, the log-prob pass, the update).
+`dropout_off` and `hf_model` are grpo_loss.py's (the step's forward passes), re-exported here; the update's GPU
+fast paths (fused kernels, TF32, activation checkpointing) are engine/kernels.py's.
 Loading is quiet: no loader progress bars (`quiet_loading`; downloads keep theirs), and bitsandbytes is imported only
 for 4-bit weights or 8-bit Adam (`quiet_peft`). The demo model's GGUF file is converted once into $PODS_CACHE_DIR
 (default ~/.cache/pods).
@@ -25,7 +26,6 @@ import fnmatch
 import functools
 import importlib.util
 import io
-import math
 import os
 import shutil
 import sys
@@ -34,6 +34,7 @@ import time
 import warnings
 from pathlib import Path
 
+from grpo_loss import dropout_off, hf_model  # noqa: F401  (models.dropout_off: the same function)
 from lazy import lazy_module
 
 # Imported at their first use: presets and the flags read this module's names without loading them (lazy.py).
@@ -458,253 +459,14 @@ def lora_in_base_dtype(model):
     CUDA cores. The adapter's weights, gradients and optimizer state stay fp32 (master weights)."""
     from peft.tuners.lora.layer import Linear
 
-    for module in model.modules():
-        if type(module) is Linear and "forward" not in module.__dict__:
+    for module in model.modules():  # only where it can act: a base in another dtype than its adapter
+        if type(module) is Linear and "forward" not in module.__dict__ and any(
+                module.base_layer.weight.dtype != a.weight.dtype for a in module.lora_A.values()):
             module.forward = _lora_forward(module, module.forward)
     return model
 
 
-def checkpointable_layers(model):
-    """The decoder layers of `model` that gradient checkpointing was switched on for (prepare_for_training), in order;
-    [] without it (or with a transformers release that checkpoints no layer by itself)."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return []
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)
-            and getattr(m, "_gradient_checkpointing_func", None) is not None]
-
-
-@contextlib.contextmanager
-def checkpointing(model, layers=None, mlps=0):
-    """For the block, of `checkpointable_layers`: the first `layers` checkpointed whole (each replays its forward in
-    the backward), the next `mlps` their MLP alone (it replays: two thirds of what a layer keeps, a fifth of its
-    kernels), the others not at all; layers None: every layer whole, as built. As built again afterwards."""
-    every = checkpointable_layers(model)
-    layers = len(every) if layers is None else layers
-    replayed = []  # (mlp, its forward before)
-
-    def replay(forward):
-        def run(x):
-            return checkpoint(forward, x, use_reentrant=False) if torch.is_grad_enabled() else forward(x)
-        return run
-
-    from torch.utils.checkpoint import checkpoint
-
-    try:
-        for index, layer in enumerate(every):
-            layer.gradient_checkpointing = index < layers
-            if layers <= index < layers + mlps:
-                replayed.append((layer.mlp, layer.mlp.__dict__.get("forward")))
-                layer.mlp.forward = replay(layer.mlp.forward)
-        yield
-    finally:
-        for mlp, forward in replayed:
-            if forward is None:
-                del mlp.forward
-            else:
-                mlp.forward = forward
-        for layer in every:
-            layer.gradient_checkpointing = True
-
-
-def saved_bytes_per_token(model, tokens=48, nbytes=None):
-    """(plain, MLP replayed, layer replayed): the bytes autograd keeps for the backward per token position of one
-    decoder layer as `checkpointing` leaves it, measured on `model` itself: the saved tensors (under saved-tensor
-    hooks; parameters, and each storage, once) of forwards of 2 random rows (one padded, as the update's rows are)
-    of `tokens` and of 2 x `tokens` positions; the difference of the two sizes leaves out what does not grow with
-    the tokens (the adapter's bf16 copies). A layer replayed whole keeps its input. nbytes: the size of a saved
-    tensor (default: its storage's). Cached per model."""
-    cached = model.__dict__.get("_saved_bytes_per_token")
-    if cached is not None:
-        return cached
-    layers = len(checkpointable_layers(model))
-    measure = nbytes or (lambda t: t.untyped_storage().nbytes())
-    device = next(model.parameters()).device
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-
-    def saved(length, plan):
-        ids = torch.randint(3, hf_model(model).config.vocab_size, (2, length), device=device)
-        mask = torch.ones_like(ids)
-        mask[1, :length // 4] = 0
-        seen = {}
-
-        def pack(tensor):
-            key = tensor.untyped_storage().data_ptr()
-            if key not in skip:
-                seen[key] = max(seen.get(key, 0), measure(tensor))
-            return tensor
-
-        with dropout_off(model, keep_checkpointing=True), checkpointing(model, *plan), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
-        return sum(seen.values())
-
-    plans = {"plain": (0, 0), "mlp": (0, layers), "layer": (layers, 0)}
-    grown = {name: saved(2 * tokens, plan) - saved(tokens, plan) for name, plan in plans.items()}
-    inputs = measure(torch.empty(1, hf_model(model).config.hidden_size, dtype=next(model.parameters()).dtype))
-    result = tuple((grown[name] - grown["layer"]) / max(layers, 1) / (2 * tokens) + inputs for name in plans)
-    model.__dict__["_saved_bytes_per_token"] = result
-    return result
-
-
-def checkpoint_plan(layers, per_token, tokens, budget_bytes):
-    """(layers replayed whole, layers whose MLP alone replays) for `layers` decoder layers keeping per_token =
-    `saved_bytes_per_token` bytes per token position each, so that a micro-batch of `tokens` positions fits
-    budget_bytes with as little replay as can: MLPs first (cheap to replay), then whole layers; every layer whole
-    if even that does not fit."""
-    plain, mlp, whole = per_token
-    need = (lambda wholes, mlps: (wholes * whole + mlps * mlp + (layers - wholes - mlps) * plain) * tokens)
-    if need(0, 0) <= budget_bytes:
-        return 0, 0
-    if need(0, layers) <= budget_bytes:
-        return 0, min(layers, math.ceil((need(0, 0) - budget_bytes) / max((plain - mlp) * tokens, 1)))
-    wholes = min(layers, math.ceil((need(0, layers) - budget_bytes) / max((mlp - whole) * tokens, 1)))
-    return wholes, layers - wholes
-
-
 # ---------------------------------------------------------------- fused kernels (CUDA)
-
-# How far a fused kernel may stray from the plain path on the check's input (the largest difference over the largest
-# value, forward and gradients): bf16 rounding differs by a few units of its 8-bit mantissa, a wrong kernel by far more.
-KERNEL_TOLERANCE = 3e-2
-
-
-def plain_kernels():
-    """The plain path of each fusable operation (Hugging Face's Llama/Qwen2 formulas): RMSNorm in float32 times the
-    weight in the input's dtype, rotary embedding, SiLU(gate) x up."""
-    def rms_norm(x, weight, eps):
-        x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-    def rotary(q, k, cos, sin):
-        def rotated(x):
-            half = x.shape[-1] // 2
-            return torch.cat((-x[..., half:], x[..., :half]), -1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * cos + rotated(q) * sin, k * cos + rotated(k) * sin
-
-    return dict(rms_norm=rms_norm, rotary=rotary, silu_mul=lambda gate, up: torch.nn.functional.silu(gate) * up)
-
-
-def liger_kernels(device):
-    """Liger-Kernel's fused Triton kernels (one kernel each, forward and backward) where they run: a CUDA device with
-    the package installed (`pip install liger-kernel`, an optional dependency); {} elsewhere."""
-    if torch.device(device).type != "cuda" or importlib.util.find_spec("liger_kernel") is None:
-        return {}
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    from liger_kernel.ops.rope import LigerRopeFunction
-    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-    return dict(rms_norm=lambda x, weight, eps: LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False),
-                rotary=lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin),
-                silu_mul=lambda gate, up: LigerSiLUMulFunction.apply(gate, up))
-
-
-def kernels_disagree(kernels, dtype, device, hidden=256, heads=4, kv_heads=2):
-    """None when every kernel of `kernels` gives the plain path's outputs and input gradients on a random input
-    (within KERNEL_TOLERANCE), else which one does not and by how much (or what it raised), in a line."""
-    plain, generator = plain_kernels(), torch.Generator(device=device).manual_seed(0)
-    head_dim, tokens = hidden // heads, 24
-
-    def random(*shape):
-        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
-
-    angles = torch.arange(tokens, device=device)[:, None] * torch.rand(head_dim // 2, generator=generator,
-                                                                         device=device)
-    cos, sin = (torch.cat([f(angles), f(angles)], -1).expand(2, -1, -1).to(dtype) for f in (torch.cos, torch.sin))
-    inputs = dict(rms_norm=lambda: (random(2, tokens, hidden), 1 + random(hidden) / 4, 1e-6),
-                  rotary=lambda: (random(2, heads, tokens, head_dim), random(2, kv_heads, tokens, head_dim), cos, sin),
-                  silu_mul=lambda: (random(2, tokens, hidden), random(2, tokens, hidden)))
-    for name, kernel in kernels.items():
-        args = inputs[name]()
-        results = []
-        for function in (kernel, plain[name]):
-            leaves = [a.detach().clone().requires_grad_(a.dtype.is_floating_point) if torch.is_tensor(a) else a
-                      for a in args]
-            try:
-                out = function(*leaves)
-                outs = out if isinstance(out, tuple) else (out,)
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-            except Exception as error:  # noqa: BLE001 (any failure of a fused kernel means the plain path)
-                return f"{name} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            results.append([o.detach().float() for o in outs] + [a.grad.float() for a in leaves
-                                                               if torch.is_tensor(a) and a.grad is not None])
-        for got, want in zip(*results):
-            error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
-            if not error <= KERNEL_TOLERANCE:
-                return f"{name} differs from the plain path by {error:.2g} of its largest value"
-    return None
-
-
-@contextlib.contextmanager
-def fused_kernels(model, device):
-    """For the block, `model`'s RMSNorms, rotary embedding and SiLU x up run through fused kernels where they run
-    (`liger_kernels`) and agree with the plain path (`kernels_disagree`, checked once per model; if not: one warning
-    line, and the plain path); each module's own forward comes back afterwards. Elsewhere nothing changes (CPU: the
-    plain path)."""
-    kernels = model.__dict__.get("_fused_kernels")
-    if kernels is None:
-        kernels = liger_kernels(device)
-        reason = kernels_disagree(kernels, next(model.parameters()).dtype, device) if kernels else None
-        if reason is not None:
-            warnings.warn(f"fused kernels off: {reason}; the update runs the plain path")
-            kernels = {}
-        model.__dict__["_fused_kernels"] = kernels
-    if not kernels:
-        yield
-        return
-    patched = []  # (owner, name, previous value or None)
-
-    def patch(owner, name, value):
-        patched.append((owner, name, owner.__dict__.get(name)))
-        setattr(owner, name, value)
-
-    def norm_forward(module):
-        return lambda x: kernels["rms_norm"](x, module.weight, module.variance_epsilon)
-
-    def mlp_forward(module):
-        return lambda x: module.down_proj(kernels["silu_mul"](module.gate_proj(x), module.up_proj(x)))
-
-    def rotary(plain):
-        def apply(q, k, cos, sin, *args, **kwargs):
-            return kernels["rotary"](q, k, cos, sin) if not (args or kwargs) else plain(q, k, cos, sin, *args,
-                                                                                        **kwargs)
-        return apply
-
-    try:
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-                patch(module, "forward", norm_forward(module))
-            elif all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj")) and \
-                    type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
-                patch(module, "forward", mlp_forward(module))
-            elif hasattr(module, "q_proj") and hasattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb"):
-                owner = sys.modules[type(module).__module__]
-                if not any(o is owner for o, _, _ in patched):
-                    patch(owner, "apply_rotary_pos_emb", rotary(owner.apply_rotary_pos_emb))
-        yield
-    finally:
-        for owner, name, previous in reversed(patched):
-            if previous is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
-
-
-@contextlib.contextmanager
-def tf32_matmuls(device):
-    """On CUDA, float32 matrix products of the block may use TF32 (a 10-bit mantissa; the update's bf16 products have
-    7): what is left in float32 (full fine-tuning without --bf16) runs on tensor cores. Elsewhere: nothing changes."""
-    if torch.device(device).type != "cuda":
-        yield
-        return
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def trainable_line(model):
@@ -736,25 +498,3 @@ def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
     return transformers.AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)
 
 
-def hf_model(model):
-    """The transformers model inside a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@contextlib.contextmanager
-def dropout_off(model, keep_checkpointing=False):
-    """Every module in eval mode for the block (no dropout; gradients still flow), each module's own flag restored
-    afterwards. keep_checkpointing=True (the update) leaves gradient-checkpointed layers in training mode: their
-    flag is what switches checkpointing on (transformers), and they hold no dropout of their own. Generation
-    wants them in eval mode too: a checkpointed layer in training mode turns the KV cache off."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    if keep_checkpointing:
-        for module, training in modes:
-            if getattr(module, "gradient_checkpointing", False) is True:
-                module.training = training
-    try:
-        yield model
-    finally:
-        for module, training in modes:
-            module.training = training

@@ -392,7 +392,6 @@ def tag_count_rewards(prompts, completions, answer=None, **kwargs) -> list[float
     return [tag_count_reward(completion_text(c)) for c in completions]
 
 
-
 @dataclass
 class RewardResult:
     total: torch.Tensor  # [N] float32, weighted sum over functions (NaN entries of a function skipped)
@@ -455,54 +454,6 @@ def score_rollouts(rollouts, examples, settings) -> RewardResult:
                            [graded_completion(text, settings.prefill_think) for text in rollouts.texts],
                            [examples[i].answer for i in rows], reward_funcs=funcs, weights=weights, options=options,
                            completion_ids=completion_ids, columns=columns)
-
-
-def parse_reward_function(spec):
-    """"FILE.py:NAME[=WEIGHT]" -> (path, name, weight); a malformed spec is one ValueError line."""
-    where, _, weight = spec.rpartition("=") if "=" in spec.rpartition(":")[2] else (spec, "", "")
-    path, _, name = where.rpartition(":")
-    if not path.endswith(".py") or not name.isidentifier():
-        raise ValueError(f"--reward-function {spec!r}: expected FILE.py:NAME or FILE.py:NAME=WEIGHT")
-    try:
-        value = float(weight) if weight else 1.0
-    except ValueError:
-        raise ValueError(f"--reward-function {spec!r}: the weight {weight!r} is not a number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"--reward-function {spec!r}: the weight must be finite")
-    return path, name, value
-
-
-def load_reward_function(spec):
-    """The OwnReward of a --reward-function spec: the file imported, NAME a function taking **kwargs (it receives
-    every dataset column by name). Everything wrong is one ValueError line naming the spec."""
-    import hashlib
-    import importlib.util
-    import inspect
-    from pathlib import Path
-
-    path, name, weight = parse_reward_function(spec)
-    if not Path(path).is_file():
-        raise ValueError(f"--reward-function {spec!r}: file not found: {path}")
-    if name in REWARD_TERMS:
-        raise ValueError(f"--reward-function {spec!r}: {name!r} is a registered reward term; name yours otherwise "
-                         "(--reward-weights changes a registered term's weight)")
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    module_spec = importlib.util.spec_from_file_location(f"reward_file_{Path(path).stem}_{digest[:8]}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001  the user's file: one line, whatever it raised
-        raise ValueError(f"--reward-function {spec!r}: importing {path} raised {type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''}") from None
-    func = getattr(module, name, None)
-    if not callable(func):
-        found = sorted(key for key, value in vars(module).items() if inspect.isfunction(value))
-        raise ValueError(f"--reward-function {spec!r}: {path} has no function {name!r} (functions: {found})")
-    kinds = [parameter.kind for parameter in inspect.signature(func).parameters.values()]
-    if inspect.Parameter.VAR_KEYWORD not in kinds:
-        raise ValueError(f"--reward-function {spec!r}: {name} must take **kwargs, as TRL's reward functions do "
-                         "(it is called with prompts, completions, completion_ids and every dataset column by name)")
-    return OwnReward(name, func, weight, str(Path(path).resolve()), digest)
 
 
 def _checked_values(name, values, count, prompts):

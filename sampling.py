@@ -27,7 +27,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 import engine
-import models
+import grpo_loss
 from engine import prefix
 
 BACKENDS = (None, "engine", "hf")
@@ -215,7 +215,7 @@ def neutral_generation_config(model):
     on transformers 4.50-4.57, even overrides fields equal to the library default (Qwen2.5-Instruct: top_k=20,
     repetition_penalty=1.05, ...): the rollouts would come from another policy than the one the loss scores.
     For the call, the model's generation_config is a blank one."""
-    hf = models.hf_model(model)
+    hf = grpo_loss.hf_model(model)
     saved = hf.generation_config
     hf.generation_config = GenerationConfig()
     try:
@@ -240,7 +240,7 @@ def check_generation_fits(model, rows, tokens, flags):
     of `tokens` (prompt + completion) that exceeds the model's positions or the memory left for it: the KV cache
     (K and V of every layer and KV head) plus a step's fp32 logits and the sampling buffers over them. Checked
     before the first generation, so an impossible setting fails at once rather than by the kernel's OOM killer."""
-    config = models.hf_model(model).config
+    config = grpo_loss.hf_model(model).config
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and tokens > limit:
         raise ValueError(f"prompts + completions of up to {tokens} tokens exceed the model's {limit} positions: "
@@ -248,7 +248,7 @@ def check_generation_fits(model, rows, tokens, flags):
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_bytes = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * \
-        models.hf_model(model).dtype.itemsize * rows * tokens
+        grpo_loss.hf_model(model).dtype.itemsize * rows * tokens
     need = kv_bytes + 4 * 4 * rows * config.vocab_size + 9 * rows * tokens  # logits x 4; token and mask buffers
     device = next(model.parameters()).device
     free = available_memory_bytes(device)
@@ -266,7 +266,7 @@ def shared_prefix_cache(model, ids, mask):
     new_ids, new_mask, shared = prefix.shared_prefix_layout(ids, mask)
     if shared == 0:
         return ids, mask, None
-    parameters = inspect.signature(models.hf_model(model).forward).parameters
+    parameters = inspect.signature(grpo_loss.hf_model(model).forward).parameters
     name = prefix.cache_argument(model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}   # no [prefix, vocab] logits
     output = model(input_ids=new_ids[:1, :shared], attention_mask=new_mask[:1, :shared], use_cache=True, **keep)
@@ -313,7 +313,7 @@ def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, setti
     prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
     hf_config = generation_config_for(s.max_new_tokens, s.temperature, s.top_p, eos_ids, pad_id)
     chunks = []
-    with torch.no_grad(), models.dropout_off(model):
+    with torch.no_grad(), grpo_loss.dropout_off(model):
         for chunk_index, start in enumerate(range(0, len(prompt_index), s.rollout_batch_size)):
             rows = prompt_index[start:start + s.rollout_batch_size]
             keep = int(prompt_mask[rows].sum(1).max())  # drop padding columns no row of this chunk needs

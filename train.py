@@ -27,14 +27,12 @@ import json
 import math
 import signal
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 import data
-import eval as heldout
 import models
 import pods
 import rewards
@@ -42,6 +40,8 @@ import sampling
 import update
 from engine import rollout_check
 from run import checkpoint, completions, report, runfolder, signals
+from run.loop import evaluate_heldout, evaluation_due, load, resume  # the loop's parts around the step
+from run.metrics import PHASE_KEYS, step_metrics, timed
 from variants import dynamic_sampling
 
 NONFINITE_STOP = 3  # consecutive steps whose update was skipped
@@ -197,10 +197,10 @@ class Round:
 def rollout_round(model, tokenizer, examples, settings, seed, costs, sizes=None, first_chunk=0):
     """PODS's generation and rewards: n rollouts per prompt of `examples`, scored, as a Round (sizes: see
     OneProcess.rounds; one process generates every example)."""
-    with report.timed(costs, "generate_s"):  # n rollouts per prompt (the decode engine, or HF generate())
+    with timed(costs, "generate_s"):  # n rollouts per prompt (the decode engine, or HF generate())
         rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], settings.num_rollouts,
                                               settings.generation, seed, first_chunk)
-    with report.timed(costs, "reward_s"):  # accuracy, format and tag count, weighted (paper Appendix A.1)
+    with timed(costs, "reward_s"):  # accuracy, format and tag count, weighted (paper Appendix A.1)
         scores = rewards.score_rollouts(rollouts, examples, settings.rewards)
     return Round(examples, rollouts, scores.total.view(len(examples), -1), scores.per_func, scores.grader_timeouts,
                  first_chunk)
@@ -212,15 +212,15 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
     Rounds). settings: a StepSettings. make_round: the round strategy (`rollout_round`; --dynamic-sampling and
     several processes wrap it: `round_strategy`). The update checks the sampler's log-probs before its optimizer
     step: off-policy engine rollouts are not trained on, and generation switches to HF (engine/rollout_check.py)."""
-    costs, made = dict.fromkeys(report.PHASE_KEYS, 0.0), []
+    costs, made = dict.fromkeys(PHASE_KEYS, 0.0), []
     for index, examples in enumerate(rounds):
         seed = sampling.derived_seed(settings.seed, step, index)  # a resumed step draws what it drew before
         round_ = make_round(model, tokenizer, examples, settings, seed, costs)  # n rollouts per prompt, scored
-        with report.timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
+        with timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
             round_.keep(*pods.select(round_.rewards_seen(), **vars(settings.select),
                                      generator=torch.Generator().manual_seed(selection_seed(seed, round_.first_chunk))))
         made.append(round_)
-    with report.timed(costs, "update_s"):  # the clipped GRPO loss, mu optimizer steps
+    with timed(costs, "update_s"):  # the clipped GRPO loss, mu optimizer steps
         batches = [round_.update_batch() for round_ in made]
         update.fill_logprobs(model, batches, settings.update)
         result = update.update_policy(model, optimizer, batches, settings.update, sum_over_processes=processes.total,
@@ -229,7 +229,7 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
         round_.record_sampler_ratios(ratios)
     costs["peak_mem_gib"] = update.peak_memory_gib(settings.device)
     scored, result, costs = processes.merged(([part for round_ in made for part in round_.parts], result, costs))
-    metrics = report.step_metrics(scored, result, optimizer, costs, settings.update.loss.mask_truncated)
+    metrics = step_metrics(scored, result, optimizer, costs, settings.update.loss.mask_truncated)
     # Did the rollouts come from the policy? The update's log-probs against the sampler's: else fall back to HF.
     metrics.update(rollout_check.after_step(model, result, scored, settings.generation.backend, f"step {step}"))
     return metrics, scored
@@ -264,86 +264,6 @@ def round_strategy(args, processes=ONE_PROCESS, draw=None, say=None):
 
 
 # ------------------------------------------------------------------------------------------ the run
-
-def load(args, processes):
-    """(tokenizer, training prompts, held-out prompts (long ones kept, as eval.py does), policy, optimizer)."""
-    tokenizer = models.load_tokenizer(args.model)
-    common = dict(data_dir=args.data_dir, one_shot=args.one_shot, prefill_think=args.prefill_think,
-                  system_prompt=data.system_prompt_of(args.system_prompt), source=config.data_source(args))
-    train_set = data.build_prompt_set(args.dataset, "train", tokenizer, num_rows=args.num_train_rows,
-                                      max_prompt_tokens=args.max_prompt_tokens, **common)
-    if args.prompts_per_step > len(train_set):  # a step would repeat prompts (a typo's count: fill the memory)
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} exceeds the {len(train_set)} training prompts")
-    eval_set = data.build_prompt_set(args.dataset, "test", tokenizer, num_rows=args.eval_samples,
-                                     **common) if args.eval_samples else []
-    torch.manual_seed(args.seed)  # LoRA initialisation; right here, as imports above may draw random numbers
-    model = processes.load_policy(args)
-    model.train()  # checkpointing acts in training mode; dropout is off where it would run (sampling, update)
-    # held-out prompts are not cut to --max-prompt-tokens: the longest of them may be longer
-    longest = max([args.max_prompt_tokens] + data.prompt_token_counts([e.text for e in eval_set], tokenizer))
-    sampling.check_generation_fits(model, args.rollout_batch_size, longest + args.max_completion_tokens,
-                                   f"--rollout-batch-size (now {args.rollout_batch_size}) or --max-completion-tokens "
-                                   f"(now {args.max_completion_tokens})")
-    optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
-    return tokenizer, train_set, eval_set, model, optimizer
-
-
-def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, check_sampler=True):
-    """Held-out accuracy of the current policy, logged (fixed sample and seed: runs are compared paired).
-    check_sampler: eval.py's check of the first chunk (a forward pass, ~14 s for 64 demo prompts on 2 cores); run()
-    makes it only before this process's first training step, as every step's update checks the sampler after."""
-    examples, first_chunk, chunk = processes.eval_share(eval_set, args.rollout_batch_size)
-    settings = config.generation_settings(args, temperature=args.eval_temperature, rollout_batch_size=chunk)
-    samples = []  # graded completions, for the completions log
-    with processes.full_weights(model), signals.cuda_oom_hint(args, "evaluation"):
-        result = heldout.evaluate(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
-                                  settings, seed=first_chunk, samples_out=samples, check_sampler=check_sampler)
-    result = processes.merged(result)
-    if processes.is_main:
-        tqdm.write(report.eval_line(state.step, result))  # above the progress bar
-    if args.log_completions_interval:
-        write(completions.eval_completions_record(state.step, samples[:completions.EVAL_COMPLETIONS_LOGGED]))
-    state.evaluated_step = state.step
-    write({"type": "eval", "step": state.step, "elapsed_s": state.elapsed_s, "eval/accuracy": result.accuracy,
-           "eval/format_accuracy": result.format_accuracy, "eval/both_accuracy": result.both_accuracy,
-           "eval/mean_completion_length": result.mean_completion_length, "eval/num_samples": result.num_samples,
-           "eval/grader_timeouts": result.grader_timeouts, "eval/eval_s": result.elapsed_s})
-    return result.accuracy
-
-
-def evaluation_due(args, step, before_s, after_s):
-    """Whether the step that took the training seconds from before_s to after_s ends with an evaluation: every
-    --eval-interval steps, or (--eval-interval-s S) when it crossed a multiple of S. Both come from the run's state,
-    so a resumed run keeps the cadence of the run it continues."""
-    by_step = args.eval_interval and step % args.eval_interval == 0
-    by_time = args.eval_interval_s and after_s // args.eval_interval_s > before_s // args.eval_interval_s
-    return bool(by_step or by_time)
-
-
-def resume(run_dir, model, optimizer, args, processes):
-    """The TrainerState of the run's newest readable checkpoint, with model, optimizer and RNG restored."""
-    path, skipped = runfolder.newest_checkpoint(run_dir)
-    if path is None:
-        raise ValueError(f"--resume: no readable checkpoint in {run_dir}: " + "; ".join(why for _, why in skipped))
-    state = checkpoint.TrainerState.from_saved(processes.load_checkpoint(path, model, optimizer))
-    update.set_hyperparameters(optimizer, args.learning_rate, args.weight_decay)  # this run's flags win
-    if state.sampler_fallback and args.backend is None:  # the engine the run left stays left (--backend: as asked)
-        backend, why = state.sampler_fallback
-        with warnings.catch_warnings():  # one line, below, instead of fall_back's warning
-            warnings.simplefilter("ignore")
-            sampling.fall_back(model, backend, why)
-    if processes.is_main:
-        for passed, why in skipped:
-            print(f"passed over {passed}: {why}", file=sys.stderr)
-        restored = checkpoint.check_metrics_log(run_dir, path, state.metrics_bytes)  # cut or deleted: restored
-        if restored:
-            print(restored, file=sys.stderr)
-        print(f"resumed {path} (step {state.step}, {state.elapsed_s:.0f} s of training)")
-        if state.sampler_fallback and args.backend is None:
-            print(f"generating with {sampling.BACKEND_NAMES[state.sampler_fallback[0]]}, as before the checkpoint: "
-                  f"{state.sampler_fallback[1]}")
-    return state
-
 
 def train(args, processes=OneProcess()):
     """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder."""

@@ -27,8 +27,8 @@ token counts, prefix.completion_logprobs' layout), and goes to the device withou
 is read once per optimizer step (loss, gradient norm, metrics, the sampler check: one copy), so the host never waits
 for the GPU mid-step. The optimizer is AdamW over all tensors at once (foreach), float32 products may use TF32 on CUDA,
 and RMSNorm, rotary embedding and SiLU x up run as fused kernels there when Liger-Kernel is installed
-(models.fused_kernels: checked against the plain path first, which is what runs elsewhere). With gradient
-checkpointing, the backward replays only what the memory needs (`checkpoint_plan`, models.checkpointing): on CUDA,
+(kernels.fused_kernels: checked against the plain path first, which is what runs elsewhere). With gradient
+checkpointing, the backward replays only what the memory needs (`checkpoint_plan`, kernels.checkpointing): on CUDA,
 MLPs first, then whole layers, for the activations to fit MEMORY_CEILING; elsewhere every layer, as built.
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 import grpo_loss
-import models
+from engine import kernels
 from engine import prefix
 from engine import rollout_check
 
@@ -199,30 +199,48 @@ def activation_budget(device):
 
 
 def checkpoint_plan(model, batches, settings, device):
-    """(layers replayed whole, layers whose MLP alone replays) in this update's backward (models.checkpointing), for
+    """(layers replayed whole, layers whose MLP alone replays) in this update's backward (kernels.checkpointing), for
     a model built with gradient checkpointing: as little replay as the largest micro-batch's saved activations
-    (models.saved_bytes_per_token) and logits need to fit `activation_budget` (models.checkpoint_plan); (None, 0):
+    (kernels.saved_bytes_per_token) and logits need to fit `activation_budget` (kernels.checkpoint_plan); (None, 0):
     every layer whole, as built, where no budget is known (off CUDA) or with several processes (they would have to
     measure together)."""
-    budget, layers = activation_budget(device), len(models.checkpointable_layers(model))
-    if budget is None or prefix.several_processes() or not layers:
+    budget = activation_budget(device)
+    if budget is None or prefix.several_processes() or not kernels.checkpointable_layers(model):
         return None, 0
+    layers = len(kernels.checkpointable_layers(model))
     parts = [(min(rows.stop, len(batch.advantages)) - rows.start, prompt, completion) for batch in batches
              for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size)]
     tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
-    logits = max(rows * completion for rows, _, completion in parts) * models.hf_model(model).config.vocab_size * \
+    logits = max(rows * completion for rows, _, completion in parts) * grpo_loss.hf_model(model).config.vocab_size * \
         2 * next(model.parameters()).element_size() + 4 * 4 * grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
-    return models.checkpoint_plan(layers, models.saved_bytes_per_token(model), tokens, budget - logits)
+    return kernels.checkpoint_plan(layers, kernels.saved_bytes_per_token(model), tokens, budget - logits)
+
+
+def on_gpu(device):
+    """Whether the update's GPU fast paths act on `device` (engine/kernels.py): CUDA. (A test plants kernels on the CPU
+    by replacing this.)"""
+    return torch.device(device).type == "cuda"
+
+
+def _gpu_paths(model, device, plan=(None, 0)):
+    """For the block, on a GPU: the fused kernels and the activation checkpointing plan (engine/kernels.py);
+    elsewhere the model as built (off CUDA the plan is (None, 0): every checkpointed layer whole, as built)."""
+    stack = contextlib.ExitStack()
+    if on_gpu(device):
+        stack.enter_context(kernels.fused_kernels(model, device))
+        stack.enter_context(kernels.checkpointing(model, *plan))
+    return stack
 
 
 @contextlib.contextmanager
 def _compute(settings, device):
     """The update's numerics: bf16 autocast for full fine-tuning in bf16 (settings.autocast_dtype); on CUDA, TF32 for
-    any float32 matrix product (models.tf32_matmuls)."""
+    any float32 matrix product (kernels.tf32_matmuls)."""
     with contextlib.ExitStack() as stack:
         if settings.autocast_dtype is not None:
             stack.enter_context(torch.autocast(torch.device(device).type, dtype=settings.autocast_dtype))
-        stack.enter_context(models.tf32_matmuls(device))
+        if on_gpu(device):
+            stack.enter_context(kernels.tf32_matmuls(device))
         yield
 
 
@@ -272,7 +290,7 @@ def fill_logprobs(model, batches, settings):
     device = next(model.parameters()).device
     passes = {"ref_logprobs": model.disable_adapter if need_ref else None,
               "old_logprobs": contextlib.nullcontext if need_old else None}
-    with torch.no_grad(), models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device):
+    with torch.no_grad(), grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device):
         for name, policy in passes.items():
             for batch in batches:
                 setattr(batch, name, None if policy is None else torch.zeros(batch.completion_ids.shape, device=device))
@@ -337,8 +355,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
     plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
-    with models.dropout_off(model, keep_checkpointing=True), models.fused_kernels(model, device), \
-            models.checkpointing(model, *plan):
+    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, plan):
         for _ in range(settings.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             first_pass = not losses  # the policy before its first optimizer step: the one that sampled

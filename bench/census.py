@@ -62,10 +62,13 @@ CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6, 81559 * 2 ** 20),
 
 
 def allows_tf32():
-    """Whether the update's float32 matrix products run in TF32 on CUDA (models.tf32_matmuls; older code: no)."""
+    """Whether the update's float32 matrix products run in TF32 on CUDA (engine.kernels.tf32_matmuls, formerly
+    models.tf32_matmuls; older code: no)."""
+    import importlib.util
+
     import models
 
-    return hasattr(models, "tf32_matmuls")
+    return hasattr(models, "tf32_matmuls") or importlib.util.find_spec("engine.kernels") is not None
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
 NOT_KERNELS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
@@ -673,23 +676,23 @@ def decode_run(args, layers, narrow, mapping, rows):
 @lora_as_on_a_gpu()
 def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, tokens, cache):
     """{card: {"layers": replayed whole, "mlps": replayed MLPs}} as update.checkpoint_plan decides on each card, for a
-    micro-batch of `rows` rows and `tokens` positions: its activations (models.saved_bytes_per_token at the real
+    micro-batch of `rows` rows and `tokens` positions: its activations (kernels.saved_bytes_per_token at the real
     widths) and logits within the card's memory less update.MEMORY_MARGIN and what is resident (`resident_bytes`),
     and within update.MEMORY_CEILING."""
-    import models
     import update
+    from engine import kernels
 
     if {48, 96, 192} & set(mapping):
         raise ValueError("narrow widths collide with the memory probe's token counts (48 and 96 per row)")
     probe = narrow_policy(args, 2, narrow).train()
     real_bytes = lambda t: math.prod(mapping.get(d, d) for d in t.shape) * t.element_size()  # noqa: E731
-    per_token = models.saved_bytes_per_token(probe, tokens=48, nbytes=real_bytes)
+    per_token = kernels.saved_bytes_per_token(probe, tokens=48, nbytes=real_bytes)
     resident = resident_bytes(args, real, cache)
     logits = rows * completion * real.vocab_size * 2 * 2 + 4 * 4 * __import__("grpo_loss")._LOGSUMEXP_CHUNK_ELEMENTS
     plans = {}
     for name, card in CARDS.items():
         budget = min(card.memory_bytes * (1 - update.MEMORY_MARGIN) - resident, update.MEMORY_CEILING - resident)
-        whole, mlps = models.checkpoint_plan(layers, per_token, tokens, budget - logits)
+        whole, mlps = kernels.checkpoint_plan(layers, per_token, tokens, budget - logits)
         plans[name] = {"layers": whole, "mlps": mlps}
     return plans
 

@@ -23,6 +23,7 @@ import torch
 
 from run import config
 import models
+from engine import kernels as engine_kernels
 from engine import prefix
 import update
 from bench import common
@@ -56,7 +57,7 @@ def switched(model, changes, plans):
         patch(update, "checkpoint_plan", lambda *args: plans.append(planned(*args)) or plans[-1])
         model.__dict__.pop("_fused_kernels", None)  # checked again under this row's switch
         if "fused kernels" not in changes:
-            patch(models, "liger_kernels", lambda device: {})
+            patch(engine_kernels, "liger_kernels", lambda device: {})
         yield
     model.__dict__.pop("_fused_kernels", None)
 
@@ -116,7 +117,7 @@ def bench_update(argv):
                                 args=trainer, seed=0, vocab_size=None if tiny else 49152)
     optimizer = update.make_optimizer(model, trainer.learning_rate, trainer.weight_decay, trainer.optimizer)
     vocab = models.hf_model(model).config.vocab_size
-    all_layers = len(models.checkpointable_layers(model))
+    all_layers = len(engine_kernels.checkpointable_layers(model))
 
     def run(settings, seed):
         batch = common.synthetic_batch(rows, prompt, completion, vocab, seed)

@@ -13,7 +13,7 @@ import torch
 import engine.ops as ops
 import engine.step as decode_step
 import engine.weights as weights
-import models
+import grpo_loss
 import engine.prefix as prefix
 from run import report
 from engine.families import FAMILIES, layer_modules
@@ -125,7 +125,7 @@ _ENGINES = weakref.WeakKeyDictionary()
 
 def unsupported_reason(model, cache_len=0):
     """None if the engine can decode this model, else why not (sampling.py then uses HF generate)."""
-    hf = models.hf_model(model)
+    hf = grpo_loss.hf_model(model)
     config, inner = hf.config, getattr(hf, "model", None)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
@@ -158,7 +158,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     compile_backend None: DEFAULT_COMPILE_BACKEND; False: no compilation; a dynamo backend name or callable:
     torch.compile the step with it (tests count graphs on CPU this way). capture None: CUDA graphs are recorded
     on CUDA unless bitsandbytes modules run in the step or the model is FSDP-sharded; False: never."""
-    hf = models.hf_model(model)
+    hf = grpo_loss.hf_model(model)
     quantized = getattr(hf.config, "quantization_config", None) is not None
     copy = not quantized if generation_copy is None else bool(generation_copy)
     backend = DEFAULT_COMPILE_BACKEND if compile_backend is None else compile_backend
@@ -197,7 +197,7 @@ def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size):
 def records_graphs(model, copy, quantized):
     """Whether the engine records CUDA graphs by default: on CUDA, unless bitsandbytes kernels run in the step or
     FSDP re-allocates the weights around every unshard."""
-    hf = models.hf_model(model)
+    hf = grpo_loss.hf_model(model)
     return hf.model.embed_tokens.weight.device.type == "cuda" and (copy or not quantized) and not fsdp_sharded(model)
 
 

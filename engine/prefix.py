@@ -50,7 +50,6 @@ except ImportError:  # older transformers: checkpointed layers always drop the c
     GradientCheckpointingLayer = None
 
 import grpo_loss
-import models
 
 
 def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,19 +107,19 @@ def shared_prefix_layout(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tenso
 def cache_argument(model):
     """The name of the KV-cache argument of the transformers model inside `model` ("cache" in transformers >= 5.x
     releases that renamed it, else "past_key_values")."""
-    parameters = inspect.signature(models.hf_model(model).forward).parameters
+    parameters = inspect.signature(grpo_loss.hf_model(model).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _checkpointed_layers(model):
     """The modules of `model` that gradient checkpointing replays in the backward (transformers' flag, in training
-    mode: models.dropout_off keeps them so in the update)."""
+    mode: grpo_loss.dropout_off keeps them so in the update)."""
     return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
 
 
 def unsupported_reason(model) -> str | None:
     """None when `completion_logprobs` can run on `model` in the current grad mode, else why not (one line)."""
-    hf = models.hf_model(model)
+    hf = grpo_loss.hf_model(model)
     if not hasattr(hf, "config") or "logits_to_keep" not in inspect.signature(hf.forward).parameters:
         return f"{type(hf).__name__} is not a transformers causal LM with logits_to_keep"
     layers = getattr(DynamicCache(config=hf.config), "layers", None)
@@ -178,7 +177,7 @@ class _PastLayer(DynamicLayer):
 def _cache(model, past=None):
     """A DynamicCache of `_PastLayer`s: empty, or with past [(keys, values)] per layer."""
     cache = DynamicCache()
-    layers = models.hf_model(model).config.get_text_config(decoder=True).num_hidden_layers
+    layers = grpo_loss.hf_model(model).config.get_text_config(decoder=True).num_hidden_layers
     cache.layers = [_PastLayer(*kv) for kv in past] if past is not None else [_PastLayer() for _ in range(layers)]
     return cache
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-import models
+import grpo_loss
 import engine.prefix as prefix
 import sampling
 
@@ -146,7 +146,7 @@ def measure(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=Tru
     its own code, not the sampler's, so a fault of the sampler's shared prefix still shows)."""
     device, gap = next(model.parameters()).device, SamplerGap()
     rows = rollouts.prompt_index
-    with torch.no_grad(), models.dropout_off(model):
+    with torch.no_grad(), grpo_loss.dropout_off(model):
         logprobs = prefix.logprobs_function(model, prefix_sharing)
         for start in range(0, len(rows), micro_batch_size):
             part = slice(start, start + micro_batch_size)

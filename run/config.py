@@ -387,7 +387,7 @@ def record_files(args):
     args.reward_functions = {}
     for spec in args.reward_function:
         try:
-            path, name, weight = rewards.parse_reward_function(spec)
+            path, name, weight = parse_reward_function(spec)
         except ValueError:
             continue  # refused by check_values
         if Path(path).is_file():
@@ -426,7 +426,7 @@ def check_values(args):
     _check_variant_flags(args)
     _check_data_flags(args)
     for spec in args.reward_function:
-        path, name, _ = rewards.parse_reward_function(spec)
+        path, name, _ = parse_reward_function(spec)
         if not Path(path).is_file():
             raise FileNotFoundError(f"--reward-function {spec!r}: file not found: {path}")
     if not args.dist_timeout_s > 0:
@@ -446,7 +446,7 @@ def check_args(args, restarted=False):
     _check_device_flags(args)
     runfolder.check_run_dir(args, restarted)
     _check_data(args)
-    names = [rewards.load_reward_function(spec).name for spec in args.reward_function]  # imports each file
+    names = [load_reward_function(spec).name for spec in args.reward_function]  # imports each file
     if len(set(names)) < len(names):
         raise ValueError(f"--reward-function: two functions named {[n for n in names if names.count(n) > 1][0]!r}")
     models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
@@ -563,7 +563,7 @@ def reward_settings(args):
     """The rewards.RewardSettings of the flags: the registered terms' weights and options, --prefill-think,
     --answer-kind and the --reward-function functions (loaded)."""
     return rewards.RewardSettings(args.reward_weights, args.reward_options, args.prefill_think, args.answer_kind,
-                                  tuple(rewards.load_reward_function(spec) for spec in args.reward_function or []))
+                                  tuple(load_reward_function(spec) for spec in args.reward_function or []))
 
 
 def _check_reward_functions(args, saved):
@@ -654,6 +654,56 @@ def run_dir(args):
     """The run folder: --output-dir, else runs/<preset>-<pods|grpo>-s<seed>-<time>."""
     method = "grpo" if args.rule == "none" else "pods"
     return Path(args.output_dir or f"runs/{args.preset}-{method}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+# ------------------------------------------------------------------ --reward-function FILE.py:NAME[=WEIGHT]
+
+def parse_reward_function(spec):
+    """"FILE.py:NAME[=WEIGHT]" -> (path, name, weight); a malformed spec is one ValueError line."""
+    where, _, weight = spec.rpartition("=") if "=" in spec.rpartition(":")[2] else (spec, "", "")
+    path, _, name = where.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"--reward-function {spec!r}: expected FILE.py:NAME or FILE.py:NAME=WEIGHT")
+    try:
+        value = float(weight) if weight else 1.0
+    except ValueError:
+        raise ValueError(f"--reward-function {spec!r}: the weight {weight!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"--reward-function {spec!r}: the weight must be finite")
+    return path, name, value
+
+
+def load_reward_function(spec):
+    """The OwnReward of a --reward-function spec: the file imported, NAME a function taking **kwargs (it receives
+    every dataset column by name). Everything wrong is one ValueError line naming the spec."""
+    import hashlib
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    path, name, weight = parse_reward_function(spec)
+    if not Path(path).is_file():
+        raise ValueError(f"--reward-function {spec!r}: file not found: {path}")
+    if name in rewards.REWARD_TERMS:
+        raise ValueError(f"--reward-function {spec!r}: {name!r} is a registered reward term; name yours otherwise "
+                         "(--reward-weights changes a registered term's weight)")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    module_spec = importlib.util.spec_from_file_location(f"reward_file_{Path(path).stem}_{digest[:8]}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001  the user's file: one line, whatever it raised
+        raise ValueError(f"--reward-function {spec!r}: importing {path} raised {type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        found = sorted(key for key, value in vars(module).items() if inspect.isfunction(value))
+        raise ValueError(f"--reward-function {spec!r}: {path} has no function {name!r} (functions: {found})")
+    kinds = [parameter.kind for parameter in inspect.signature(func).parameters.values()]
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        raise ValueError(f"--reward-function {spec!r}: {name} must take **kwargs, as TRL's reward functions do "
+                         "(it is called with prompts, completions, completion_ids and every dataset column by name)")
+    return rewards.OwnReward(name, func, weight, str(Path(path).resolve()), digest)
 
 
 def model_options(args):

@@ -1,8 +1,8 @@
 """What a training run logs and where it goes.
 
-`step_metrics` / `record_step`: one training step's metrics line, under TRL's names (reward, reward_std,
-frac_reward_zero_std, completions/..., clip_ratio/..., loss, grad_norm), plus this trainer's counters
-(update_rows, optimizer_steps, num_zero_variance_dropped, num_truncated_masked, skipped_steps) and timings.
+`record_step`: one training step's metrics line (run/metrics.py's `step_metrics`: TRL's names, plus this trainer's
+counters update_rows, optimizer_steps, num_zero_variance_dropped, num_truncated_masked, skipped_steps, and timings)
+with the run's clock; `step_notes`: what a step says above the progress bar.
 `open_metrics`: every line goes to <out>/metrics.jsonl (checkpoint.py), and with --report-to also to TensorBoard
 or Weights & Biases under the same names, so runs can be browsed with the tools researchers already use.
 
@@ -14,8 +14,7 @@ that step are purged; W&B: a new run in the same project).
 The completions log (completions.py) goes to <out>/completions/ and, as text or a table, to the same sinks.
 `start_line`, `eval_line`, `finish_lines`: what a run prints besides its progress bar (what trains, on what, for how
 long, where; each held-out evaluation; where the results are and the commands that read them).
-`timed` is the one stopwatch of the project: a step's phases (train.py), the decode engine's prefill and decode
-(engine/), the benchmarks.
+`timed`, the project's one stopwatch, is run/metrics.py's (re-exported here).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import io
 import json
 import math
 import shlex
-import time
 from pathlib import Path
 
 from lazy import lazy_module
@@ -35,59 +33,12 @@ torch = lazy_module("torch", globals())  # imported at first use (lazy.py): comm
 
 from run import checkpoint
 from run import completions
+from run.metrics import PHASE_KEYS, kept_groups, step_metrics, timed  # noqa: F401  (report.timed etc.)
 
-PHASE_KEYS = ("generate_s", "reward_s", "select_s", "update_s")  # a step's phases, timed by train.train_step
 TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")
 REPORT_TO = ("none", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-
-
-@contextlib.contextmanager
-def timed(totals, key, device=None):
-    """Add the block's wall-clock seconds to totals[key] (a dict) or totals.key (a record); on a CUDA device, once
-    the work it queued has finished."""
-    start = time.perf_counter()
-    yield
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    if isinstance(totals, dict):
-        totals[key] = totals.get(key, 0.0) + seconds
-    else:
-        setattr(totals, key, getattr(totals, key) + seconds)
-
-
-def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
-    """Metrics over all n rollouts per prompt of every train.Round; "reward_selected" over the kept ones
-    (absent when nothing was kept); num_truncated_masked: kept rows whose loss --mask-truncated zeroed."""
-    rewards_all = torch.cat([s.rewards for s in scored])
-    kept_rewards = torch.cat([s.rewards.flatten()[s.kept_rows] for s in scored])
-    lengths = torch.cat([s.lengths for s in scored]).float()
-    group_std = rewards_all.std(dim=1) if rewards_all.shape[1] > 1 else torch.zeros(len(rewards_all))  # -n 1: 0
-    kept_std = [rewards.std() for s in scored for rewards in kept_groups(s) if len(rewards) > 1]
-    metrics = {"reward": float(rewards_all.mean()), "reward_std": float(group_std.mean()),
-               **({"reward_selected": float(kept_rewards.mean())} if len(kept_rewards) else {}),
-               # what max-variance maximises: the spread of the kept rewards within each prompt
-               **({"reward_std_selected": float(torch.stack(kept_std).mean())} if kept_std else {}),
-               # all n rewards equal (a group of one rollout too, whose std is NaN)
-               "frac_reward_zero_std": float((rewards_all.amax(dim=1) == rewards_all.amin(dim=1)).float().mean())}
-    for name in scored[0].per_func:
-        metrics[f"rewards/{name}/mean"] = float(torch.cat([s.per_func[name] for s in scored]).nanmean())
-    metrics["rewards/grader_timeouts"] = sum(int(s.grader_timeouts.sum()) for s in scored)  # accuracy 0, unverified
-    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
-                    float(torch.cat([s.truncated for s in scored]).float().mean())})
-    metrics.update(result.token_means)
-    if result.sampler_gap is not None:  # the sampler's log-probs against the update's (rollout_check.py)
-        metrics.update(result.sampler_gap.metrics())
-    step_tokens = sum(s.prompt_tokens + int(s.lengths.sum()) for s in scored)
-    masked = sum(int(s.truncated[s.kept_rows].sum()) for s in scored) if mask_truncated else 0
-    metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
-                   step_tokens=step_tokens, update_rows=result.rows, optimizer_steps=result.optimizer_steps,
-                   num_zero_variance_dropped=sum(s.zero_variance_dropped for s in scored), num_truncated_masked=masked,
-                   step_skipped=result.skipped_steps, **costs)
-    return metrics
 
 
 def step_notes(metrics, dynamic_sampling=False):
@@ -113,13 +64,6 @@ def peak_memory_measured(device):
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     yield
-
-
-def kept_groups(scored_round):
-    """[each prompt's kept rewards] of a train.Round (prompts with none kept: empty)."""
-    num_prompts, n = scored_round.rewards.shape
-    kept = scored_round.kept_rows
-    return [scored_round.rewards.flatten()[kept[kept // n == i]] for i in range(num_prompts)]
 
 
 def record_step(state, metrics, step_s):

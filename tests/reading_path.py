@@ -82,7 +82,7 @@ ROLES = {
     "train.py": "the step (`train_step`, its `Round` record, `StepSettings`) and the loop around it",
     "grpo_loss.py": "`LossSettings` (every option of the loss), completion log-probs, the clipped per-token GRPO loss",
     "sampling.py": "n rollouts per prompt: chunks, seeds, first-EOS masks, the sampler's log-probs, the backends",
-    "run/report.py": "phase timings and the step's metrics line",
+    "run/metrics.py": "phase timings and the step's metrics line",
     "rewards.py": "the registry of reward terms (accuracy, format, tag count) weighted into one total; the answers read",
     "pods.py": "the registry of down-sampling rules (max-variance: one sort + prefix sums), `select`, the advantages",
     "update.py": "the kept rows as a batch, old/reference log-probs, micro-batches, clipping, the optimizer step",

@@ -1,4 +1,4 @@
-"""models.fused_kernels: on CUDA the update runs RMSNorm, rotary embedding and SiLU x up through Liger-Kernel's
+"""kernels.fused_kernels: on CUDA the update runs RMSNorm, rotary embedding and SiLU x up through Liger-Kernel's
 fused kernels, checked first against the plain path (which runs everywhere else). On CPU, with kernels planted in
 Liger's place: kernels that agree run in the update and give its result, under gradient checkpointing and prefix
 sharing, and every module gets its own forward back; a planted fault (a wrong value, an exception) is one warning line
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import models
+
+from engine import kernels as engine_kernels
 import update
 from test_update import lora_model, move_lora_b, random_batch
 
@@ -19,8 +21,8 @@ VOCAB = 256
 
 
 def planted(fault=None):
-    """The plain kernels, counted, as `models.liger_kernels` would give Liger's; fault: (name, wrong function)."""
-    calls, kernels = collections.Counter(), models.plain_kernels()
+    """The plain kernels, counted, as `engine_kernels.liger_kernels` would give Liger's; fault: (name, wrong function)."""
+    calls, kernels = collections.Counter(), engine_kernels.plain_kernels()
     if fault is not None:
         kernels[fault[0]] = fault[1](kernels[fault[0]])
 
@@ -34,7 +36,8 @@ def planted(fault=None):
 
 
 def gradients_of_an_update(monkeypatch, kernels):
-    monkeypatch.setattr(models, "liger_kernels", lambda device: kernels)
+    monkeypatch.setattr(engine_kernels, "liger_kernels", lambda device: kernels)
+    monkeypatch.setattr(update, "on_gpu", lambda device: True)  # the GPU path, on the CPU
     model = lora_model(checkpointing=True).train()
     move_lora_b(model)
     batch = random_batch(4, 6, 5, VOCAB)
@@ -75,4 +78,4 @@ def test_a_planted_fault_is_one_warning_line_and_the_plain_path(monkeypatch, fau
 
 
 def test_no_fused_kernels_off_cuda():
-    assert models.liger_kernels("cpu") == {}
+    assert engine_kernels.liger_kernels("cpu") == {}

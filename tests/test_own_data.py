@@ -149,7 +149,7 @@ def test_a_resume_refuses_a_changed_data_file_or_reward_file(tmp_path, monkeypat
 
 # ------------------------------------------------------------------------------------------- own rewards
 def test_a_reward_function_gets_every_column_and_is_weighted():
-    own = rewards.load_reward_function(f"{EXAMPLE / 'pens_reward.py'}:says_the_unit=0.5")
+    own = config.load_reward_function(f"{EXAMPLE / 'pens_reward.py'}:says_the_unit=0.5")
     result = rewards.compute_rewards(
         [[{"role": "user", "content": "q"}]] * 3, ["12 pens", "12", "12 cups"], ["12"] * 3,
         {**rewards.REWARD_FUNCS, own.name: own.func}, {own.name: own.weight}, completion_ids=[[1, 2]] * 3,
@@ -168,7 +168,7 @@ def test_a_reward_function_gets_every_column_and_is_weighted():
 ])
 def test_a_bad_reward_function_is_one_line_naming_it_and_the_first_bad_row(tmp_path, body, message):
     (tmp_path / "bad.py").write_text(f"def bad(prompts, completions, **kwargs):\n    {body}\n")
-    own = rewards.load_reward_function(f"{tmp_path / 'bad.py'}:bad")
+    own = config.load_reward_function(f"{tmp_path / 'bad.py'}:bad")
     with pytest.raises(ValueError, match=message) as error:
         rewards.compute_rewards([[{"role": "user", "content": "first"}], [{"role": "user", "content": "second"}]],
                                 ["a", "b"], ["1", "2"], {"bad": own.func}, {"bad": 1.0})

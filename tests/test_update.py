@@ -10,6 +10,7 @@ import torch
 
 import grpo_loss
 import models
+from engine import kernels
 import sampling
 import update
 from grpo_loss import LossSettings
@@ -328,7 +329,7 @@ def test_an_update_with_no_rows_takes_no_step():
 
 
 def test_a_layer_keeps_what_its_backward_needs_per_token_measured_on_the_model():
-    """models.saved_bytes_per_token: a wider MLP keeps 4 more vectors of its width per token (gate's output, SiLU's,
+    """kernels.saved_bytes_per_token: a wider MLP keeps 4 more vectors of its width per token (gate's output, SiLU's,
     up's, and their product: down's input), in float32 here, when it does not replay; replaying, nothing of its
     own; a layer replayed whole keeps its input alone."""
     measured = []
@@ -336,7 +337,7 @@ def test_a_layer_keeps_what_its_backward_needs_per_token_measured_on_the_model()
         torch.manual_seed(0)
         model = models.tiny_random_model("llama", vocab_size=VOCAB, intermediate_size=intermediate)
         model = models.prepare_for_training(model, lora_rank=4, gradient_checkpointing=True).train()
-        measured.append(models.saved_bytes_per_token(model))
+        measured.append(kernels.saved_bytes_per_token(model))
     (plain, mlp, whole), wider = measured
     assert wider[0] - plain == 4 * (256 - 128) * 4 and wider[1] == mlp and wider[2] == whole == 64 * 4
     assert whole < mlp < plain
@@ -345,10 +346,10 @@ def test_a_layer_keeps_what_its_backward_needs_per_token_measured_on_the_model()
 def test_the_replay_plan_by_hand():
     """36 layers keeping 130 / 45 / 4 kB per token (plain / MLP replayed / replayed whole), 10 000 tokens."""
     per_token = (130e3, 45e3, 4e3)
-    assert models.checkpoint_plan(36, per_token, 10_000, 47e9) == (0, 0)     # 46.8 GB fit
-    assert models.checkpoint_plan(36, per_token, 10_000, 30e9) == (0, 20)    # 16.8 GB over, 0.85 GB per MLP
-    assert models.checkpoint_plan(36, per_token, 10_000, 10e9) == (16, 20)   # every MLP: 6.2 GB over, 0.41 per layer
-    assert models.checkpoint_plan(36, per_token, 10_000, 0) == (36, 0)
+    assert kernels.checkpoint_plan(36, per_token, 10_000, 47e9) == (0, 0)     # 46.8 GB fit
+    assert kernels.checkpoint_plan(36, per_token, 10_000, 30e9) == (0, 20)    # 16.8 GB over, 0.85 GB per MLP
+    assert kernels.checkpoint_plan(36, per_token, 10_000, 10e9) == (16, 20)   # every MLP: 6.2 GB over, 0.41 per layer
+    assert kernels.checkpoint_plan(36, per_token, 10_000, 0) == (36, 0)
 
 
 def test_the_update_replays_as_little_as_its_budget_needs(monkeypatch):
@@ -357,12 +358,12 @@ def test_the_update_replays_as_little_as_its_budget_needs(monkeypatch):
     model = lora_model(checkpointing=True)
     batch = random_batch(4, 5, 6, VOCAB)
     settings = update.UpdateSettings(micro_batch_size=2, prefix_sharing=False)
-    seen, plan = [], models.checkpoint_plan
-    monkeypatch.setattr(models, "checkpoint_plan", lambda *args: seen.append(args) or plan(*args))
+    seen, plan = [], kernels.checkpoint_plan
+    monkeypatch.setattr(kernels, "checkpoint_plan", lambda *args: seen.append(args) or plan(*args))
     monkeypatch.setattr(update, "activation_budget", lambda device: 1e12)
     assert update.checkpoint_plan(model, [batch], settings, "cuda") == (0, 0)
     layers, per_token, tokens, budget = seen[-1]
-    assert (layers, tokens) == (2, 2 * (5 + 6)) and per_token == models.saved_bytes_per_token(model)
+    assert (layers, tokens) == (2, 2 * (5 + 6)) and per_token == kernels.saved_bytes_per_token(model)
     logits = 1e12 - budget   # 2 rows x 6 completion tokens x 256 x 2 (logits and gradient) x 4 bytes + chunks
     assert logits == 2 * 6 * VOCAB * 2 * 4 + 4 * 4 * update.grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
     plain, mlp, whole = per_token
@@ -376,21 +377,21 @@ def test_the_update_replays_as_little_as_its_budget_needs(monkeypatch):
 
 @pytest.mark.parametrize("plan", [(None, 0), (0, 0), (0, 2), (1, 1), (2, 0)])
 def test_whatever_replays_the_gradient_is_the_same(plan, monkeypatch):
-    """models.checkpointing: layers replayed whole, MLPs replayed, nothing replayed: each replays what it says in the
+    """kernels.checkpointing: layers replayed whole, MLPs replayed, nothing replayed: each replays what it says in the
     backward (an MLP's forward runs twice) and the gradient is that of the model without checkpointing."""
     model = lora_model(checkpointing=True)
     move_lora_b(model)
     batch = random_batch(4, 5, 6, VOCAB)
     monkeypatch.setattr(update, "checkpoint_plan", lambda *args: plan)
     runs = []
-    for layer in models.checkpointable_layers(model):
+    for layer in kernels.checkpointable_layers(model):
         layer.mlp.gate_proj.register_forward_pre_hook(lambda module, args: runs.append(1))  # a replay may stop early
     update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0), [batch],
                          update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
     replayed = 2 if plan[0] is None else plan[0] + plan[1]
     assert len(runs) == 2 * (2 + replayed)   # 2 micro-batches: every MLP once, each replayed once more
-    assert all(layer.gradient_checkpointing for layer in models.checkpointable_layers(model))   # as built again
-    assert not any("forward" in layer.mlp.__dict__ for layer in models.checkpointable_layers(model))
+    assert all(layer.gradient_checkpointing for layer in kernels.checkpointable_layers(model))   # as built again
+    assert not any("forward" in layer.mlp.__dict__ for layer in kernels.checkpointable_layers(model))
     reference = lora_model(checkpointing=False)
     move_lora_b(reference)
     update.update_policy(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
