@@ -36,10 +36,9 @@ def policy(base_dtype, ours=True, checkpointing=False):
                 p.copy_(0.3 * torch.randn(p.shape, generator=generator))
             elif "lora_" not in name:
                 p.data = p.data.to(base_dtype)
-    if not ours:  # peft's own forward: the input cast to fp32, fp32 products, the cast back
-        for module in model.modules():
-            module.__dict__.pop("forward", None)
-    return model.train()
+    if ours:  # as a base loaded in bf16 gets it (models.load_policy, then prepare_for_training)
+        models.lora_in_base_dtype(model)
+    return model.train()  # else peft's own forward: the input cast to fp32, fp32 products, the cast back
 
 
 def logprobs_and_grads(model):

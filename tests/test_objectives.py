@@ -238,7 +238,7 @@ def test_entropies_come_with_the_log_probs_at_no_gradient(temperature):
 
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_the_objectives_studys_plan_is_todays_demo_with_one_objective_changed(native_bf16, tmp_path):
-    """python study.py objectives: 3 arms x 3 seeds, seed-major; every arm at --updates-per-batch 2 (the baseline
+    """python study.py objectives: 4 arms x 3 seeds, seed-major; every arm at --updates-per-batch 2 (the baseline
     too); each run is the demo preset's settings, every flag given explicitly, and differs from the baseline's only
     in its objective, which train.py's label names; bf16 follows the machine."""
     import warnings
@@ -250,7 +250,8 @@ def test_the_objectives_studys_plan_is_todays_demo_with_one_objective_changed(na
     from test_study import UNPINNED_OK
 
     runs = study.objectives_plan([0, 1, 2])
-    assert list(runs)[:3] == ["paper-n16-m4-s0", "gspo-n16-m4-s0", "cispo-n16-m4-s0"] and len(runs) == 9
+    assert list(runs)[:4] == ["paper-n16-m4-s0", "gspo-n16-m4-s0", "cispo-n16-m4-s0", "entropy-n16-m4-s0"]
+    assert len(runs) == 12
     settings = study.objectives_train_args(native_bf16=native_bf16)
     parser = config.build_parser()
     unset = object()
@@ -275,13 +276,14 @@ def test_the_objectives_studys_plan_is_todays_demo_with_one_objective_changed(na
     paper = gl.LossSettings(clip_eps_high=0.2, max_completion_tokens=32)  # the paper's loss, as pinned
     assert config.loss_settings(parsed["paper-n16-m4-s1"]) == paper
     assert config.method_label(parsed["paper-n16-m4-s1"]) == study.OBJECTIVES_BASELINE
-    for arm, field, value in (("gspo", "importance_sampling_level", "sequence"), ("cispo", "policy_loss", "cispo")):
+    for arm, field, value in (("gspo", "importance_sampling_level", "sequence"), ("cispo", "policy_loss", "cispo"),
+                              ("entropy", "top_entropy_quantile", 0.2)):
         args = parsed[f"{arm}-n16-m4-s1"]
         changed = {key for key, val in vars(args).items() if val != vars(parsed["paper-n16-m4-s1"])[key]}
         assert changed == {field, "output_dir"}, changed
         assert getattr(config.loss_settings(args), field) == value
         label = config.method_label(args)
-        assert label.startswith(study.OBJECTIVES_BASELINE + " + ") and value in label
+        assert label.startswith(study.OBJECTIVES_BASELINE + " + ") and str(value) in label
     assert PRESETS["demo"]["max_steps"] == study.OBJECTIVES_STEPS
 
 
@@ -291,7 +293,7 @@ def test_the_objectives_command_prints_its_runs_and_trains_nothing_on_a_dry_run(
     study.main(["objectives", "--out", str(tmp_path / "out"), "--seeds", "0", "1", "--dry-run"])
     printed = capsys.readouterr().out  # the system prompt's line breaks are inside each command's quotes
     commands = printed.split("\n[")
-    assert len(commands) == 6 and commands[0].startswith("[1/6]") and "paper-n16-m4-s0" in commands[0]
+    assert len(commands) == 8 and commands[0].startswith("[1/8]") and "paper-n16-m4-s0" in commands[0]
     assert commands[1].rstrip().endswith("--importance-sampling-level sequence")
     assert commands[2].rstrip().endswith("--policy-loss cispo") and "--updates-per-batch 2" in commands[2]
     assert "--max-steps 16" in commands[0] and not (tmp_path / "out").exists()

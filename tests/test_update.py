@@ -383,6 +383,7 @@ def test_whatever_replays_the_gradient_is_the_same(plan, monkeypatch):
     move_lora_b(model)
     batch = random_batch(4, 5, 6, VOCAB)
     monkeypatch.setattr(update, "checkpoint_plan", lambda *args: plan)
+    monkeypatch.setattr(update, "on_gpu", lambda device: True)  # the plan acts where the GPU paths do: here, planted
     runs = []
     for layer in kernels.checkpointable_layers(model):
         layer.mlp.gate_proj.register_forward_pre_hook(lambda module, args: runs.append(1))  # a replay may stop early
