@@ -419,6 +419,29 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
     return rows, table
 
 
+def compare_benchmarks(run_dirs, eval_files, *, plot=None, title=None, metric="accuracy", **options):
+    """`compare` on each benchmark's eval.py result file (paper Appendix: trained on GSM8K, evaluated on GSM8K Platinum
+    and MATH-500) -> ({file: rows}, the tables one after another); plot: one accuracy panel per benchmark, side by
+    side."""
+    rows, tables, curves = {}, [], {}
+    for eval_file in eval_files:
+        rows[eval_file], table = compare(run_dirs, eval_file=eval_file, metric=metric, **options)
+        tables.append(f"### {eval_file}\n\n{table}")
+        runs = [read_run(run_dir, eval_file, metric) for run_dir in expand_run_dirs(run_dirs)]
+        curves[eval_file] = [method_curve(label, [r for r in runs if r.label == label], options.get("interp", "linear"),
+                                          options.get("min_seeds", 2)) for label in dict.fromkeys(r.label for r in runs)]
+    if plot:
+        fig, axes = panels(1, len(eval_files), figsize=(5 * len(eval_files), 4.5), squeeze=False)
+        for ax, (eval_file, file_curves) in zip(axes[0], curves.items()):
+            for c in file_curves:
+                line, = ax.plot(c.times_s, c.mean, marker="o", markersize=3, label=seeds_label(c.label, c.runs))
+                ax.fill_between(c.times_s, *band_limits(c.mean, c.band), color=line.get_color(), alpha=0.2)
+            ax.set(title=eval_file, xlabel="training wall-clock (s)", ylabel=f"held-out {metric}")
+            ax.legend(fontsize=8)
+        save_figure(fig, plot, title or f"Held-out {metric} on each benchmark against training time (seed mean)")
+    return rows, "\n\n".join(tables)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="compare.py", description="accuracy vs wall-clock, speed-up")
     parser.add_argument("run_dirs", nargs="+")
@@ -428,7 +451,9 @@ def main(argv=None):
     parser.add_argument("--baseline-label", help="default: the one label starting with GRPO")
     parser.add_argument("--interp", choices=("linear", "step"), default="linear")
     parser.add_argument("--min-seeds", type=int, default=2, help="seeds needed at a time point (0 = all)")
-    parser.add_argument("--eval-file", help="read accuracy from <run>/<this> (eval.py output) instead of metrics")
+    parser.add_argument("--eval-file", nargs="+", help="read accuracy from <run>/<this> (eval.py output) instead of "
+                        "metrics; several (e.g. eval_test.json eval_gsm8k-platinum_test.json): one table each and "
+                        "their accuracy panels side by side in --plot")
     parser.add_argument("--metric", choices=METRICS, default="accuracy",
                         help="held-out metric to compare (both_accuracy = correct and well-formatted)")
     parser.add_argument("--title")
@@ -436,7 +461,11 @@ def main(argv=None):
                         "different budgets are otherwise refused)")
     args = vars(parser.parse_args(argv))
     table_path, json_path = args.pop("table"), args.pop("json")
-    rows, table = compare(**args)  # every other flag is one of compare()'s arguments
+    eval_files = args.pop("eval_file") or [None]
+    if len(eval_files) > 1:  # benchmarks side by side
+        rows, table = compare_benchmarks(eval_files=eval_files, **args)
+    else:
+        rows, table = compare(eval_file=eval_files[0], **args)  # every other flag is one of compare()'s arguments
     print(table)
     if table_path:
         Path(table_path).write_text(table + "\n")

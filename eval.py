@@ -60,7 +60,7 @@ def _check_args(prompts, answers, samples_per_prompt, repeats, temperature):
 
 
 def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
-                     progress=False, samples_out=None, check_sampler=True):
+                     progress=False, samples_out=None, check_sampler=True, answer_kind=None):
     """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them). settings:
     sampling.GenerationSettings (train.py passes its run's, so held-out evaluation reuses its decode graphs).
     samples_out: a list that receives every graded completion of the first repeat ({prompt, answer, completion,
@@ -110,7 +110,8 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
             texts = [rewards.graded_completion(text, prompts[i].endswith(rewards.THINK_PREFILL))
                      for i, text in zip(rows, rollouts.texts)]
             with rewards.timeouts_counted() as timeouts:
-                is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows])
+                is_correct = rewards.accuracy_rewards(None, texts, [answers[i] for i in rows],
+                                                      answer_kind=answer_kind)  # --answer-kind, as in training
             timed_out += len(timeouts.positions)
             is_formatted = rewards.format_rewards(None, texts)
             if samples_out is not None and repeat == 0:
@@ -131,11 +132,11 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
 
 
 def evaluate(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
-             progress=False, samples_out=None, check_sampler=True):
+             progress=False, samples_out=None, check_sampler=True, answer_kind=None):
     """Accuracy over all prompts x samples x repeats (repeats have equal size, so this is their mean)."""
     return _pool(evaluate_repeats(model, tokenizer, prompts, answers, settings, samples_per_prompt=samples_per_prompt,
                                   repeats=repeats, seed=seed, progress=progress, samples_out=samples_out,
-                                  check_sampler=check_sampler))
+                                  check_sampler=check_sampler, answer_kind=answer_kind))
 
 
 def _pool(per_repeat):
@@ -311,6 +312,12 @@ def run_settings(args, checkpoints):
                        "answer_kind")}
     if own["prompt_template"] and Path(own["prompt_template"]).is_file():
         own["prompt_template"] = Path(own["prompt_template"]).read_text(encoding="utf-8")
+    if checkpoints and args.dataset is None:  # the run's own rows: the files it trained on, unchanged
+        for role, recorded in (run_config.get("data_files") or {}).items():
+            if Path(recorded["path"]).is_file() and data.file_sha256(recorded["path"]) != recorded["sha256"]:
+                raise ValueError(f"{recorded['path']} changed since the run trained on it (its config.json records "
+                                 f"another SHA-256 for its {role}): its held-out rows may differ; restore the file or "
+                                 "give --dataset to evaluate on the file as it is now")
     dataset = args.dataset or run_config.get("dataset") or "gsm8k"
     source = data.DataSource(dataset, own["question_field"] or "question", own["answer_field"] or "answer",
                              own["prompt_template"], own["eval_dataset"], own["eval_fraction"], own["answer_kind"])
@@ -469,7 +476,8 @@ def main(argv=None, load_sharded=None):
                                        f"{generation.max_new_tokens})")
         per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, generation,
                                       samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
-                                      seed=args.seed, progress=not args.no_progress)
+                                      seed=args.seed, progress=not args.no_progress,
+                                      answer_kind=settings["source"].answer_kind)
         name = path.name if path is not None else "base"
         entry = {"checkpoint": str(path) if path else settings["model"],
                  **progress.get(path, {"step": 0, "elapsed_s": 0.0}),

@@ -443,17 +443,23 @@ def score_rollouts(rollouts, examples, settings) -> RewardResult:
     every column of the rows (data.Example.columns) by name, as TRL passes them."""
     rows = rollouts.prompt_index.tolist()
     completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
-    funcs = {**REWARD_FUNCS, **{own.name: own.func for own in settings.functions}}
-    weights = {**(settings.weights or {}), **{own.name: own.weight for own in settings.functions}}
-    options = dict(settings.options or {})
-    if settings.answer_kind:
-        options["accuracy"] = {**options.get("accuracy", {}), "answer_kind": settings.answer_kind}
     names = dict.fromkeys(key for example in examples for key in getattr(example, "columns", {}))
     columns = {key: [examples[i].columns.get(key) for i in rows] for key in names if key not in RESERVED_KEYWORDS}
     return compute_rewards([examples[i].prompt for i in rows],
                            [graded_completion(text, settings.prefill_think) for text in rollouts.texts],
-                           [examples[i].answer for i in rows], reward_funcs=funcs, weights=weights, options=options,
-                           completion_ids=completion_ids, columns=columns)
+                           [examples[i].answer for i in rows], **terms_of(settings), completion_ids=completion_ids,
+                           columns=columns)
+
+
+def terms_of(settings):
+    """compute_rewards' reward_funcs, weights and options for a RewardSettings: every registered term and every
+    function of one's own, weighted; --answer-kind given to the accuracy term."""
+    options = dict(settings.options or {})
+    if settings.answer_kind:
+        options["accuracy"] = {**options.get("accuracy", {}), "answer_kind": settings.answer_kind}
+    return dict(reward_funcs={**REWARD_FUNCS, **{own.name: own.func for own in settings.functions}},
+                weights={**(settings.weights or {}), **{own.name: own.weight for own in settings.functions}},
+                options=options)
 
 
 def _checked_values(name, values, count, prompts):

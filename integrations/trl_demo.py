@@ -52,7 +52,8 @@ MAPPED = frozenset((
     "model", "lora_rank", "lora_alpha", "lora_target_modules", "gradient_checkpointing",  # train.load; TRL
     "dataset", "data_dir", "num_train_rows", "one_shot", "prefill_think", "max_prompt_tokens", "system_prompt",
     "num_rollouts", "update_size", "rule", "advantage_normalization", "scale_rewards",  # PODSConfig
-    "reward_weights", "reward_options",  # the reward function (reward_function)
+    "reward_weights", "reward_options", "reward_function", "answer_kind",  # the reward function (reward_function)
+    "question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",  # train.load's data
     "prompts_per_step", "clip_eps", "clip_eps_high", "loss_aggregation", "mask_truncated",  # PODSConfig
     "importance_sampling_level", "policy_loss",  # PODSConfig: importance_sampling_level, loss_type "cispo"
     "learning_rate", "weight_decay", "optimizer", "max_grad_norm",  # train.load's optimizer (constant rate); TRL
@@ -235,12 +236,16 @@ def trl_config(args, run_dir):
 
 
 def reward_function(args):
-    """The project's weighted reward (rewards.compute_rewards: --reward-weights, --reward-options, and the token ids
-    of each completion, EOS included, as train.py gives them), as a TRL reward function of the dataset's columns."""
+    """The project's weighted reward (rewards.compute_rewards: --reward-weights, --reward-options, every
+    --reward-function of one's own with the dataset's other columns by name, and the token ids of each completion,
+    EOS included, as train.py gives them), as a TRL reward function of the dataset's columns."""
+    settings = config.reward_settings(args)
+
     def demo_reward(prompts, completions, answer, messages, completion_ids=None, **kwargs):
         graded = [rewards.graded_completion(text, args.prefill_think) for text in completions]
-        return rewards.compute_rewards(messages, graded, answer, weights=args.reward_weights,
-                                       options=args.reward_options, completion_ids=completion_ids).total.tolist()
+        columns = {key: value for key, value in kwargs.items() if key not in rewards.RESERVED_KEYWORDS}
+        return rewards.compute_rewards(messages, graded, answer, **rewards.terms_of(settings),
+                                       completion_ids=completion_ids, columns=columns).total.tolist()
     return demo_reward
 
 
@@ -344,7 +349,9 @@ def _run(args, run_dir):
     tokenizer, train_set, eval_set, model, optimizer = train.load(args, train.OneProcess())
     import datasets
 
-    dataset = datasets.Dataset.from_list([{"prompt": e.text, "answer": e.answer, "messages": e.prompt}
+    dataset = datasets.Dataset.from_list([{**{key: value for key, value in (e.columns or {}).items() if key not in
+                                              ("prompt", "answer", "messages")},  # a file's own columns, by name
+                                           "prompt": e.text, "answer": e.answer, "messages": e.prompt}
                                           for e in train_set])
     constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     trainer = timed_trainer_class()(model=model, reward_funcs=reward_function(args), args=trl_config(args, run_dir),

@@ -48,7 +48,8 @@ def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, 
     samples = []  # graded completions, for the completions log
     with processes.full_weights(model), signals.cuda_oom_hint(args, "evaluation"):
         result = heldout.evaluate(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
-                                  settings, seed=first_chunk, samples_out=samples, check_sampler=check_sampler)
+                                  settings, seed=first_chunk, samples_out=samples, check_sampler=check_sampler,
+                                  answer_kind=args.answer_kind)
     result = processes.merged(result)
     if processes.is_main:
         tqdm.write(report.eval_line(state.step, result))  # above the progress bar

@@ -211,16 +211,37 @@ def test_a_reward_function_that_fails_stops_the_step_and_keeps_the_last_checkpoi
     assert (tmp_path / "run" / "checkpoints" / "latest.txt").read_text().strip() == "step_000001"
 
 
-def test_eval_reads_the_runs_held_out_rows_and_any_other_benchmark_by_the_same_flags(tiny_model_dir, tmp_path):
+def test_eval_reads_the_runs_held_out_rows_and_any_other_benchmark_by_the_same_flags(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
     import eval as eval_module
 
-    run_dir = train.main(tiny_argv(tiny_model_dir, tmp_path / "run", *WORKED, "--max-steps", "1"))
+    kinds, grade = [], rewards.accuracy_rewards  # the held-out grading gets the run's --answer-kind, as training does
+    monkeypatch.setattr(rewards, "accuracy_rewards", lambda *args, **kwargs: kinds.append(kwargs.get("answer_kind"))
+                        or grade(*args, **kwargs))
+    data_file = tmp_path / "pens.jsonl"  # a copy: the test changes it below
+    shutil.copy(EXAMPLE / "pens.jsonl", data_file)
+    worked = [str(data_file) if arg == str(EXAMPLE / "pens.jsonl") else arg for arg in WORKED]
+    run_dir = train.main(tiny_argv(tiny_model_dir, tmp_path / "run", *worked, "--max-steps", "1",
+                                   "--answer-kind", "number"))
+    assert kinds and set(kinds) == {"number"}  # train.py's held-out evaluations
     flags = ["--repeats", "1", "--temperature", "0", "--max-completion-tokens", "4", "--no-progress",
              "--num-threads", "1", "--device", "cpu"]
     eval_module.main(["--checkpoint", str(run_dir), *flags])
+    assert set(kinds) == {"number"}  # eval.py's, read from the run's config.json
+    original = data_file.read_bytes()  # a changed file: its held-out rows may differ, refused in one line
+    data_file.write_bytes(original + b"\n")
+    with pytest.raises(ValueError, match="changed since the run trained on it"):
+        eval_module.main(["--checkpoint", str(run_dir), *flags])
+    data_file.write_bytes(original)
     own = json.loads((run_dir / "eval_test.json").read_text())
-    assert own["config"]["dataset"].endswith("pens.jsonl") and own["results"]
+    assert own["config"]["dataset"] == str(data_file) and own["results"]
     other = write_jsonl(tmp_path / "sums.jsonl", [{"q": f"What is {i} + 1?", "a": str(i + 1)} for i in range(10)])
     eval_module.main(["--checkpoint", str(run_dir), "--dataset", str(other), "--question-field", "q",
                       "--answer-field", "a", "--prompt-template", "{question}", "--eval-fraction", "0.2", *flags])
     assert json.loads((run_dir / "eval_sums_test.json").read_text())["results"]
+    import compare  # the two benchmarks side by side: a table each, an accuracy panel each
+
+    rows = compare.main([str(run_dir), "--eval-file", "eval_test.json", "eval_sums_test.json", "--min-seeds", "0",
+                         "--plot", str(tmp_path / "benchmarks.png")])
+    assert list(rows) == ["eval_test.json", "eval_sums_test.json"] and all(len(r) == 1 for r in rows.values())
+    assert (tmp_path / "benchmarks.png").stat().st_size > 0

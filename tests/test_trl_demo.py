@@ -19,6 +19,7 @@ pytest.importorskip("integrations.trl_pods", exc_type=ImportError)
 import compare  # noqa: E402
 from run import config  # noqa: E402
 import rewards  # noqa: E402
+import torch  # noqa: E402
 import train  # noqa: E402
 from integrations import trl_demo  # noqa: E402
 from run_helpers import ROOT, read_lines  # noqa: E402
@@ -278,3 +279,31 @@ def test_the_demo_presets_bf16_becomes_float32_for_trl(monkeypatch, tiny_model_d
     monkeypatch.setattr(trl_demo.config.models, "native_bf16", lambda device: True)
     assert trl_demo.config.parse_args([]).bf16 is True
     assert trl_demo.parse_args(tiny_demo_argv(tiny_model_dir, tmp_path / "run")).bf16 is False
+
+
+def test_your_own_file_and_reward_function_reach_trls_reward_as_train_pys(tmp_path, smollm2_tokenizer):
+    """The worked example (tests/example: a JSONL file of one's own fields and template, a reward file) through the TRL
+    demo: TRL's dataset carries the file's own columns, and the demo's reward function of a batch equals train.py's
+    scoring of the same completions (rewards.score_rollouts), the function of one's own included."""
+    import data
+    import sampling
+    from test_own_data import WORKED
+
+    args = trl_demo.parse_args([*WORKED, "--output-dir", str(tmp_path / "run")])
+    examples = data.build_prompt_set(args.dataset, "train", smollm2_tokenizer, num_rows=2,
+                                     source=config.data_source(args))
+    completions = ["<think>\n4 x 7\n</think>\n<answer>\n28 pens\n</answer>", "28", "I do not know", "96 pens"]
+    ids = [[5, 6, 7], [8], [9, 10], [11, 12]]
+    rollouts = sampling.Rollouts(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                                 torch.tensor([[5, 6, 7], [8, 0, 0], [9, 10, 0], [11, 12, 0]]),
+                                 torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]), completions,
+                                 torch.tensor([3, 1, 2, 2]), torch.zeros(4, dtype=torch.bool),
+                                 torch.tensor([0, 0, 1, 1]))
+    trained = rewards.score_rollouts(rollouts, examples, config.reward_settings(args))
+    rows = [examples[i] for i in (0, 0, 1, 1)]
+    columns = {key: [e.columns[key] for e in rows] for key in rows[0].columns if key not in ("answer",)}
+    assert "unit" in columns  # the file's own column, as TRL's dataset row carries it
+    through_trl = trl_demo.reward_function(args)([e.text for e in rows], completions, [e.answer for e in rows],
+                                                 [e.prompt for e in rows], completion_ids=ids, **columns)
+    assert through_trl == pytest.approx(trained.total.tolist())
+    assert "says_the_unit" in trained.per_func and not torch.isnan(trained.per_func["says_the_unit"]).all()
