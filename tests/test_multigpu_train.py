@@ -50,6 +50,11 @@ def launch(worker, out, *args, timeout_s=180):
                 launcher.wait()
 
 
+# train.py's whole loop on 2 processes (one fixture of ~35 s on 2 cores): opt in with `pytest -m slow`; the
+# two-process step itself (tests/test_multigpu.py) stays in the default suite.
+SLOW_TWO_PROCESS_RUNS = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory, smollm2_tokenizer):
     """train.py on 2 ranks (dist_train_worker.py) and, meanwhile in this process, the "full" and "lora" runs on
@@ -96,6 +101,7 @@ def final_weights(run_dir, step):
     return (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).state_dict()
 
 
+@SLOW_TWO_PROCESS_RUNS
 @pytest.mark.parametrize("name, steps", [("full", 2), ("lora", 3)])
 def test_train_py_on_two_processes_logs_and_trains_what_one_process_does(train_runs, name, steps):
     two, one = metric_lines(train_runs["two"] / name), metric_lines(train_runs["one"] / name)
@@ -124,6 +130,7 @@ def test_train_py_on_two_processes_logs_and_trains_what_one_process_does(train_r
         torch.testing.assert_close(weights_two[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
+@SLOW_TWO_PROCESS_RUNS
 def test_dynamic_sampling_on_two_processes_refills_and_trains_what_one_process_does(train_runs):
     """--dynamic-sampling with one prompt per rank: each rank refills the groups it lacks (sometimes one rank alone),
     every rank agrees on the rounds, and the metrics, the completions log of every step (filtered groups marked) and
@@ -148,6 +155,7 @@ def test_dynamic_sampling_on_two_processes_refills_and_trains_what_one_process_d
         torch.testing.assert_close(weights_two[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
+@SLOW_TWO_PROCESS_RUNS
 def test_a_killed_train_py_run_resumes_exactly(train_runs):
     two, output = train_runs["two"], train_runs["output"]
     assert re.search(r"exitcode: -9\) local_rank: 1", output)  # rank 1 died of SIGKILL in step 3
@@ -160,6 +168,7 @@ def test_a_killed_train_py_run_resumes_exactly(train_runs):
     assert not list((two / "killed" / "checkpoints").glob(".tmp_*"))
 
 
+@SLOW_TWO_PROCESS_RUNS
 def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(train_runs):
     two, output = train_runs["two"], train_runs["output"]
     assert "stopped by SIGTERM after step 2" in output  # rank 0 says so: it learned of rank 1's signal
@@ -169,6 +178,7 @@ def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_check
     assert (two / "preempted" / "checkpoints" / "latest.txt").read_text().strip() == "step_000002"
 
 
+@SLOW_TWO_PROCESS_RUNS
 def test_an_exception_on_a_train_py_rank_ends_the_run_naming_it(train_runs):
     output = train_runs["output"]
     assert train_runs["returncode"] != 0

@@ -287,6 +287,7 @@ def test_a_completion_without_any_reward_is_refused():
                                torch.tensor([2.0]))
 
 
+@pytest.mark.slow  # a fresh interpreter importing TRL (~10 s)
 def test_the_vendored_files_alone_import(tmp_path):
     """What the module's docstring tells a TRL user to copy is all it needs: trl_pods.py, pods.py and
     lazy.py."""
