@@ -134,3 +134,23 @@ def test_the_committed_runs_of_the_16_step_demo_reproduce_their_tables(capsys, f
         demo = PRESETS["demo"]
         assert {(r.config["max_steps"], r.config["max_time_s"]) for r in runs} == {(demo["max_steps"], 0.0)}
         assert sorted(r.seed for r in runs) == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_committed_objectives_runs_reproduce_their_table(capsys):
+    """results/objectives: `python study.py objectives --seeds 0 1` (the paper's loss, GSPO, CISPO and the
+    high-entropy tokens, every arm at --updates-per-batch 2 with today's demo settings): the table recomputed from
+    its data files is objectives.md, which BENCHMARKS.md quotes row by row with its command."""
+    import study
+
+    folder = ROOT / "results" / "objectives"
+    bootstrap.main(["--from-data", str(folder), "--baseline-label", study.OBJECTIVES_BASELINE])
+    printed = capsys.readouterr().out.strip()
+    assert printed == (folder / "objectives.md").read_text().strip()
+    rows = [line for line in printed.splitlines() if line.startswith("| PODS")]
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(rows) == 2 * len(study.OBJECTIVES) and all(row in benchmarks for row in rows)
+    assert f'python study.py bootstrap --from-data results/objectives --baseline-label "{study.OBJECTIVES_BASELINE}"' \
+        in benchmarks
+    runs, _ = studydata.read_study([folder])
+    assert sorted({r.seed for r in runs}) == [0, 1] and len({r.label for r in runs}) == len(study.OBJECTIVES)
+    assert {r.config["max_steps"] for r in runs} == {study.OBJECTIVES_STEPS}
