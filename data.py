@@ -111,30 +111,37 @@ def check_data_source(name, data_dir=None, splits=SPLITS, source=None):
                          "is not installed")
 
 
+def jsonl_values(path, where):
+    """(line number, value) of each non-blank line of a JSONL file; a line that is not UTF-8 or not JSON is one
+    ValueError naming it by where(line number) ("file:3", or "file row 3" for rows of one's own)."""
+    with Path(path).open("rb") as handle:  # bytes: a byte that is not UTF-8 is reported with its line
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{where(line_number)}: not UTF-8 ({error.reason}, byte {error.start + 1})") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where(line_number)}: malformed JSON ({error.msg})") from None
+            yield line_number, value
+
+
 def read_jsonl(path, required_fields=()):
     """Rows of a JSONL file; errors name the file and line (blank lines are allowed and skipped)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path} (pass data_dir=/path/to/data or set PODS_DATA_DIR)")
     rows = []
-    with path.open("rb") as handle:  # bytes: a byte that is not UTF-8 is reported with its line
-        for line_number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not UTF-8 ({error.reason}, byte {error.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: malformed JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
-            missing = [name for name in required_fields if name not in row]
-            if missing:
-                raise ValueError(f"{path}:{line_number}: missing field(s) {missing}")
-            rows.append((line_number, row))
+    for line_number, row in jsonl_values(path, lambda line_number: f"{path}:{line_number}"):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
+        missing = [name for name in required_fields if name not in row]
+        if missing:
+            raise ValueError(f"{path}:{line_number}: missing field(s) {missing}")
+        rows.append((line_number, row))
     if not rows:
         raise ValueError(f"{path}: file is empty")
     return rows
@@ -364,20 +371,7 @@ def _numbered_rows(path):
         raise FileNotFoundError(f"data file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        rows = []
-        with path.open("rb") as handle:
-            for line_number, raw in enumerate(handle, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise ValueError(f"{path} row {line_number}: not UTF-8 ({error.reason})") from None
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((line_number, json.loads(line)))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path} row {line_number}: malformed JSON ({error.msg})") from None
-        return rows
+        return list(jsonl_values(path, lambda line_number: f"{path} row {line_number}"))
     if suffix == ".csv":
         import csv
 
