@@ -472,14 +472,13 @@ def lora_in_base_dtype(model):
 def trainable_line(model):
     """What trains, in one line (train.py prints it once the policy is loaded): the adapter's rank and targets and
     peft's count of trainable parameters, or the full model's."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
     if hasattr(model, "get_nb_trainable_parameters"):  # peft: counts 4-bit weights as what they hold
         trainable, total = model.get_nb_trainable_parameters()
         config = model.peft_config["default"]
         return f"LoRA r={config.r} on {','.join(sorted(config.target_modules))}: {trainable:,} of {total:,} " \
                "parameters train"
-    return f"full fine-tuning: {trainable:,} of {total:,} parameters train"
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"full fine-tuning: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters train"
 
 
 def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):

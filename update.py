@@ -204,10 +204,10 @@ def checkpoint_plan(model, batches, settings, device):
     (kernels.saved_bytes_per_token) and logits need to fit `activation_budget` (kernels.checkpoint_plan); (None, 0):
     every layer whole, as built, where no budget is known (off CUDA) or with several processes (they would have to
     measure together)."""
-    budget = activation_budget(device)
-    if budget is None or prefix.several_processes() or not kernels.checkpointable_layers(model):
+    budget = activation_budget(device)  # first: off CUDA nothing is planned (engine/kernels.py not entered)
+    layers = 0 if budget is None or prefix.several_processes() else len(kernels.checkpointable_layers(model))
+    if not layers:
         return None, 0
-    layers = len(kernels.checkpointable_layers(model))
     parts = [(min(rows.stop, len(batch.advantages)) - rows.start, prompt, completion) for batch in batches
              for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size)]
     tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
