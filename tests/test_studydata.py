@@ -137,7 +137,7 @@ def test_the_committed_runs_of_the_16_step_demo_reproduce_their_tables(capsys, f
 
 
 def test_the_committed_objectives_runs_reproduce_their_table(capsys):
-    """results/objectives: `python study.py objectives --seeds 0 1` (the paper's loss, GSPO, CISPO and the
+    """results/objectives: `python study.py objectives --seeds 0 1 2` (the paper's loss, GSPO, CISPO and the
     high-entropy tokens, every arm at --updates-per-batch 2 with today's demo settings): the table recomputed from
     its data files is objectives.md, which BENCHMARKS.md quotes row by row with its command."""
     import study
@@ -152,5 +152,6 @@ def test_the_committed_objectives_runs_reproduce_their_table(capsys):
     assert f'python study.py bootstrap --from-data results/objectives --baseline-label "{study.OBJECTIVES_BASELINE}"' \
         in benchmarks
     runs, _ = studydata.read_study([folder])
-    assert sorted({r.seed for r in runs}) == [0, 1] and len({r.label for r in runs}) == len(study.OBJECTIVES)
+    assert sorted({r.seed for r in runs}) == [0, 1, 2] and len({r.label for r in runs}) == len(study.OBJECTIVES)
+    assert len(runs) == 3 * len(study.OBJECTIVES)  # every arm on every seed: the pairs are complete
     assert {r.config["max_steps"] for r in runs} == {study.OBJECTIVES_STEPS}
