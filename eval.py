@@ -100,7 +100,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
             # The guard of train.py without an update pass: the first chunk's tokens scored by the model itself;
             # a gap no correct sampler reaches falls back to HF generate() (sampling.fall_back) and redoes it.
             if check_sampler and repeat == chunk_index == 0 and rollouts.backend != "hf" and rollout_check.check(
-                    model, rollout_check.measure(model, rollouts, temperature, prefix_sharing=settings.prefix_sharing),
+                    model, measure_sampler_gap(model, rollouts, temperature, prefix_sharing=settings.prefix_sharing),
                     rollouts.backend, settings.backend, "evaluation"):
                 rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
                                                       seed=chunk_seed)
@@ -129,6 +129,32 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
     if bar is not None:
         bar.close()
     return results
+
+
+def measure_sampler_gap(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=True):
+    """The engine.rollout_check.SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched):
+    the sampler check of evaluation, which has no update pass to read the trainer's log-probs from. Greedy rollouts
+    are compared at temperature 1, as the sampler records them. prefix_sharing: each distinct prompt and the prefix
+    the rows share computed once (prefix.py, as in the update; its own code, not the sampler's, so a fault of the
+    sampler's shared prefix still shows)."""
+    import grpo_loss
+    from engine import prefix, rollout_check
+
+    device, gap = next(model.parameters()).device, rollout_check.SamplerGap()
+    rows = rollouts.prompt_index
+    with torch.no_grad(), grpo_loss.dropout_off(model):
+        logprobs = prefix.logprobs_function(model, prefix_sharing)
+        for start in range(0, len(rows), micro_batch_size):
+            part = slice(start, start + micro_batch_size)
+            mask = rollouts.completion_mask[part]
+            width = max(1, int(mask.sum(1).max()))
+            ids = torch.cat([rollouts.prompt_ids[rows[part]], rollouts.completion_ids[part, :width]], 1)
+            attention = torch.cat([rollouts.prompt_mask[rows[part]], mask[:, :width]], 1)
+            trainer = logprobs(model, ids.to(device), attention.to(device), width,
+                               temperature if temperature > 0 else 1.0)
+            gap = gap + rollout_check.SamplerGap.of(trainer, rollouts.sampler_logprobs[part, :width],
+                                                    mask[:, :width].to(device))
+    return gap
 
 
 def evaluate(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
@@ -357,7 +383,7 @@ def show_rollouts(argv):
     if args.width < 10:
         raise ValueError(f"--width must be >= 10, got {args.width}")
     kind = "eval_step" if args.eval else "step"
-    logged = sorted(completions._logged_files(run, kind))
+    logged = sorted(completions.logged_files(run, kind))
     if args.step is not None and args.step not in logged:
         what = "evaluation completions" if args.eval else "training rollouts"
         raise ValueError(f"--step {args.step}: {args.run} has no {what} logged at that step; "
@@ -367,7 +393,7 @@ def show_rollouts(argv):
         interval = checkpoint.read_run_config(run).get("log_completions_interval") \
             if (run / "config.json").is_file() else None
         every = f"--log-completions-interval {interval}" if interval else "--log-completions-interval"
-        evaluations = sorted(completions._logged_files(run, "eval_step"))
+        evaluations = sorted(completions.logged_files(run, "eval_step"))
         if interval == 0 or args.eval or not evaluations:
             line = (f"{args.run}: no completions logged: the run has --log-completions-interval 0 (never)"
                     if interval == 0 else f"{args.run}: nothing logged yet (" + (
@@ -471,9 +497,9 @@ def main(argv=None, load_sharded=None):
         generation = sampling.GenerationSettings(settings["max_completion_tokens"], args.temperature, args.top_p,
                                                  args.batch_size, backend=args.backend,
                                                  prefix_sharing=args.prefix_sharing == "on")
-        sampling.check_generation_fits(model, args.batch_size, longest + generation.max_new_tokens,
-                                       f"--batch-size (now {args.batch_size}) or --max-completion-tokens (now "
-                                       f"{generation.max_new_tokens})")
+        models.check_generation_fits(model, args.batch_size, longest + generation.max_new_tokens,
+                                     f"--batch-size (now {args.batch_size}) or --max-completion-tokens (now "
+                                     f"{generation.max_new_tokens})")
         per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, generation,
                                       samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
                                       seed=args.seed, progress=not args.no_progress,

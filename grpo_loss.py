@@ -10,25 +10,17 @@ old_logprobs = logprobs.detach(): then rho = 1 and grad(-J) = -mean_i 1/|o_i| su
 (+ the KL gradient), the plain REINFORCE-with-baseline policy gradient; the clip only matters for
 additional updates on the same batch.
 
-Variants (defaults = the paper): `aggregation` "sequence" (above), "token" (DAPO: sum over all kept
-tokens / their number) or "fixed" (Dr. GRPO: sum / (rows x max completion tokens)); clip-higher (DAPO:
-ratio clipped to [1 - eps, 1 + eps_high]); `mask_truncated` drops completions that hit the length limit;
-`importance_sampling_correction` (against the sampler-trainer mismatch; `importance_weights`, ratio w = pi_old /
-pi_sampler per token, C = is_clip) multiplies each token's policy-gradient term by min(w, C) ("tis": TRL's
-token_truncate, verl's rollout_is="token"), or by w where w <= C and 0 above ("token_mask": TRL's token_mask; the
-token still counts in every denominator), or rejects the tokens outside [1/C, C] ("token_reject": verl's
-rollout_rs="token_k1": weight 1 inside, and a rejected token leaves the loss mask, so it leaves its row's token
-count and the "token" denominator, and adds no KL term either; `loss_tokens`).
-Two objectives of later work, each off by default: `importance_sampling_level` "sequence" (GSPO: one ratio per row,
-s_i = exp(mean_t (log pi - log pi_old)), clipped like rho and shared by the row's tokens; TRL's
-importance_sampling_level="sequence", verl's loss_mode "gspo") and `policy_loss` "cispo" (CISPO: the token term
--sg(clip(rho, 1 - eps, 1 + eps_high)) A log pi, so a clipped token keeps its gradient, only its weight is bounded;
-verl's loss_mode "cispo", TRL's loss_type="cispo" with no lower bound). Both act on the ratio alone: with one update
-per batch (rho = 1) their gradient is the paper's.
-The high-entropy tokens ("Beyond the 80/20 rule", TRL's top_entropy_quantile): `high_entropy_mask` keeps the tokens
-whose entropy (`picked_logprobs(..., with_entropies=True)`) is at or above the (1 - q) quantile of the kept tokens'.
-The trainer accumulates micro-batches, so "token" and "fixed" must normalise over the whole update batch:
-`grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
+Variants, each off by default (their references in `LossSettings`' help): `aggregation` "token" (DAPO: over all kept
+tokens) or "fixed" (Dr. GRPO: sum / (rows x max completion tokens)); clip-higher (DAPO: [1 - eps, 1 + eps_high]);
+`mask_truncated`; `importance_sampling_correction` against the sampler-trainer mismatch (`importance_weights` of
+w = pi_old / pi_sampler per token: "tis" weights a token's policy-gradient term by min(w, C), "token_mask" by w where
+w <= C, else 0, "token_reject" takes the tokens outside [1/C, C] out of the loss mask and its denominators,
+`loss_tokens`). Two objectives of later work act on the ratio alone (with one update per batch their gradient is the
+paper's): `importance_sampling_level` "sequence" (GSPO: one ratio per row, exp(mean_t (log pi - log pi_old)),
+clipped like rho) and `policy_loss` "cispo" (CISPO: -sg(clip(rho)) A log pi, so a clipped token keeps its gradient).
+`top_entropy_quantile` ("Beyond the 80/20 rule") trains only the tokens whose entropy is in the top fraction
+(`high_entropy_mask`). The trainer accumulates micro-batches, so "token" and "fixed" normalise over the whole update
+batch: `grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
 
 Every option of the loss is a field of one record, `LossSettings`, which travels unchanged from the flags
 (config.loss_settings) through update.update_policy to `grpo_loss_sum`: a new option is a field (its flag, help and

@@ -202,7 +202,7 @@ def _light_source(name_or_path):
 def max_positions(name_or_path):
     """The model's maximum sequence length (max_position_embeddings) read from its config alone, or None where the
     config is not at hand: a Hub id not yet cached, or a GGUF file (its header takes seconds to parse). Then
-    sampling.check_generation_fits checks the loaded model before its first generation."""
+    check_generation_fits checks the loaded model before its first generation."""
     source, kwargs = _light_source(name_or_path)
     if "gguf_file" in kwargs:
         return None
@@ -241,6 +241,39 @@ def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=
     if limit is not None and max_prompt_tokens + max_completion_tokens > limit:
         raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} + --max-completion-tokens {max_completion_tokens} "
                          f"exceed the {limit} positions {name_or_path} was built for")
+
+
+def available_memory_bytes(device):
+    """Free memory of a CUDA device, or the machine's available RAM (Linux); None where it cannot be told."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def check_generation_fits(model, rows, tokens, flags):
+    """Refuse (ValueError naming the sizes and `flags`, the flags that bound them) a generation of `rows` sequences
+    of `tokens` (prompt + completion) that exceeds the model's positions or the memory left for it: the KV cache
+    (K and V of every layer and KV head) plus a step's fp32 logits and the sampling buffers over them. Checked
+    before the first generation, so an impossible setting fails at once rather than by the kernel's OOM killer."""
+    config = hf_model(model).config
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"prompts + completions of up to {tokens} tokens exceed the model's {limit} positions: "
+                         f"lower {flags}")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_bytes = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * \
+        hf_model(model).dtype.itemsize * rows * tokens
+    need = kv_bytes + 4 * 4 * rows * config.vocab_size + 9 * rows * tokens  # logits x 4; token and mask buffers
+    device = next(model.parameters()).device
+    free = available_memory_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(f"generating {rows} sequences of {tokens} tokens needs ~{need / 2**30:.1f} GiB (KV cache "
+                         f"{kv_bytes / 2**30:.1f} GiB) but {free / 2**30:.1f} GiB are free on {device}: lower {flags}")
 
 
 def default_device():

@@ -319,46 +319,6 @@ def register_reward(name: str, weight: float = 1.0, summary: str = "", **options
     return add
 
 
-def parse_reward_weights(spec):
-    """"format=0.1" (or the dict a config.json holds) -> {name: weight} of every registered reward term: the named
-    ones changed, the others at their default weight (DEFAULT_REWARD_WEIGHTS). An unknown name is an error."""
-    weights = dict(DEFAULT_REWARD_WEIGHTS)
-    items = spec.items() if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
-    for name, value in items:
-        name = name.strip()
-        if name not in REWARD_FUNCS:
-            raise ValueError(f"unknown reward function {name!r} in --reward-weights; "
-                             f"expected names from {sorted(REWARD_FUNCS)}")
-        try:
-            weights[name] = float(value) if value != "" else 1.0
-        except (TypeError, ValueError):
-            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
-        if not math.isfinite(weights[name]):  # nan or inf would reach the loss and config.json
-            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r} (it must be finite)")
-    return weights
-
-
-def parse_reward_options(spec):
-    """"term.option=value,..." (or the dict a config.json holds) -> {term: {option: value}}, each value of its
-    default's type; an unknown term or option, or a value of the wrong type, is an error."""
-    items = ((f"{term}.{key}", value) for term, given in spec.items() for key, value in given.items()) \
-        if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
-    options = {}
-    for key, value in items:
-        term, _, option = key.strip().partition(".")
-        known = REWARD_TERMS[term].options if term in REWARD_TERMS else {}
-        if option not in known:
-            raise ValueError(f"--reward-options: no option {key.strip()!r}; reward terms' options: "
-                             f"{[f'{t.name}.{o}' for t in REWARD_TERMS.values() for o in t.options]}")
-        kind = type(known[option])
-        try:
-            parsed = {"true": True, "false": False}[str(value).lower()] if kind is bool else value
-            options.setdefault(term, {})[option] = kind(parsed)
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"--reward-options: {key.strip()} needs a {kind.__name__}, got {value!r}") from None
-    return options
-
-
 # -------------------------------------------------------------------------------- TRL-shaped batch API
 def completion_text(completion):
     """Text of a completion given as a string or as TRL conversational messages."""

@@ -5,7 +5,7 @@ embarrassingly parallel, then trains on a subset (m). This module is the inferen
 at most `rollout_batch_size` sequences (the memory bound of one generation call), each chunk seeded on its own, with
 the completion mask cut after the first EOS.
 
-Two backends. "hf": Hugging Face `generate`, the reference, readable in `_hf_chunk`. "engine" (the default where it
+Two backends. "hf": Hugging Face `generate`, the reference (engine/hf_generate.py). "engine" (the default where it
 applies): the optional fast path in engine/ for Llama-family models (prefill once per distinct prompt, a bucketed
 static KV cache, a decode step recorded as a CUDA graph, finished rows dropped); every other architecture falls back
 to "hf" with a warning. On both, the prefix every prompt of a chunk starts with is computed once (prefix_sharing).
@@ -16,19 +16,16 @@ compares with the trainer's (rollout_check.py); an exception inside the engine f
 Simplifications: no vLLM / paged attention, no continuous batching across chunks.
 """
 
-import inspect
 import warnings
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 import engine
 import grpo_loss
-from engine import prefix
+from engine import hf_generate
 
 BACKENDS = (None, "engine", "hf")
 BACKEND_NAMES = {"engine": "the decode engine", "eager": "the decode engine without CUDA graphs",
@@ -168,132 +165,6 @@ def check_settings(settings, n=1):
         raise ValueError(f"prefix_sharing must be True or False, got {settings.prefix_sharing!r}")
 
 
-def generation_config_for(max_new_tokens, temperature, top_p, eos_ids, pad_id):
-    """The GenerationConfig of the HF backend: our settings, neutral values spelled out (top_k=0 = off, not the
-    library's 50). Run it inside `neutral_generation_config`, so nothing of the model's own config is merged in.
-    Temperature and top-p are not in it but in `logits_processors` (the same warpers, in generate's order), so
-    the sampler's log-probs can be read between the two."""
-    sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, min_new_tokens=0, use_cache=True, num_beams=1, repetition_penalty=1.0,
-        no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, eos_token_id=list(eos_ids),
-        pad_token_id=pad_id, **sampling)
-
-
-class SamplerLogprobs(LogitsProcessor):
-    """At each step of generate(), the log-prob of the token chosen at the previous step under the distribution
-    kept from that step (the temperature-scaled scores, before top-p): one [rows, vocab] tensor is held, never
-    [steps, rows, vocab]. `logprobs(completion_ids)` adds the last token's after the call."""
-
-    def __init__(self):
-        self.kept, self.columns = None, []
-
-    def __call__(self, input_ids, scores):
-        if self.kept is not None:
-            self.columns.append(self.kept.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.kept = scores.float().log_softmax(-1)
-        return scores
-
-    def logprobs(self, completion_ids):
-        if self.kept is not None and len(self.columns) < completion_ids.shape[1]:
-            self.columns.append(self.kept.gather(-1, completion_ids[:, -1:]).squeeze(-1))
-        self.kept = None
-        return torch.stack(self.columns, 1) if self.columns else torch.zeros(completion_ids.shape)
-
-
-def logits_processors(temperature, top_p, recorder):
-    """generate()'s temperature and top-p warpers (what it would build from the config), `recorder` between."""
-    if temperature == 0:
-        return [recorder]
-    return [TemperatureLogitsWarper(float(temperature)), recorder] + ([TopPLogitsWarper(float(top_p))] if top_p < 1
-                                                                       else [])
-
-
-@contextmanager
-def neutral_generation_config(model):
-    """generate() fills every field our config leaves unset (e.g. min_p) from the model's generation_config and,
-    on transformers 4.50-4.57, even overrides fields equal to the library default (Qwen2.5-Instruct: top_k=20,
-    repetition_penalty=1.05, ...): the rollouts would come from another policy than the one the loss scores.
-    For the call, the model's generation_config is a blank one."""
-    hf = grpo_loss.hf_model(model)
-    saved = hf.generation_config
-    hf.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        hf.generation_config = saved
-
-
-def available_memory_bytes(device):
-    """Free memory of a CUDA device, or the machine's available RAM (Linux); None where it cannot be told."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def check_generation_fits(model, rows, tokens, flags):
-    """Refuse (ValueError naming the sizes and `flags`, the flags that bound them) a generation of `rows` sequences
-    of `tokens` (prompt + completion) that exceeds the model's positions or the memory left for it: the KV cache
-    (K and V of every layer and KV head) plus a step's fp32 logits and the sampling buffers over them. Checked
-    before the first generation, so an impossible setting fails at once rather than by the kernel's OOM killer."""
-    config = grpo_loss.hf_model(model).config
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and tokens > limit:
-        raise ValueError(f"prompts + completions of up to {tokens} tokens exceed the model's {limit} positions: "
-                         f"lower {flags}")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_bytes = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * \
-        grpo_loss.hf_model(model).dtype.itemsize * rows * tokens
-    need = kv_bytes + 4 * 4 * rows * config.vocab_size + 9 * rows * tokens  # logits x 4; token and mask buffers
-    device = next(model.parameters()).device
-    free = available_memory_bytes(device)
-    if free is not None and need > free:
-        raise ValueError(f"generating {rows} sequences of {tokens} tokens needs ~{need / 2**30:.1f} GiB (KV cache "
-                         f"{kv_bytes / 2**30:.1f} GiB) but {free / 2**30:.1f} GiB are free on {device}: lower {flags}")
-
-
-def shared_prefix_cache(model, ids, mask):
-    """(ids, mask, cache) for generate() with the prefix every row starts with computed once: the rows re-laid out
-    as [prefix][suffix, left padded] (prefix.shared_prefix_layout) and the prefix's KV cache, run as one row and
-    repeated to every row; generate() then runs only the suffixes (it takes position ids from the mask, so the pads
-    between prefix and suffix shift nothing). cache None (ids, mask unchanged): no prefix, or a model whose cache
-    cannot be repeated over rows."""
-    new_ids, new_mask, shared = prefix.shared_prefix_layout(ids, mask)
-    if shared == 0:
-        return ids, mask, None
-    parameters = inspect.signature(grpo_loss.hf_model(model).forward).parameters
-    name = prefix.cache_argument(model)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}   # no [prefix, vocab] logits
-    output = model(input_ids=new_ids[:1, :shared], attention_mask=new_mask[:1, :shared], use_cache=True, **keep)
-    cache = getattr(output, "cache", None)
-    cache = getattr(output, "past_key_values", None) if cache is None else cache
-    if cache is None or not hasattr(cache, "batch_repeat_interleave") or cache.get_seq_length() != shared:
-        return ids, mask, None
-    cache.batch_repeat_interleave(len(ids))
-    return new_ids, new_mask, {name: cache}
-
-
-def _hf_chunk(model, ids, mask, config, settings, seed):
-    """One chunk through Hugging Face generate (the reference backend): (completion ids [R, <= max_new_tokens],
-    their sampler log-probs). settings.prefix_sharing: the rows' common prefix is computed once
-    (shared_prefix_cache)."""
-    device, recorder, cache = ids.device, SamplerLogprobs(), {}
-    if settings.prefix_sharing:
-        ids, mask, cache = shared_prefix_cache(model, ids, mask)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), neutral_generation_config(model):
-        torch.manual_seed(seed)
-        output = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                logits_processor=logits_processors(settings.temperature, settings.top_p, recorder),
-                                **(cache or {}))
-    completions = output[:, ids.shape[1]:]
-    return completions, recorder.logprobs(completions)
-
-
 def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, settings, seed=0, first_chunk=0):
     """Tensor core of generate_rollouts: left-padded prompt ids [P, Tp] -> (completion_ids, completion_mask,
     truncated, sampler_logprobs, backend) for the P*n rows (row i*n + j = rollout j of prompt i), on the CPU
@@ -311,7 +182,6 @@ def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, setti
     s = settings
     backend = resolve_backend(model, s.backend, prompt_ids.shape[1] - 1 + s.max_new_tokens)
     prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
-    hf_config = generation_config_for(s.max_new_tokens, s.temperature, s.top_p, eos_ids, pad_id)
     chunks = []
     with torch.no_grad(), grpo_loss.dropout_off(model):
         for chunk_index, start in enumerate(range(0, len(prompt_index), s.rollout_batch_size)):
@@ -320,8 +190,8 @@ def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, setti
             seed_c = derived_seed(seed, first_chunk + chunk_index)
             while True:
                 try:
-                    chunks.append([t.cpu() for t in _chunk(model, prompt_ids, prompt_mask, rows, keep, backend,
-                                                           hf_config, s, eos_ids, pad_id, seed_c, chunk_index == 0)])
+                    chunks.append([t.cpu() for t in _chunk(model, prompt_ids, prompt_mask, rows, keep, backend, s,
+                                                           eos_ids, pad_id, seed_c, chunk_index == 0)])
                     break
                 except (ValueError, torch.cuda.OutOfMemoryError):
                     raise   # bad arguments; out of memory (the caller names the flags that bound it)
@@ -341,12 +211,12 @@ def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, setti
             logprobs[:, :width].float() * completion_mask, backend)
 
 
-def _chunk(model, prompt_ids, prompt_mask, rows, keep, backend, hf_config, s, eos_ids, pad_id, seed, first):
+def _chunk(model, prompt_ids, prompt_mask, rows, keep, backend, s, eos_ids, pad_id, seed, first):
     """One chunk's (completion ids, sampler log-probs) on `backend`; `keep` prompt columns."""
     device = next(model.parameters()).device
     if backend == "hf":
         ids, mask = prompt_ids[rows, -keep:].to(device), prompt_mask[rows, -keep:].to(device)
-        return _hf_chunk(model, ids, mask, hf_config, s, seed)
+        return hf_generate.generate_chunk(model, ids, mask, s, eos_ids, pad_id, seed)
     distinct, row_prompt = torch.unique(rows, return_inverse=True)  # each distinct prompt prefilled once
     return engine.generate(
         model, prompt_ids[distinct, -keep:].to(device), prompt_mask[distinct, -keep:].to(device), row_prompt,

@@ -290,10 +290,9 @@ def main(argv=None):
                                      "arguments after -- go to every train.py run")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4] if ga else [0, 1, 2])
-    parser.add_argument("--max-time-s", type=float, help="training wall-clock per run (default: the recorded "
-                        "study's, " + {"run": f"{RUN_MAX_TIME_S:g}", "variants": f"{VARIANTS_MAX_TIME_S:g}",
-                                       "ga": f"{GA_MAX_TIME_S:g}"}[command] + ")",
-                        default={"run": RUN_MAX_TIME_S, "variants": VARIANTS_MAX_TIME_S, "ga": GA_MAX_TIME_S}[command])
+    budget = {"run": RUN_MAX_TIME_S, "variants": VARIANTS_MAX_TIME_S, "ga": GA_MAX_TIME_S}[command]
+    parser.add_argument("--max-time-s", type=bootstrap.budget_seconds, default=budget,
+                        help=f"training wall-clock per run (default: the recorded study's, {budget:g})")
     if command == "run":
         parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
     parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS if ga else 1,
@@ -302,7 +301,8 @@ def main(argv=None):
     if ga:
         parser.add_argument("--plot", help="the plot's path (default: <out>/ga.png; the figure BENCHMARKS.md shows "
                             "is docs/study_ga.png)")
-        parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
+        parser.add_argument("--resamples", type=bootstrap.resample_count, default=bootstrap.RESAMPLES,
+                            help="bootstrap resamples")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     args = parser.parse_args(argv)
     if ga:
@@ -324,7 +324,8 @@ def _objectives_main(argv):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS,
                         help="torch CPU threads per run: timed, it wants a quiet machine and both of its cores")
-    parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
+    parser.add_argument("--resamples", type=bootstrap.resample_count, default=bootstrap.RESAMPLES,
+                        help="bootstrap resamples")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     args = parser.parse_args(argv)
     return run_objectives(args.out, args.seeds, train_args, args.dry_run, args.num_threads, args.resamples)

@@ -59,8 +59,7 @@ class OneProcess:
                                   device=args.device, **config.model_options(args))
 
     def rounds(self, make_round):
-        """The round strategy of this process (multigpu: each process generates its share of the prompts, with the
-        full weights gathered for it)."""
+        """The round strategy of this process (multigpu: each process generates its share of the prompts)."""
         return make_round
 
     def counts(self, value):
@@ -72,7 +71,7 @@ class OneProcess:
         return examples, 0, chunk_prompts
 
     def full_weights(self, model):
-        """The block generates (multigpu: the full weights gathered once for it)."""
+        """The block generates: a step's rounds, an evaluation (multigpu: the full weights gathered once for it)."""
         return contextlib.nullcontext()
 
     def total(self, value):
@@ -213,13 +212,14 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
     several processes wrap it: `round_strategy`). The update checks the sampler's log-probs before its optimizer
     step: off-policy engine rollouts are not trained on, and generation switches to HF (engine/rollout_check.py)."""
     costs, made = dict.fromkeys(PHASE_KEYS, 0.0), []
-    for index, examples in enumerate(rounds):
-        seed = sampling.derived_seed(settings.seed, step, index)  # a resumed step draws what it drew before
-        round_ = make_round(model, tokenizer, examples, settings, seed, costs)  # n rollouts per prompt, scored
-        with timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
-            round_.keep(*pods.select(round_.rewards_seen(), **vars(settings.select),
-                                     generator=torch.Generator().manual_seed(selection_seed(seed, round_.first_chunk))))
-        made.append(round_)
+    with processes.full_weights(model):  # several processes: the weights gathered once for all the step's rounds
+        for index, examples in enumerate(rounds):
+            seed = sampling.derived_seed(settings.seed, step, index)  # a resumed step draws what it drew before
+            round_ = make_round(model, tokenizer, examples, settings, seed, costs)  # n rollouts per prompt, scored
+            with timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
+                generator = torch.Generator().manual_seed(selection_seed(seed, round_.first_chunk))
+                round_.keep(*pods.select(round_.rewards_seen(), **vars(settings.select), generator=generator))
+            made.append(round_)
     with timed(costs, "update_s"):  # the clipped GRPO loss, mu optimizer steps
         batches = [round_.update_batch() for round_ in made]
         update.fill_logprobs(model, batches, settings.update)

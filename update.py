@@ -1,35 +1,28 @@
 """The update phase of GRPO-PODS (paper Algorithm 1, policy update on the m kept rollouts per prompt, §3.1-3.2):
 the one implementation train.py and the benchmarks both call.
 
-- `kept_batch` maps a selection (pods.py: [P, m] indices, a [P, n] mask, or rows) to rollout rows (row
-  i*n + kept[i, j]) -> an `UpdateBatch`.
-- `fill_logprobs`: one no-grad pass for what the loss compares against: old log-probs (only mu > 1; with one
+- `kept_batch`: a selection (pods.py: [P, m] indices, a [P, n] mask, or rows) as rollout rows -> an `UpdateBatch`.
+- `fill_logprobs`: one no-grad pass for what the loss compares against: old log-probs (only when needed: with one
   update per batch pi_old = pi and the ratio is 1) and reference log-probs (only KL beta > 0: the LoRA adapter
   switched off is the reference policy, so no second model is held).
-- `update_policy`: mu optimizer steps, each accumulated over micro-batches whose padding columns are cut.
-  Every micro-batch's loss is a *sum* (grpo_loss.grpo_loss_sum) divided by one normaliser of the whole step
-  (`loss_denominator`: its rows, kept tokens or rows x max tokens by the loss aggregation), so the accumulated
-  gradient equals the gradient of one batch of all kept rows whatever the micro-batch size. Then gradient
-  clipping and the optimizer step. An update with no rows (every prompt dropped) takes no optimizer step.
+- `update_policy`: mu optimizer steps, each accumulated over micro-batches whose padding columns are cut. Every
+  micro-batch's loss is a *sum* (grpo_loss.grpo_loss_sum) divided by one normaliser of the whole step
+  (`loss_denominator`), so the accumulated gradient is that of one batch of all kept rows whatever the micro-batch
+  size. Then gradient clipping and the optimizer step; no rows (every prompt dropped): no optimizer step.
 
-Choices: dropout is off during the update (and the log-prob pass), as in TRL: the ratio and the KL compare
-deterministic policies. Full fine-tuning in bf16 keeps fp32 master weights and runs the forward passes under
-bf16 autocast (`UpdateSettings.autocast_dtype`, see models.compute_dtypes): bf16 weights cannot hold updates of
-lr ~ 1e-6. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is not taken (its
-gradients are dropped) and is counted in `UpdateMetrics.skipped_steps`; the caller decides when to stop.
-The sampler check (rollout_check.py): the first pass of `update_policy` (the policy that sampled) is compared
-with the sampler's log-probs of the kept tokens, at no extra forward pass (`UpdateMetrics.sampler_gap`); with
-`LossSettings.importance_sampling_correction` pi_old / pi_sampler also weights the loss (grpo_loss.importance_weights);
-"token_reject" takes its rejected tokens out of the loss mask and the normaliser, which must be known before the
-first backward, so `fill_logprobs` computes pi_old for it even with mu = 1 (one more no-grad pass).
-The GPU's pace: the batch stays in host memory, where every decision about its layout is made (micro-batch widths,
-token counts, prefix.completion_logprobs' layout), and goes to the device without waiting (non_blocking); the device
-is read once per optimizer step (loss, gradient norm, metrics, the sampler check: one copy), so the host never waits
-for the GPU mid-step. The optimizer is AdamW over all tensors at once (foreach), float32 products may use TF32 on CUDA,
-and RMSNorm, rotary embedding and SiLU x up run as fused kernels there when Liger-Kernel is installed
-(kernels.fused_kernels: checked against the plain path first, which is what runs elsewhere). With gradient
-checkpointing, the backward replays only what the memory needs (`checkpoint_plan`, kernels.checkpointing): on CUDA,
-MLPs first, then whole layers, for the activations to fit MEMORY_CEILING; elsewhere every layer, as built.
+Choices: dropout is off during the update and the log-prob pass, as in TRL (the ratio and the KL compare
+deterministic policies). Full fine-tuning in bf16 keeps fp32 master weights under bf16 autocast
+(`UpdateSettings.autocast_dtype`): bf16 weights cannot hold updates of lr ~ 1e-6. An optimizer step whose loss or
+gradient norm is not finite is not taken and is counted (`UpdateMetrics.skipped_steps`); the caller decides when to
+stop. The sampler check (rollout_check.py): the first pass (the policy that sampled) is compared with the sampler's
+log-probs at no extra forward pass (`UpdateMetrics.sampler_gap`); --importance-sampling-correction also weights the
+loss by pi_old / pi_sampler (its "token_reject" needs pi_old before the first backward: one more no-grad pass).
+The GPU's pace: every decision about the batch's layout is made on the host (micro-batch widths, token counts,
+prefix.completion_logprobs' layout), the batch goes to the device without waiting, and the device is read once per
+optimizer step (loss, gradient norm, metrics, the sampler check: one copy). AdamW runs over all tensors at once
+(foreach); on CUDA, TF32 float32 products, Liger-Kernel's fused RMSNorm, rotary and SiLU x up (checked against the
+plain path first), and as little checkpoint replay as the memory needs (`checkpoint_plan`: MLPs first, then whole
+layers, to fit MEMORY_CEILING): engine/kernels.py. Elsewhere the model runs as built.
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """

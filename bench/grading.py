@@ -147,6 +147,6 @@ def bench_rewards(argv):
                 worst_s, worst_case = time.perf_counter() - start, case[:30]
     result["adversarial_worst_s"] = worst_s
     print(f"\nadversarial: worst of {2 * len(cases)} cases {worst_s:.2f} s ({worst_case!r}); the limit is "
-          f"{rewards.VERIFY_TIMEOUT_S} s soft + {grader._KILL_GRACE_S} s to the kill")
+          f"{rewards.VERIFY_TIMEOUT_S} s soft + {grader.KILL_GRACE_S} s to the kill")
     print(f"target: >= 500 GSM8K-style completions/s on one core; load average now {os.getloadavg()[0]:.1f}")
     return result

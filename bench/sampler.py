@@ -3,7 +3,7 @@ where the fallback threshold (rollout_check.LOGPROB_GAP_LIMIT) goes.
 
 The policy of the demo (SmolLM2-135M, LoRA r=16 with its B matrices randomised as after some training) samples
 rollouts of the demo's arithmetic prompts at T = 1 through sampling.generate_rollouts on each path, and the trainer's
-log-probs of the same tokens come from rollout_check.measure (grpo_loss.token_logprobs on the unmerged adapter, as
+log-probs of the same tokens come from eval.measure_sampler_gap (grpo_loss.token_logprobs on the unmerged adapter, as
 the update computes them). In fp32 every correct path should agree to rounding; in bf16 the engine's merged copy
 (base + B A rounded to bf16 once) against the trainer's unmerged adapter (x W + x A B in bf16) is the proxy, on
 CPU, for what a GPU run sees (its kernels round differently again). Planted faults, each on the engine:
@@ -25,6 +25,7 @@ from run import config
 import data
 import engine
 import engine.weights
+import eval as heldout
 import models
 from engine import rollout_check
 import sampling
@@ -95,7 +96,7 @@ def gap_row(model, tokenizer, prompt_ids, prompts, settings, seed, tiny):
                                      torch.arange(len(prompt_ids)).repeat_interleave(4), logprobs)
     else:
         rollouts = sampling.generate_rollouts(model, tokenizer, prompts, 4, settings, seed)
-    return rollout_check.measure(model, rollouts, settings.temperature)
+    return heldout.measure_sampler_gap(model, rollouts, settings.temperature)
 
 
 def bench_sampler(argv):

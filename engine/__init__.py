@@ -1,4 +1,5 @@
-"""Decode engine: the fast path of rollout generation (paper Algorithm 1, line 1) for Llama-family models.
+"""Decode engine: the fast path of rollout generation (paper Algorithm 1, line 1) for Llama-family models; beside it
+in this package, the other generation backend and the fast paths the update shares (the last paragraph).
 
 PODS (§1, §3) rests on inference being cheap next to the update; HF `generate` is not (small kernel launches
 per token, a recompile per prompt width, an unmerged LoRA adapter on every projection). So this package decodes
@@ -20,7 +21,7 @@ replayed per token.
   attention, SiLU x up and the sampler's whole step are one Triton kernel each (triton_kernels.py), 9 operations a
   decoder layer instead of 44; each is compared with its plain PyTorch reference on every bucket's shapes before the
   bucket runs, and one that disagrees or fails runs its reference from then on (one warning line). The CPU runs
-  the reference. Model families (families.py): Llama, Qwen2, Mistral, Phi-3; others go through HF generate.
+  the reference. Model families (decode.FAMILIES): Llama, Qwen2, Mistral, Phi-3; others go through HF generate.
 - Weights: LoRA is merged into a separate copy of the adapted projections, q|k|v and gate|up stacked (one GEMM
   each), refreshed at every call (Qwen2.5-3B: 2.77 B params, 5.5 GB in bf16). The training weights are never
   touched (peft's in-place merge_adapter() / unmerge_adapter() would leave a bf16 rounding error in the frozen
@@ -37,11 +38,15 @@ Simplifications: batch-synchronous (no continuous batching, no paged attention);
 in every row; the top-p nucleus samples with the reference (a sort); other architectures go through Hugging Face
 generate (sampling.py).
 
-Files: decode.py (the loop, buckets, graphs), step.py (one decode step in plain PyTorch, the prefill, token
-choice), ops.py (the fused operations and their run-time check), triton_kernels.py (their Triton kernels),
-families.py (the supported layouts), weights.py (the merged LoRA copies). sampling.py calls `generate`;
+Files: decode.py (the supported families, the loop, buckets), graphs.py (CUDA-graph recording, compilation), step.py
+(one decode step in plain PyTorch, the prefill, token choice), ops.py (the fused operations and their run-time
+check), triton_kernels.py (their Triton kernels), weights.py (the merged LoRA copies). sampling.py calls `generate`;
 benchmarks also use `forced_lengths` (synthetic EOS positions).
+Beside the engine: hf_generate.py (Hugging Face generate, sampling.py's reference backend and the engine's fallback),
+prefix.py (each distinct prompt token computed once, in generation and in the update), kernels.py (the update's fused
+kernels and checkpoint plan on CUDA), rollout_check.py (the sampler's log-probs against the update's, every step).
 """
 
-from engine.decode import (CHECK_EVERY, STATS, DecodeStats, engine_for, fsdp_sharded, generate, release,  # noqa: F401
+from engine.decode import (CHECK_EVERY, STATS, DecodeStats, engine_for, generate, release,  # noqa: F401
                            row_buckets, unsupported_reason)
+from engine.graphs import fsdp_sharded  # noqa: F401

@@ -1,7 +1,9 @@
-"""The decode loop of the engine (package docstring: the design): per-model Engine records, row and cache-length
-buckets, CUDA-graph recording, and `generate`, which prefills, decodes step by step and drops finished rows.
+"""The decode loop of the engine (package docstring: the design): the model families it runs, per-model Engine
+records, row and cache-length buckets, and `generate`, which prefills, decodes step by step and drops finished rows
+(CUDA-graph recording and compilation: graphs.py).
 """
 
+import dataclasses
 import functools
 import os
 import time
@@ -10,15 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+import engine.graphs as graphs
 import engine.ops as ops
+import engine.prefix as prefix
 import engine.step as decode_step
 import engine.weights as weights
 import grpo_loss
-import engine.prefix as prefix
 from run import report
-from engine.families import FAMILIES, layer_modules
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # The step's operations (engine/ops.py): None = fused kernels on CUDA (each checked against its reference first),
 # plain PyTorch elsewhere; "reference" = the plain-PyTorch step with separate projections (what the fused one is
 # measured and checked against: bench decode); "fused" = the fused ops on any device (a CPU runs their reference
@@ -55,8 +56,10 @@ STATS = DecodeStats()
 
 @dataclass(frozen=True)
 class Layer:
-    """What a decode step calls in one decoder layer: the norms, the projections (qkv: x -> (q, k, v); gate_up:
-    x -> (gate, up); o, down: x -> output), as modules or F.linear over merged copies, and the MLP's activation."""
+    """One decoder layer in the order a decode step runs it: the norms, the projections and the MLP's activation.
+    As a family finds it (`FAMILIES`), qkv and gate_up are the modules whose outputs, concatenated, are q|k|v and
+    gate|up (three and two, or one already fused); as the engine calls it (`build_layer`), qkv: x -> (q, k, v),
+    gate_up: x -> (gate, up), o and down: x -> output, over merged copies or the modules themselves."""
     input_norm: object
     qkv: object
     o: object
@@ -64,6 +67,29 @@ class Layer:
     gate_up: object
     down: object
     act: object
+
+
+def separate_projections(layer):
+    """Llama, Qwen2, Mistral: separate q, k, v and gate, up projections (the merged copy stacks them)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return Layer(layer.input_layernorm, (attention.q_proj, attention.k_proj, attention.v_proj), attention.o_proj,
+                 layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, mlp.act_fn)
+
+
+def fused_projections(layer):
+    """Phi-3: q|k|v and gate|up already one projection each (its rotary may cover part of a head)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return Layer(layer.input_layernorm, (attention.qkv_proj,), attention.o_proj, layer.post_attention_layernorm,
+                 (mlp.gate_up_proj,), mlp.down_proj, mlp.activation_fn)
+
+
+# The model families the engine decodes (paper §4 trains Qwen2.5 and Llama-3): model_type (transformers config) ->
+# where its layer keeps its modules. A family whose layer is pre-norm RMSNorm (HF's LlamaRMSNorm formula, which the
+# fused norm computes and checks), rotary attention with grouped query heads and a gated MLP is one entry here; any
+# other model type generates through Hugging Face generate (sampling.py says so in one line).
+FAMILIES = {"llama": separate_projections, "qwen2": separate_projections, "mistral": separate_projections,
+            "phi3": fused_projections}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclass
@@ -134,7 +160,7 @@ def unsupported_reason(model, cache_len=0):
     if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "unexpected module layout (no model.embed_tokens / layers / norm / rotary_emb)"
     try:
-        layer_modules(config.model_type, inner.layers[0])
+        FAMILIES[config.model_type](inner.layers[0])
     except AttributeError as error:
         return f"unexpected layer layout for {config.model_type!r} ({error})"
     if getattr(inner.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
@@ -143,13 +169,6 @@ def unsupported_reason(model, cache_len=0):
     if window is not None and window < cache_len:
         return f"sliding-window attention ({window}) shorter than the cache ({cache_len})"
     return None
-
-
-def fsdp_sharded(model):
-    """Whether FSDP2 (fully_shard) manages any module of `model`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def engine_for(model, generation_copy=None, compile_backend=None, refresh_weights=True, capture=None):
@@ -173,13 +192,14 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
         config, copies = hf.config, []
         attention = hf.model.layers[0].self_attn
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attention.head_dim
-        layers = [build_layer(layer_modules(config.model_type, layer), copy, copies, kernels.stacked,
+        layers = [build_layer(FAMILIES[config.model_type](layer), copy, copies, kernels.stacked,
                               (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), config.intermediate_size)
                   for layer in hf.model.layers]
         engine = _ENGINES[model][key] = Engine(
             hf.model.embed_tokens, layers, hf.model.norm, hf.lm_head, hf.model.rotary_emb, heads, kv_heads, head_dim,
             config.intermediate_size, attention.scaling, signature, copies,
-            compiled(decode_step.decode_step, backend) if backend else decode_step.decode_step, bool(capture),
+            graphs.compiled(decode_step.decode_step, backend, STATS) if backend else decode_step.decode_step,
+            bool(capture),
             kernels)
     if refresh_weights or fresh:
         weights.refresh_copies(engine.copies)
@@ -187,37 +207,26 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
 
 
 def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size):
-    """A Layer over one decoder layer's modules (families.LayerModules); merged copies appended to `copies`."""
-    return Layer(modules.input_norm, weights.projections(modules.qkv, qkv_sizes, copy, copies, stacked),
-                 weights.projection(modules.o, copy, copies), modules.post_norm,
-                 weights.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked),
-                 weights.projection(modules.down, copy, copies), modules.act)
+    """The Layer the engine calls over one decoder layer's modules (a family's Layer); merged copies appended to
+    `copies`."""
+    return dataclasses.replace(
+        modules, qkv=weights.projections(modules.qkv, qkv_sizes, copy, copies, stacked),
+        o=weights.projection(modules.o, copy, copies),
+        gate_up=weights.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked),
+        down=weights.projection(modules.down, copy, copies))
 
 
 def records_graphs(model, copy, quantized):
     """Whether the engine records CUDA graphs by default: on CUDA, unless bitsandbytes kernels run in the step or
     FSDP re-allocates the weights around every unshard."""
     hf = grpo_loss.hf_model(model)
-    return hf.model.embed_tokens.weight.device.type == "cuda" and (copy or not quantized) and not fsdp_sharded(model)
+    on_cuda = hf.model.embed_tokens.weight.device.type == "cuda"
+    return on_cuda and (copy or not quantized) and not graphs.fsdp_sharded(model)
 
 
 def release(model=None):
     """Free the cached buffers, weight copies and graphs of `model` (of every model if None)."""
     _ENGINES.clear() if model is None else _ENGINES.pop(model, None)
-
-
-def compiled(function, backend):
-    """torch.compile with static shapes and a backend wrapper counting graphs (STATS.compiled_graphs)."""
-    def counting_backend(graph_module, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        STATS.compiled_graphs += 1
-        return (lookup_backend(backend) if isinstance(backend, str) else backend)(graph_module, example_inputs)
-
-    # One code object serves every bucket: dynamo's default of 8 graphs per code object is too few.
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 256))
-    return torch.compile(function, backend=counting_backend, dynamic=False)
 
 
 def row_buckets(max_rows):
@@ -259,7 +268,7 @@ def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
             new[size, cache_len, sample, nucleus] = State(**views, sample=sample, nucleus=nucleus)
     check_kernels(engine, new.values())
     for key, state in new.items():
-        engine.states[key] = (state, record_graph(engine, state) if engine.capture else None)
+        engine.states[key] = (state, graphs.record_graph(engine, state, STATS) if engine.capture else None)
     return engine.states[rows, cache_len, sample, nucleus]
 
 
@@ -287,30 +296,6 @@ def compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags):
         target.copy_(value)
     state.done[len(alive):] = True
     return state, graph, row_ids
-
-
-def record_graph(engine, state):
-    """Warm up (compiles) on a side stream, then record one decode step as a CUDA graph."""
-    start, saved = time.perf_counter(), [state.scalars[name].clone() for name in ("slot", "step")]
-    state.scalars["slot"].zero_(), state.scalars["step"].zero_()  # warm-up writes columns 0..2: inside the cache
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            engine.step(engine, state)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    # All graphs share one pool: a step keeps nothing it allocates (its results go into the State's buffers) and
-    # graphs replay one at a time, so their temporaries (fp32 logits, CDF: ~0.1-0.3 GB at batch 64) can share
-    # memory; a private pool per graph would hold that once for each of the tens of buckets.
-    engine.graph_pool = engine.graph_pool or torch.cuda.graph_pool_handle()
-    with torch.cuda.graph(graph, pool=engine.graph_pool):
-        engine.step(engine, state)
-    state.scalars["slot"].copy_(saved[0]), state.scalars["step"].copy_(saved[1])
-    torch.cuda.synchronize()
-    STATS.warmup_s += time.perf_counter() - start
-    STATS.captured_graphs += 1
-    return graph
 
 
 @torch.no_grad()

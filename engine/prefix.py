@@ -2,37 +2,29 @@
 result): the m kept rollouts of a prompt all repeat that prompt, and every prompt of a batch repeats the same chat
 template, system prompt and worked example.
 
-`completion_logprobs` gives what grpo_loss.token_logprobs gives (float32 log p of each completion token, [B, C]),
-from the same [prompt | completion] rows, but runs each distinct prompt of the rows once:
-1. groups: rows with identical prompt tokens (and mask) are one group (`prompt_groups`, from the token ids);
-2. the shared prefix (optional, with two distinct prompts or more): the longest run of real tokens every
-   distinct prompt starts with (`common_prefix_length`, from the ids, never from knowledge of the template) runs
-   once, [1, L], and its keys and values are repeated for the G distinct prompts, whose suffixes run on them
-   ([prefix][suffix, left padded]: pads in the middle are masked out, positions come from the mask,
-   grpo_loss.position_ids_from_mask);
-3. the distinct prompts' keys and values (the model's KV cache) are repeated for the B rows with index_select and
-   the completions [B, C] run on them; the first completion token is scored by the prompt forward's last logits.
-   Folded (`folds`: where a row repeats few tokens, as with one prompt per step, where a prompt's own part is its
-   last token), 2 and 3 are one model call: each row runs its own prompt tokens and its completion on the prefix.
-Where that is decided (`layout`) is the host, from host copies of the rows: no device value is read back.
-Repeating keys and values is differentiable (index_select's backward sums), so every row's gradient flows back
-through the one shared prompt forward: loss and gradients equal the per-row computation up to float rounding
-(tests/test_prefix.py). Only the last prompt position is projected on the vocabulary (`logits_to_keep`).
+`completion_logprobs` gives what grpo_loss.token_logprobs gives (float32 log p of each completion token, [B, C])
+from the same [prompt | completion] rows, with each distinct prompt run once:
+1. rows with identical prompt tokens (and mask) are one group (`prompt_groups`);
+2. the longest run of real tokens every distinct prompt starts with (`common_prefix_length`, found from the ids, not
+   from the template) runs once, [1, L], its keys and values repeated for the distinct prompts' suffixes
+   ([prefix][suffix, left padded]: the pads between are masked, positions come from the mask);
+3. the distinct prompts' keys and values (the KV cache) are repeated for the B rows (index_select) and the
+   completions run on them; the prompt's last logits score the first completion token. Where the rows repeat few
+   prompt tokens (`folds`: one prompt per step), 2 and 3 are one model call.
+The layout is decided on the host, from host copies of the rows (`layout`): no device value is read back. Repeating
+keys and values is differentiable (index_select's backward sums), so loss and gradients equal the per-row
+computation up to float rounding (tests/test_prefix.py). Only the last prompt position reaches the vocabulary.
 
-Gradient checkpointing replays each layer's forward in the backward, cache writes included: the cache's layers
-(`_PastLayer`) hold a fixed past and return past + new keys/values, so a replayed write gives the same tensors, and
-the checkpointed layers are allowed to keep the cache during these calls. With several processes (FSDP: every rank
-must make the same forward calls) the prefix level, whose use depends on each rank's prompts, is off.
-`unsupported_reason` says when this cannot run, and the caller (update.py) then runs every row in full: reentrant
-checkpointing (its forward runs without autograd: no gradient through the cache), a transformers release whose
-checkpointed layers always drop the cache, a cache whose layers are not plain key/value tensors (sliding windows),
-a model that is not a transformers causal LM.
-Across micro-batches (update.py's gradient accumulation): the prefix every prompt of an optimizer step shares runs
-once per step (`step_prefix`: one forward; each micro-batch attends to detached copies of its keys and values,
-whose gradients add up over the micro-batches and go back through that forward once, `backward_step_prefix`).
-With one prompt per step (the paper's presets) that is the whole prompt but its last token.
-Simplification: the distinct prompts are found per call (a micro-batch); a prompt whose rows fall into two
-micro-batches runs its own suffix (the part after the step's prefix) once in each.
+Gradient checkpointing replays each layer's forward, cache writes included: the cache's layers (`_PastLayer`) hold a
+fixed past, so a replayed write gives the same tensors. `unsupported_reason` says when this cannot run (reentrant
+checkpointing, a transformers release whose checkpointed layers drop the cache, a cache of other than plain
+key/value tensors, a model that is not a transformers causal LM): update.py then runs every row in full. With
+several processes (FSDP: every rank must make the same forward calls) the prefix level is off.
+Across micro-batches, the prefix every prompt of an optimizer step shares runs once per step (`step_prefix`: each
+micro-batch attends to detached copies of its keys and values, whose gradients go back through it once,
+`backward_step_prefix`); with one prompt per step (the paper's presets) that is all of the prompt but its last token.
+Simplification: distinct prompts are found per micro-batch; a prompt whose rows fall into two micro-batches runs its
+own suffix once in each.
 """
 
 import contextlib

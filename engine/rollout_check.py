@@ -9,7 +9,7 @@ gives the trainer's log-prob of the same token: no extra pass. `SamplerGap` sums
 metrics.jsonl every step; when the mean gap exceeds `LOGPROB_GAP_LIMIT`, a bound no correct sampler reaches
 (docs/generation.md: the measurements it comes from), the step is not applied (the gap is known before the
 optimizer step: update.update_policy's max_sampler_gap) and `check` falls back to Hugging Face generate().
-`measure` does the same check for evaluation (eval.py), which has no update pass: one forward pass over a chunk.
+Evaluation, which has no update pass, measures its first chunk with one forward pass (eval.measure_sampler_gap).
 
 Metrics, per token t of a kept completion, delta_t = log pi_trainer(t) - log pi_sampler(t):
   sampler/logprob_diff_mean  mean |delta|          sampler/logprob_diff_max  max |delta|
@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-import grpo_loss
-import engine.prefix as prefix
 import sampling
 
 # Mean |log pi_trainer - log pi_sampler| per token above which the sampler is taken to be broken. Measured on the
@@ -137,25 +135,3 @@ def after_step(model, result, rounds, requested, where):
                                                              result.sampler_rejected)):
         metrics["sampler/fallback"] = fallback
     return metrics
-
-
-def measure(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=True):
-    """The SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched): the check of
-    callers without an update pass. Greedy rollouts are compared at temperature 1, as the sampler records them.
-    prefix_sharing: each distinct prompt and the prefix the rows share computed once (prefix.py, as in the update;
-    its own code, not the sampler's, so a fault of the sampler's shared prefix still shows)."""
-    device, gap = next(model.parameters()).device, SamplerGap()
-    rows = rollouts.prompt_index
-    with torch.no_grad(), grpo_loss.dropout_off(model):
-        logprobs = prefix.logprobs_function(model, prefix_sharing)
-        for start in range(0, len(rows), micro_batch_size):
-            part = slice(start, start + micro_batch_size)
-            mask = rollouts.completion_mask[part]
-            width = max(1, int(mask.sum(1).max()))
-            ids = torch.cat([rollouts.prompt_ids[rows[part]], rollouts.completion_ids[part, :width]], 1)
-            attention = torch.cat([rollouts.prompt_mask[rows[part]], mask[:, :width]], 1)
-            trainer = logprobs(model, ids.to(device), attention.to(device), width,
-                               temperature if temperature > 0 else 1.0)
-            gap = gap + SamplerGap.of(trainer, rollouts.sampler_logprobs[part, :width], mask[:, :width].to(device))
-    return gap
-

@@ -7,7 +7,7 @@ the top-p nucleus, sampled by inverse CDF from a hashed uniform) with its log-pr
 the trainer checks it against). A step calls its operations through a `Kernels` record (these functions, or the
 fused ops that replace them on a GPU), in place on fixed-shape tensors, so the engine can record it as one CUDA
 graph.
-Simplifications: the layouts of engine/families.py only (pre-norm, rotary, gated MLP); no sliding window.
+Simplifications: the layouts of decode.FAMILIES only (pre-norm, rotary, gated MLP); no sliding window.
 """
 
 from dataclasses import dataclass, field

@@ -41,9 +41,9 @@ from multiprocessing.connection import wait as wait_for_connections
 # `resource` is POSIX only: imported inside the server and worker, so `import grader` works anywhere.
 
 RETRY_FACTOR = 4  # a timed-out pair is tried once more with this many times the limit
-WALL_FACTOR = 20  # a worker silent for this many times its CPU limit (+ _KILL_GRACE_S) in wall time is killed:
+WALL_FACTOR = 20  # a worker silent for this many times its CPU limit (+ KILL_GRACE_S) in wall time is killed:
 # 16 busy processes on 2 cores leave a worker ~1/9 of a core, so its CPU limit passes in ~9x the wall time
-_KILL_GRACE_S = 0.25
+KILL_GRACE_S = 0.25
 _STARTUP_TIMEOUT_S = 60.0  # the grader server imports sympy and warms up once (~2 s; more when busy)
 _WORKER_MEMORY_BYTES = 4 << 30  # RLIMIT_AS of a worker: a huge integer raises MemoryError there
 _CACHE_SIZE = 1 << 16
@@ -290,7 +290,7 @@ def _verify_in_workers(items, num_workers, timeout_s):
                     except (OSError, ValueError):  # died between batches: replace, resend next round
                         _replace_worker(pool, slot)
                         continue
-                    wall_limit_s = WALL_FACTOR * timeout_s + _KILL_GRACE_S
+                    wall_limit_s = WALL_FACTOR * timeout_s + KILL_GRACE_S
                     busy[slot] = (pending.popleft(), time.monotonic() + wall_limit_s)
             if not busy:
                 continue

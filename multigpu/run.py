@@ -5,10 +5,10 @@ train.py (plus what W processes need, `check_args`), the process group is joined
 `Processes`, which differs from one process at these seams only:
 - load_policy: each rank loads the policy on the CPU and FSDP2 shards it (distributed.shard_model);
 - rounds: the round strategy's share: each rank takes P / W prompts of every rollout batch, with the generation
-  seeds one process would use, and generates on weights gathered once (no collective while ranks decode different
-  lengths); counts: every rank's count of groups with a spread, from which all decide a --dynamic-sampling refill
-  alike;
-- full_weights: evaluation generates on weights gathered once, as a round does;
+  seeds one process would use; counts: every rank's count of groups with a spread, from which all decide a
+  --dynamic-sampling refill alike;
+- full_weights: a step's rounds (every --grad-accum-steps round and --dynamic-sampling refill) and an evaluation
+  generate on weights gathered once (no collective while ranks decode different lengths);
 - total: the loss normaliser and the loss are summed over ranks (FSDP sums gradients), so the update is the
   global batch's, and a non-finite loss on any rank skips the step on every rank;
 - merged: the step's metrics of every rank joined in rank order (the single-process order), evaluations pooled;
@@ -47,9 +47,8 @@ class Processes(train.OneProcess):
         def this_rank_round(model, tokenizer, examples, settings, seed, costs, sizes=None):
             mine, first_chunk = self.share(examples, settings.num_rollouts, settings.generation.rollout_batch_size,
                                            sizes)
-            with self.full_weights(model):  # on every rank: gathering the weights is a collective
-                if mine:
-                    return make_round(model, tokenizer, mine, settings, seed, costs, first_chunk=first_chunk)
+            if mine:  # on weights train_step gathered once for all its rounds (full_weights)
+                return make_round(model, tokenizer, mine, settings, seed, costs, first_chunk=first_chunk)
             # A --dynamic-sampling refill only other ranks needed: no rollouts, every reward term's column.
             rollouts = dynamic_sampling.no_rollouts()
             scores = rewards.score_rollouts(rollouts, [], settings.rewards)

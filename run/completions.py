@@ -71,7 +71,7 @@ def write_completions(run_dir, record):
     checkpoint.write_text_atomic(folder / f"{record['name']}.jsonl", "\n".join(lines) + "\n")
 
 
-def _logged_files(run_dir, name):
+def logged_files(run_dir, name):
     """{step: path} of the completions files named `name` ("step" or "eval_step") in a run folder."""
     files = {}
     for path in (Path(run_dir) / COMPLETIONS_DIR).glob(f"{name}_*.jsonl"):
@@ -87,14 +87,14 @@ def drop_completions_after(run_dir, step):
     for path in (Path(run_dir) / COMPLETIONS_DIR).glob(checkpoint.TMP_PREFIX + "*"):
         path.unlink()
     for name in ("step", "eval_step"):
-        for logged_step, path in _logged_files(run_dir, name).items():
+        for logged_step, path in logged_files(run_dir, name).items():
             if logged_step > step:
                 path.unlink()
 
 
 def read_completions(run_dir, step=None, name="step"):
     """(step, rows) of a run's completions log at `step` (None: the newest); name "step" or "eval_step"."""
-    files = _logged_files(run_dir, name)
+    files = logged_files(run_dir, name)
     if not files:
         raise ValueError(f"{run_dir}: no {name} completions logged (see --log-completions-interval)")
     step = max(files) if step is None else step

@@ -294,10 +294,10 @@ def parse_args(argv=None, restarted=False):
         _check_data_files(args, saved)
         _check_reward_functions(args, saved)
         weights = saved["reward_weights"]  # older runs saved the flag's text: the terms then unknown, parsed now
-        saved["reward_weights"] = rewards.parse_reward_weights(weights) if isinstance(weights, str) else \
+        saved["reward_weights"] = parse_reward_weights(weights) if isinstance(weights, str) else \
             {**{name: 0.0 for name in args.reward_weights}, **weights}  # a term the run did not record weighed 0
         if isinstance(saved["reward_options"], str):
-            saved["reward_options"] = rewards.parse_reward_options(saved["reward_options"])
+            saved["reward_options"] = parse_reward_options(saved["reward_options"])
     args.changes = runfolder.resume_changes(args, saved, RUN_IDENTITY, RECORDED_AT_RESUME) if args.resume else []
     return args
 
@@ -328,6 +328,46 @@ def reward_terms(weights, options):
     what config.json records, so that a resume sees a term registered, or an option's default changed, since."""
     return {name: {"weight": weights[name], "options": {**term.options, **options.get(name, {})}}
             for name, term in rewards.REWARD_TERMS.items()}
+
+
+def parse_reward_weights(spec):
+    """"format=0.1" (or the dict a config.json holds) -> {name: weight} of every registered reward term: the named
+    ones changed, the others at their default weight (rewards.DEFAULT_REWARD_WEIGHTS). An unknown name is an error."""
+    weights = dict(rewards.DEFAULT_REWARD_WEIGHTS)
+    items = spec.items() if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
+    for name, value in items:
+        name = name.strip()
+        if name not in rewards.REWARD_FUNCS:
+            raise ValueError(f"unknown reward function {name!r} in --reward-weights; "
+                             f"expected names from {sorted(rewards.REWARD_FUNCS)}")
+        try:
+            weights[name] = float(value) if value != "" else 1.0
+        except (TypeError, ValueError):
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r}") from None
+        if not math.isfinite(weights[name]):  # nan or inf would reach the loss and config.json
+            raise ValueError(f"--reward-weights: weight of {name!r} is not a number: {value!r} (it must be finite)")
+    return weights
+
+
+def parse_reward_options(spec):
+    """"term.option=value,..." (or the dict a config.json holds) -> {term: {option: value}}, each value of its
+    default's type; an unknown term or option, or a value of the wrong type, is an error."""
+    items = ((f"{term}.{key}", value) for term, given in spec.items() for key, value in given.items()) \
+        if isinstance(spec, dict) else (item.partition("=")[::2] for item in spec.split(",") if item)
+    options = {}
+    for key, value in items:
+        term, _, option = key.strip().partition(".")
+        known = rewards.REWARD_TERMS[term].options if term in rewards.REWARD_TERMS else {}
+        if option not in known:
+            raise ValueError(f"--reward-options: no option {key.strip()!r}; reward terms' options: "
+                             f"{[f'{t.name}.{o}' for t in rewards.REWARD_TERMS.values() for o in t.options]}")
+        kind = type(known[option])
+        try:
+            parsed = {"true": True, "false": False}[str(value).lower()] if kind is bool else value
+            options.setdefault(term, {})[option] = kind(parsed)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"--reward-options: {key.strip()} needs a {kind.__name__}, got {value!r}") from None
+    return options
 
 
 def _check_reward_terms(args, saved):
@@ -369,8 +409,8 @@ def resolve_defaults(args):
     prints them so too."""
     if args.log_completions_interval is None:
         args.log_completions_interval = args.eval_interval
-    args.reward_weights = rewards.parse_reward_weights(args.reward_weights)
-    args.reward_options = rewards.parse_reward_options(args.reward_options)
+    args.reward_weights = parse_reward_weights(args.reward_weights)
+    args.reward_options = parse_reward_options(args.reward_options)
     args.reward_terms = reward_terms(args.reward_weights, args.reward_options)  # recorded in config.json
     if args.prompt_template and Path(args.prompt_template).is_file():  # a file: its text is what the run uses
         args.prompt_template = Path(args.prompt_template).read_text(encoding="utf-8")
@@ -626,8 +666,8 @@ def preset_defaults(preset):
     parser = build_parser()
     parser.set_defaults(**PRESETS[preset])
     defaults = parser.parse_args([])
-    return dict(vars(defaults), reward_weights=rewards.parse_reward_weights(defaults.reward_weights),
-                reward_options=rewards.parse_reward_options(defaults.reward_options))
+    return dict(vars(defaults), reward_weights=parse_reward_weights(defaults.reward_weights),
+                reward_options=parse_reward_options(defaults.reward_options))
 
 
 def method_label(args):

@@ -32,9 +32,9 @@ def load(args, processes):
     model.train()  # checkpointing acts in training mode; dropout is off where it would run (sampling, update)
     # held-out prompts are not cut to --max-prompt-tokens: the longest of them may be longer
     longest = max([args.max_prompt_tokens] + data.prompt_token_counts([e.text for e in eval_set], tokenizer))
-    sampling.check_generation_fits(model, args.rollout_batch_size, longest + args.max_completion_tokens,
-                                   f"--rollout-batch-size (now {args.rollout_batch_size}) or --max-completion-tokens "
-                                   f"(now {args.max_completion_tokens})")
+    models.check_generation_fits(model, args.rollout_batch_size, longest + args.max_completion_tokens,
+                                 f"--rollout-batch-size (now {args.rollout_batch_size}) or --max-completion-tokens "
+                                 f"(now {args.max_completion_tokens})")
     optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     return tokenizer, train_set, eval_set, model, optimizer
 

@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +50,22 @@ AXES = {"time": "training wall-clock (s)", "steps": "optimizer step"}
 RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 FRACTION = 0.99  # of the baseline's peak (Appendix A.4)
+
+
+def resample_count(text):
+    """argparse type of --resamples (every study command's): an int >= 1, else one line naming the flag."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def budget_seconds(text):
+    """argparse type of a time budget (--max-time-s, --budget-s): a finite number of seconds > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def on_axis(run, axis):
@@ -540,19 +555,15 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the figures as JSON")
     parser.add_argument("--export-data", metavar="DIR", help="also write each run's data file (studydata.py) here")
     parser.add_argument("--metric", choices=compare.METRICS, default="accuracy")
-    parser.add_argument("--resamples", type=int, default=RESAMPLES)
+    parser.add_argument("--resamples", type=resample_count, default=RESAMPLES)
     parser.add_argument("--title")
-    parser.add_argument("--budget-s", type=float, help="read every run as one with this --max-time-s (a run given "
-                        "a longer budget: its steps and evaluations past it left out)")
+    parser.add_argument("--budget-s", type=budget_seconds, help="read every run as one with this --max-time-s (a run "
+                        "given a longer budget: its steps and evaluations past it left out)")
     parser.add_argument("--estimate-clock", action="store_true", help="with --from-data: place evaluations whose "
                         "seconds were not recorded at step x the arm's mean step time (reported as an estimate)")
     parser.add_argument("--jitter", type=float, default=0.0, help="also show how the clock's intervals move when "
                         "each run's times are scaled by up to +- this fraction (e.g. 0.03)")
     args = parser.parse_args(argv)
-    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
-        parser.error(f"--budget-s must be a finite number > 0, got {args.budget_s}")
-    if args.resamples < 1:
-        parser.error(f"--resamples must be >= 1, got {args.resamples}")
     if not (math.isfinite(args.jitter) and 0 <= args.jitter < 1):
         parser.error(f"--jitter must be in [0, 1), got {args.jitter}")
     if args.estimate_clock and not args.from_data:

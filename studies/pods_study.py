@@ -474,14 +474,16 @@ def main(argv):
     parser.add_argument("--seeds", type=int, nargs="+", help="the seeds of every arm (default: 0-7 for grpo and pods, "
                         "0-4 for random, 0-2, 4, 5 for pods8 and pods32: PODS_SEEDS); with --from-data: report only "
                         "these seeds' runs")
-    parser.add_argument("--max-time-s", type=float, help=f"training wall-clock per run (default {PODS_MAX_TIME_S:g}; "
-                        "with --from-data: the budget the runs are read at, default the one study.json records)")
+    parser.add_argument("--max-time-s", type=bootstrap.budget_seconds, help="training wall-clock per run (default "
+                        f"{PODS_MAX_TIME_S:g}; with --from-data: the budget the runs are read at, default the one "
+                        "study.json records)")
     parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS, help="torch CPU threads per "
                         "run (the study is timed: one run at a time, a quiet machine, both cores)")
     parser.add_argument("--data", help="where the runs' data files, study.json and pods.md go (default: <out>/data; "
                         "the committed ones are results/pods: give it to replace them on purpose)")
     parser.add_argument("--plot", help="the plot's path (default <out>/pods.png; none with --from-data unless given)")
-    parser.add_argument("--resamples", type=int, default=bootstrap.RESAMPLES, help="bootstrap resamples")
+    parser.add_argument("--resamples", type=bootstrap.resample_count, default=bootstrap.RESAMPLES,
+                        help="bootstrap resamples")
     parser.add_argument("--dry-run", action="store_true", help="print the train.py commands only")
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs already finished "
                         "(a study under way or cut short; a run in progress is left out)")
@@ -489,10 +491,6 @@ def main(argv):
                         "with this --out's runs (a study continued in a new --out); refused unless the data folder's "
                         "study.json records this study's budget and settings")
     args = parser.parse_args(argv)
-    if args.max_time_s is not None and not (math.isfinite(args.max_time_s) and args.max_time_s > 0):
-        parser.error(f"--max-time-s must be a finite number > 0, got {args.max_time_s}")
-    if args.resamples < 1:
-        parser.error(f"--resamples must be >= 1, got {args.resamples}")
     if args.report_only and args.dry_run:
         parser.error("--report-only trains nothing and --dry-run only prints the train.py commands: give one of them")
     if args.from_data:

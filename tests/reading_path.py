@@ -81,7 +81,8 @@ def traced_step_files(backend, tokenizer=None):
 ROLES = {
     "train.py": "the step (`train_step`, its `Round` record, `StepSettings`) and the loop around it",
     "grpo_loss.py": "`LossSettings` (every option of the loss), completion log-probs, the clipped per-token GRPO loss",
-    "sampling.py": "n rollouts per prompt: chunks, seeds, first-EOS masks, the sampler's log-probs, the backends",
+    "sampling.py": "n rollouts per prompt: chunks, seeds, first-EOS masks, the backend and its fallback",
+    "engine/hf_generate.py": "Hugging Face generate with our settings only, the sampler's log-probs read between its warpers",
     "run/metrics.py": "phase timings and the step's metrics line",
     "rewards.py": "the registry of reward terms (accuracy, format, tag count) weighted into one total; the answers read",
     "pods.py": "the registry of down-sampling rules (max-variance: one sort + prefix sums), `select`, the advantages",
@@ -89,7 +90,7 @@ ROLES = {
     "models.py": "dropout off while sampling and updating, the update's fused kernels and TF32 (loading: outside it)",
     "engine/rollout_check.py": "the sampler's log-probs against the update's: the fallback to `generate()`",
     "engine/prefix.py": "each distinct token computed once: the prefix every prompt shares, each prompt once for its rows",
-    "engine/decode.py": "the decode loop: bucketed KV cache, CUDA graphs, finished rows dropped",
+    "engine/decode.py": "the decode loop: the model families it runs, bucketed KV cache, finished rows dropped",
     "engine/weights.py": "LoRA merged into a copy of the weights for decoding",
     "engine/step.py": "one decode step of a Llama-family model, by hand",
 }

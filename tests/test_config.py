@@ -100,7 +100,7 @@ def test_missing_model_path_and_unknown_choices(tmp_path, capsys):
 def test_reward_weights_are_parsed_once_into_a_dict():
     args = config.parse_args(["--reward-weights", "accuracy=2,format=0,tag_count=0.5"])
     assert args.reward_weights == dict(rewards.DEFAULT_REWARD_WEIGHTS, accuracy=2.0, format=0.0, tag_count=0.5)
-    assert rewards.parse_reward_weights(args.reward_weights) == args.reward_weights  # a config.json dict is accepted
+    assert config.parse_reward_weights(args.reward_weights) == args.reward_weights  # a config.json dict is accepted
     assert config.parse_args([]).reward_weights == rewards.DEFAULT_REWARD_WEIGHTS  # every registered term's default
     paper = {name: rewards.DEFAULT_REWARD_WEIGHTS[name] for name in ("accuracy", "format", "tag_count")}
     assert paper == {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0}

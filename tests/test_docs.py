@@ -59,6 +59,25 @@ def test_readme_reading_path_is_the_traced_step(smollm2_tokenizer):
         "README's reading path differs from the code: run python -m tests.reading_path --write"
 
 
+def test_readme_states_train_steps_length_and_it_reads_top_to_bottom():
+    """README's "`train.train_step` (N lines, no optional branch)" is the function as written: N lines from its def
+    to its last, at most 50, no `args.` (it reads the settings records built once per run) and no `if`: the optional
+    paths (dynamic sampling, several processes, the engine's fallback) plug in at the seams the loop chooses."""
+    import ast
+    import inspect
+
+    import train
+
+    source = inspect.getsource(train.train_step)
+    lines = len(source.rstrip("\n").splitlines())
+    stated = re.search(r"`train\.train_step` \((\d+) lines, no optional branch\)", DOCS["README.md"])
+    assert stated, "README no longer states train_step's length"
+    assert int(stated.group(1)) == lines <= 50, f"train_step is {lines} lines; README says {stated.group(1)}"
+    assert "args." not in source
+    branches = [node for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.If, ast.IfExp))]
+    assert not branches, f"train_step branches at line {branches[0].lineno} of its source"
+
+
 def test_readme_goes_in_the_order_a_newcomer_acts_and_stays_short():
     readme = DOCS["README.md"]
     headings = re.findall(r"^## (\d)\. ", readme, flags=re.M)

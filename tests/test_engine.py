@@ -11,7 +11,9 @@ import torch
 
 import engine
 import engine.decode
+import engine.graphs
 import engine.step
+import eval as heldout
 import models
 from engine import prefix
 from sampling import GenerationSettings, completion_mask_after_eos, derived_seed, sample_completions
@@ -194,7 +196,7 @@ def test_attention_over_a_prefix_read_once_equals_attention_over_every_row(lengt
 
 @pytest.mark.parametrize("fault", ["prefix only in the last row", "prefix tokens reversed"])
 def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatch):
-    """The run-time guard covers prefix sharing: rollout_check.measure scores the rollouts with the plain forward
+    """The run-time guard covers prefix sharing: eval.measure_sampler_gap scores the rollouts with the plain forward
     pass over the whole prompts, so a shared prefix whose K/V reach only the last row (decoding reads them from the
     first, step.attend_shared), or were computed from its tokens in reverse order, raises the gap above the
     fallback limit (a tiny Llama with peaked logits, as a trained model's)."""
@@ -212,7 +214,7 @@ def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatc
         cids, cmask, truncated, logprobs, backend = sample_completions(model, ids, mask, 4, [EOS], EOS, settings, 0)
         rollouts = sampling.Rollouts(ids, mask, cids, cmask, [], cmask.sum(1), truncated,
                                      torch.arange(3).repeat_interleave(4), logprobs, backend)
-        return rollout_check.measure(model, rollouts, 1.0)
+        return heldout.measure_sampler_gap(model, rollouts, 1.0)
 
     healthy, prefill, run_layers = gap(), engine.step.prefill, engine.step.run_layers
 
@@ -398,13 +400,13 @@ def test_recorded_graphs_cover_every_bucket_on_first_use_and_replay_the_step(mon
         def replay(self):
             self.runtime.step(self.runtime, self.state)
 
-    def fake_record(runtime, state):
+    def fake_record(runtime, state, stats):
         recorded.append((len(state.tokens), state.keys[0].shape[2]))
         return ReplayStep(runtime, state)
 
     model, eager_model = eos_model("llama", seed=1), eos_model("llama", seed=1)
     engine.engine_for(model).capture = True   # what engine_for sets on a CUDA device
-    monkeypatch.setattr(engine.decode, "record_graph", fake_record)
+    monkeypatch.setattr(engine.graphs, "record_graph", fake_record)
     generator = torch.Generator().manual_seed(0)
     counts = []
     for call in range(21):

@@ -1,4 +1,4 @@
-"""engine/ops.py, engine/triton_kernels.py, engine/families.py, the stacked copies of engine/weights.py: the fused
+"""engine/ops.py, engine/triton_kernels.py, the families of engine/decode.py, the stacked copies of engine/weights.py: the fused
 decode step (custom ops; a CPU runs each op's reference behind it) gives the plain step's tokens and log-probs; one
 step of it runs 9 operations a layer and builds no mask (counted by bench census); a fused op that disagrees with its
 reference (a planted fault in each) or raises is replaced by it with one warning line, before anything runs it, so
@@ -21,6 +21,7 @@ import torch
 
 import engine
 import engine.decode
+import engine.graphs
 import engine.ops as ops
 import models
 from test_engine import EOS, VOCAB, eos_model, left_padded_prompts, lora_model
@@ -168,13 +169,13 @@ def test_graphs_recorded_with_an_op_that_fails_later_are_recorded_again(monkeypa
             assert self.runtime.kernels is self.kernels, "a graph replays the ops it was recorded with"
             self.runtime.step(self.runtime, self.state)
 
-    def fake_record(runtime, state):
+    def fake_record(runtime, state, stats):
         recorded.append((len(state.tokens), state.keys[0].shape[2]))
         return ReplayStep(runtime, state)
 
     model = eos_model("llama", seed=1)
     monkeypatch.setattr(engine.decode, "KERNELS", "fused")
-    monkeypatch.setattr(engine.decode, "record_graph", fake_record)
+    monkeypatch.setattr(engine.graphs, "record_graph", fake_record)
     engine.decode.engine_for(model).capture = True
     ids, mask = left_padded_prompts([4, 7])
     first = engine.generate(model, ids, mask, torch.arange(2), 6, [EOS], EOS, temperature=0.0, max_rows=2)
@@ -238,7 +239,7 @@ def test_every_family_decodes_generates_tokens(family, kernels, monkeypatch):
 
 
 def test_the_families_are_listed_once():
-    from engine.families import FAMILIES
+    from engine.decode import FAMILIES
 
     assert engine.decode.SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "qwen2", "mistral", "phi3")
 

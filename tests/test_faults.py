@@ -76,11 +76,14 @@ def run_command(script, argv):
 
 @pytest.mark.parametrize("script, argv, message", [
     ("study.py bootstrap", ["--from-data", "results/pods", "--baseline-label", "GRPO 4/4", "--budget-s", "nan"],
-     "--budget-s must be a finite number > 0, got nan"),
+     "argument --budget-s: must be a finite number > 0, got nan"),
     ("study.py bootstrap", ["--from-data", "results/pods", "--baseline-label", "GRPO 4/4", "--resamples", "0"],
-     "--resamples must be >= 1, got 0"),
+     "argument --resamples: must be >= 1, got 0"),
     ("study.py", ["pods", "--from-data", "results/pods", "--max-time-s", "nan"],
-     "--max-time-s must be a finite number > 0, got nan"),
+     "argument --max-time-s: must be a finite number > 0, got nan"),
+    ("study.py", ["objectives", "--out", "unused", "--resamples", "0"], "argument --resamples: must be >= 1, got 0"),
+    ("study.py", ["ga", "--out", "unused", "--resamples", "-3"], "argument --resamples: must be >= 1, got -3"),
+    ("study.py", ["run", "--out", "unused", "--max-time-s", "0"], "argument --max-time-s: must be a finite number > 0"),
     ("study.py", ["pods", "--from-data", "results/pods", "--max-time-s", "1e9"],
      "--max-time-s 1e+09: runs trained for less"),  # the command's own flag, not bootstrap's
 ])

@@ -48,7 +48,7 @@ def test_a_silent_worker_is_killed_at_its_wall_limit_and_the_retry_decides_on_a_
     worker = grader._workers[0]
     os.kill(worker.pid, signal.SIGSTOP)
     timeout_s = 0.02
-    wall_limit_s = grader.WALL_FACTOR * timeout_s + grader._KILL_GRACE_S
+    wall_limit_s = grader.WALL_FACTOR * timeout_s + grader.KILL_GRACE_S
     start = time.perf_counter()
     first = grader._verify_in_workers([("2", "\\sqrt{4}")], 0, timeout_s)
     elapsed_s = time.perf_counter() - start

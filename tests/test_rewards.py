@@ -221,7 +221,7 @@ def test_adversarial_inputs_never_raise_and_are_graded_within_the_graders_limits
     pre-filters keep all but a few cases away from sympy's worst."""
     assert len(ADVERSARIAL) >= 100
     assert accuracy_reward(formatted("x^{2}"), "x^2") == 1.0  # the grader server starts once per process
-    limit_s = (1 + grader.RETRY_FACTOR) * (grader.WALL_FACTOR * rewards.VERIFY_TIMEOUT_S + grader._KILL_GRACE_S)
+    limit_s = (1 + grader.RETRY_FACTOR) * (grader.WALL_FACTOR * rewards.VERIFY_TIMEOUT_S + grader.KILL_GRACE_S)
     worst_s, worst_case, timed_out = 0.0, None, 0
     for completion, gold in ADVERSARIAL:
         for grade in (lambda: accuracy_reward(completion, gold), lambda: format_reward(completion),

@@ -28,7 +28,7 @@ def test_every_registered_term_scores_each_completion_with_its_defaults(name):
     torch.testing.assert_close(result.total, term.weight * torch.nan_to_num(values, nan=0.0))
     # Its options parse from the command line at their defaults' types.
     spec = ",".join(f"{name}.{key}={value}" for key, value in term.options.items())
-    assert rewards.parse_reward_options(spec) == ({name: term.options} if term.options else {})
+    assert config.parse_reward_options(spec) == ({name: term.options} if term.options else {})
 
 
 @pytest.fixture

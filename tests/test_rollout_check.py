@@ -13,7 +13,9 @@ import torch
 
 import engine
 import engine.decode
+import engine.graphs
 import engine.weights
+import eval as heldout
 import grpo_loss
 import models
 from engine import rollout_check
@@ -46,7 +48,7 @@ def left_padded_prompts(widths, seed=0, vocab=VOCAB):
 
 
 def rollouts_of(model, ids, mask, n, settings, seed=0):
-    """sample_completions as a sampling.Rollouts (what update.kept_batch and rollout_check.measure read)."""
+    """sample_completions as a sampling.Rollouts (what update.kept_batch and eval.measure_sampler_gap read)."""
     cids, cmask, truncated, logprobs, backend = sample_completions(model, ids, mask, n, [EOS], EOS, settings, seed)
     return sampling.Rollouts(ids, mask, cids, cmask, [], cmask.sum(1), truncated,
                              torch.arange(len(ids)).repeat_interleave(n), logprobs, backend)
@@ -71,7 +73,7 @@ def test_sampler_logprobs_equal_the_trainers(arch, backend):
                                            rollouts.completion_ids.shape[1], 0.8)
     assert (rollouts.sampler_logprobs[~keep] == 0).all() and (rollouts.sampler_logprobs[keep] < 0).all()
     assert (trainer - rollouts.sampler_logprobs)[keep].abs().max() < 1e-5
-    gap = rollout_check.measure(model, rollouts, 0.8)
+    gap = heldout.measure_sampler_gap(model, rollouts, 0.8)
     assert gap.tokens == int(keep.sum()) and gap.mean < 1e-5 and gap.ratio_max == pytest.approx(1, abs=1e-4)
 
 
@@ -90,9 +92,9 @@ def test_measure_with_prefix_sharing_is_the_full_forward_and_runs_the_prefix_onc
     calls = []
     shared = prefix.completion_logprobs
     monkeypatch.setattr(prefix, "completion_logprobs", lambda *a, **k: calls.append(a[1].shape) or shared(*a, **k))
-    on = rollout_check.measure(model, rollouts, 0.9, micro_batch_size=6)
+    on = heldout.measure_sampler_gap(model, rollouts, 0.9, micro_batch_size=6)
     assert len(calls) == 2  # two micro-batches of 6 rows, both through the sharing path
-    off = rollout_check.measure(model, rollouts, 0.9, micro_batch_size=6, prefix_sharing=False)
+    off = heldout.measure_sampler_gap(model, rollouts, 0.9, micro_batch_size=6, prefix_sharing=False)
     assert len(calls) == 2 and on.tokens == off.tokens > 0
     assert on.mean == pytest.approx(off.mean, abs=1e-6) and on.ratio_max == pytest.approx(off.ratio_max, abs=1e-5)
     assert on.mean < 1e-5
@@ -104,7 +106,7 @@ def test_greedy_logprobs_are_at_temperature_one():
     for backend in ("engine", "hf"):
         rollouts = rollouts_of(model, ids, mask, 1, GenerationSettings(max_new_tokens=12, temperature=0.0,
                                                                        backend=backend))
-        assert rollout_check.measure(model, rollouts, 0.0).mean < 1e-5
+        assert heldout.measure_sampler_gap(model, rollouts, 0.0).mean < 1e-5
 
 
 def test_gap_sums_add_and_metrics_by_hand():
@@ -158,9 +160,9 @@ def test_planted_faults_raise_the_gap_above_the_limit(fault, monkeypatch):
     model = peaked_lora_model()
     ids, mask = left_padded_prompts([5, 3], vocab=1000)
     settings = GenerationSettings(max_new_tokens=8, temperature=1.0, rollout_batch_size=8)
-    healthy = rollout_check.measure(model, rollouts_of(model, ids, mask, 4, settings), 1.0)
+    healthy = heldout.measure_sampler_gap(model, rollouts_of(model, ids, mask, 4, settings), 1.0)
     plant(fault, model, monkeypatch)
-    faulty = rollout_check.measure(model, rollouts_of(model, ids, mask, 4, settings), 1.0)
+    faulty = heldout.measure_sampler_gap(model, rollouts_of(model, ids, mask, 4, settings), 1.0)
     assert healthy.mean < 1e-5 < rollout_check.LOGPROB_GAP_LIMIT < faulty.mean
     engine.release(model)
 
@@ -190,11 +192,11 @@ def test_capture_failure_falls_back_to_eager_with_the_same_tokens(monkeypatch):
     monkeypatch.setattr(engine.decode, "records_graphs", lambda *args: True)
     recorded = []
 
-    def failing_record(runtime, state):
+    def failing_record(runtime, state, stats):
         recorded.append(1)
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(engine.decode, "record_graph", failing_record)
+    monkeypatch.setattr(engine.graphs, "record_graph", failing_record)
     with pytest.raises(sampling.SamplerError, match="stream is capturing.*--backend engine allows no fallback"):
         sample_completions(model, ids, mask, 2, [EOS], EOS, GenerationSettings(**{**vars(settings),
                                                                                  "backend": "engine"}), 3)
@@ -245,5 +247,5 @@ def test_the_real_demo_model_samples_on_policy_in_fp32(smollm2_tokenizer):
     for backend in ("engine", "hf"):
         rollouts = sampling.generate_rollouts(model, smollm2_tokenizer, prompts, 2, GenerationSettings(
             max_new_tokens=24, temperature=0.9, top_p=0.95, backend=backend))
-        gap = rollout_check.measure(model, rollouts, 0.9)
+        gap = heldout.measure_sampler_gap(model, rollouts, 0.9)
         assert rollouts.backend == backend and gap.tokens > 50 and gap.mean < 1e-4 and gap.abs_max < 1e-3

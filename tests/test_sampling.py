@@ -178,13 +178,13 @@ def test_generation_beyond_positions_or_memory_is_refused_naming_the_flags(tiny_
     """KV cache of the tiny Llama (2 layers, 2 KV heads x 16 dims, fp32): 512 bytes per token and row."""
     flags = "--rollout-batch-size or --max-completion-tokens"
     with pytest.raises(ValueError, match="up to 2049 tokens exceed the model's 2048 positions: lower --rollout"):
-        sampling.check_generation_fits(tiny_model, 4, 2049, flags)
-    monkeypatch.setattr(sampling, "available_memory_bytes", lambda device: 2 ** 30)
-    sampling.check_generation_fits(tiny_model, 64, 2048, flags)  # 64 MiB of cache + 48 MiB of logits: fits
+        models.check_generation_fits(tiny_model, 4, 2049, flags)
+    monkeypatch.setattr(models, "available_memory_bytes", lambda device: 2 ** 30)
+    models.check_generation_fits(tiny_model, 64, 2048, flags)  # 64 MiB of cache + 48 MiB of logits: fits
     with pytest.raises(ValueError, match=r"1024 sequences of 2048 tokens needs ~1\.8 GiB \(KV cache 1\.0 GiB\)"):
-        sampling.check_generation_fits(tiny_model, 1024, 2048, flags)
-    monkeypatch.setattr(sampling, "available_memory_bytes", lambda device: None)  # unknown: not refused
-    sampling.check_generation_fits(tiny_model, 1024, 2048, flags)
+        models.check_generation_fits(tiny_model, 1024, 2048, flags)
+    monkeypatch.setattr(models, "available_memory_bytes", lambda device: None)  # unknown: not refused
+    models.check_generation_fits(tiny_model, 1024, 2048, flags)
 
 
 # A shared system prompt, then prompts of different lengths; the last one is a prefix of the second.

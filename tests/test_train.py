@@ -2,6 +2,7 @@
 the kept rows and their advantages, the selection variants (zero-variance prompts dropped, batch scope, an empty
 update). Whole runs: test_train_run.py; flags and presets: test_config.py; the update itself: test_update.py."""
 
+import contextlib
 import math
 
 import pytest
@@ -90,6 +91,38 @@ def test_grad_accum_rounds_use_every_round(lora_model, smollm2_tokenizer):
     metrics, _ = train.train_step(lora_model, smollm2_tokenizer, optimizer, [EXAMPLES, EXAMPLES[:1]],
                                   train.step_settings(args), step=1)
     assert metrics["update_rows"] == 3 * args.update_size
+
+
+class GatherCounted(train.OneProcess):
+    """The several-process seam of full_weights, counted: how often a step gathers the weights for generation."""
+
+    def __init__(self):
+        self.entered, self.inside = 0, False
+
+    @contextlib.contextmanager
+    def full_weights(self, model):
+        self.entered, self.inside = self.entered + 1, True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def test_a_step_gathers_the_weights_once_for_all_its_rounds(lora_model, smollm2_tokenizer, monkeypatch):
+    """Several processes gather the full weights for generation (an all-gather of every layer): once per step,
+    around every --grad-accum-steps round (and refill), released before the update, whose FSDP passes reshard."""
+    processes, generated_inside, updated_inside = GatherCounted(), [], []
+    real_generate, real_update = sampling.generate_rollouts, update.update_policy
+    monkeypatch.setattr(sampling, "generate_rollouts",
+                        lambda *a, **k: generated_inside.append(processes.inside) or real_generate(*a, **k))
+    monkeypatch.setattr(update, "update_policy",
+                        lambda *a, **k: updated_inside.append(processes.inside) or real_update(*a, **k))
+    args = step_args(grad_accum_steps=3)
+    metrics, _ = train.train_step(lora_model, smollm2_tokenizer, make_optimizer(lora_model, args),
+                                  [EXAMPLES, EXAMPLES[:1], EXAMPLES], train.step_settings(args), 1,
+                                  processes=processes)
+    assert processes.entered == 1 and generated_inside == [True, True, True] and updated_inside == [False]
+    assert metrics["update_rows"] == 5 * args.update_size
 
 
 def test_step_trains_on_the_kept_rows_with_kept_subset_advantages(lora_model, smollm2_tokenizer, monkeypatch):

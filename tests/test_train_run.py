@@ -222,7 +222,7 @@ def test_impossible_lengths_and_sizes_fail_before_anything_is_allocated(tiny_mod
     monkeypatch.setattr(sampling, "generate_rollouts", lambda *args, **kwargs: generated.append(1))
     with pytest.raises(ValueError, match=r"needs ~\d+\.\d GiB .* lower --rollout-batch-size \(now 100000\)"):
         train.main(tiny_argv(tiny_model_dir, tmp_path / "b", "--rollout-batch-size", "100000"))
-    monkeypatch.setattr(sampling, "available_memory_bytes", lambda device: 2 ** 20)  # 1 MiB left
+    monkeypatch.setattr(models, "available_memory_bytes", lambda device: 2 ** 20)  # 1 MiB left
     with pytest.raises(ValueError, match="but 0.0 GiB are free on cpu: lower --rollout-batch-size"):
         train.main(tiny_argv(tiny_model_dir, tmp_path / "c"))
     assert not generated

@@ -166,8 +166,8 @@ def test_a_run_checks_its_evaluations_only_before_its_own_steps_do(peaked_model_
     """The step-0 evaluation checks the sampler (an extra forward pass); the later ones leave it to every step's
     update, and so do a resumed run's, which all follow a step of its own."""
     measured = []
-    measure = rollout_check.measure
-    monkeypatch.setattr(rollout_check, "measure", lambda *a, **k: measured.append(1) or measure(*a, **k))
+    measure = heldout.measure_sampler_gap
+    monkeypatch.setattr(heldout, "measure_sampler_gap", lambda *a, **k: measured.append(1) or measure(*a, **k))
     run_dir = train.main(tiny_argv(peaked_model_dir, tmp_path / "run", "--eval-interval", "1", "--max-steps", "3"))
     assert [line["step"] for line in read_lines(run_dir, "eval")] == [0, 1, 2, 3] and len(measured) == 1
     train.main(tiny_argv(peaked_model_dir, tmp_path / "run", "--eval-interval", "1", "--max-steps", "5", "--resume"))
