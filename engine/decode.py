@@ -199,8 +199,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
             hf.model.embed_tokens, layers, hf.model.norm, hf.lm_head, hf.model.rotary_emb, heads, kv_heads, head_dim,
             config.intermediate_size, attention.scaling, signature, copies,
             graphs.compiled(decode_step.decode_step, backend, STATS) if backend else decode_step.decode_step,
-            bool(capture),
-            kernels)
+            bool(capture), kernels)
     if refresh_weights or fresh:
         weights.refresh_copies(engine.copies)
     return engine
