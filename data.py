@@ -90,10 +90,7 @@ def check_data_source(name, data_dir=None, splits=SPLITS, source=None):
     (run before any model loads): "usable" = a Hub id and an importable `datasets`; an unreachable Hub shows
     when the rows are read (load_split's RuntimeError). A file of one's own (source: its DataSource) is read and
     every row checked (check_own_rows)."""
-    if name not in DATASET_READERS:
-        if own_kind(name) is None:
-            raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}, a .jsonl / .csv / .parquet file "
-                             "or a Hub dataset id (owner/name)")
+    if reader_of(name) is None:
         check_own_rows(source or DataSource(name), splits)
         return
     folder = Path(data_dir) if data_dir is not None else default_data_dir()
@@ -358,6 +355,15 @@ def own_kind(name):
     return "hub" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)) and not Path(name).exists() else None
 
 
+def reader_of(name):
+    """The registered DatasetReader of --dataset `name`, or None for rows of one's own (a .jsonl / .csv / .parquet
+    file or a Hub id); anything else is one ValueError line listing what --dataset takes."""
+    if name not in DATASET_READERS and own_kind(name) is None:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}, a .jsonl / .csv / .parquet file "
+                         "or a Hub dataset id (owner/name)")
+    return DATASET_READERS.get(name)
+
+
 def answer_kind_of(source):
     """The answer kind the accuracy reward compares: --answer-kind, else the registered dataset's, else None."""
     reader = DATASET_READERS.get(source.dataset)
@@ -525,10 +531,7 @@ def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None
     default_data_dir(), else the Hub (HUB_IDS); hub_id reads that Hub dataset whatever folders exist."""
     import datasets
 
-    reader = DATASET_READERS.get(name)
-    if reader is None and own_kind(name) is None:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}, a .jsonl / .csv / .parquet file "
-                         "or a Hub dataset id (owner/name)")
+    reader = reader_of(name)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
     if num_rows is not None and num_rows <= 0:

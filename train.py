@@ -200,9 +200,15 @@ def rollout_round(model, tokenizer, examples, settings, seed, costs, sizes=None,
         rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], settings.num_rollouts,
                                               settings.generation, seed, first_chunk)
     with timed(costs, "reward_s"):  # accuracy, format and tag count, weighted (paper Appendix A.1)
-        scores = rewards.score_rollouts(rollouts, examples, settings.rewards)
-    return Round(examples, rollouts, scores.total.view(len(examples), -1), scores.per_func, scores.grader_timeouts,
-                 first_chunk)
+        return scored_round(examples, rollouts, settings, first_chunk)
+
+
+def scored_round(examples, rollouts, settings, first_chunk=0):
+    """The Round of `rollouts` (n per prompt of `examples`, none for none) with their rewards (settings: a
+    StepSettings)."""
+    scores = rewards.score_rollouts(rollouts, examples, settings.rewards)
+    return Round(examples, rollouts, scores.total.view(len(examples), settings.num_rollouts), scores.per_func,
+                 scores.grader_timeouts, first_chunk)
 
 
 def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=rollout_round, processes=ONE_PROCESS):

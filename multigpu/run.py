@@ -22,7 +22,6 @@ import torch
 
 import eval as heldout
 import models
-import rewards
 import train
 from engine import rollout_check
 from multigpu import distributed, sharded_checkpoint
@@ -50,10 +49,7 @@ class Processes(train.OneProcess):
             if mine:  # on weights train_step gathered once for all its rounds (full_weights)
                 return make_round(model, tokenizer, mine, settings, seed, costs, first_chunk=first_chunk)
             # A --dynamic-sampling refill only other ranks needed: no rollouts, every reward term's column.
-            rollouts = dynamic_sampling.no_rollouts()
-            scores = rewards.score_rollouts(rollouts, [], settings.rewards)
-            return train.Round([], rollouts, scores.total.view(0, settings.num_rollouts), scores.per_func,
-                               scores.grader_timeouts, first_chunk)
+            return train.scored_round([], dynamic_sampling.no_rollouts(), settings, first_chunk)
         return this_rank_round
 
     def share(self, examples, rows_per_example, chunk_rows, sizes=None):
