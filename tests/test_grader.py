@@ -114,3 +114,20 @@ def test_without_worker_processes_math_verify_runs_in_process_on_the_main_thread
     assert off_main == [None]
     monkeypatch.setattr(grader, "_workers_broken", True)  # what verify_pairs does once no worker could start
     assert grader.verify_pairs([("x^2", "x^{2}"), ("2", "3")], timeout_s=5.0) == [True, False]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the worker's limits from /proc (Linux)")
+def test_a_worker_runs_each_comparison_under_a_kernel_cpu_time_limit():
+    """The backstop for C code deaf to the soft timer: before each comparison the worker's RLIMIT_CPU is set to its
+    CPU time so far + the comparison's limit + 2 s, so the kernel ends a comparison stuck past it (an unlimited
+    soft limit would leave only the wall-time kill, WALL_FACTOR times later)."""
+    timeout_s = 0.5
+    assert grader.verify_pairs([("x^2", "x^{2}")], timeout_s=timeout_s) == [True]
+    pid = grader._workers[0].pid
+    line = next(line for line in open(f"/proc/{pid}/limits") if line.startswith("Max cpu time"))
+    soft = line.split()[3]
+    assert soft != "unlimited", line
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    used_s = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    assert used_s < int(soft) <= used_s + timeout_s + 3
