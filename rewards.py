@@ -26,12 +26,13 @@ import contextlib
 import logging
 import math
 import re
+from numbers import Real
 import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Callable
 
-from grading import grader
+from grading import grader, trl_call
 
 if TYPE_CHECKING:  # torch is imported where it is used: grading alone does not need it
     import torch
@@ -357,6 +358,8 @@ class RewardResult:
     total: torch.Tensor  # [N] float32, weighted sum over functions (NaN entries of a function skipped)
     per_func: dict = field(default_factory=dict)  # name -> [N] float32
     grader_timeouts: torch.Tensor | None = None  # [N] bool: the answer comparison timed out twice, scored 0
+    logged_columns: dict = field(default_factory=dict)  # column -> [N] values a function gave log_extra
+    logged_metrics: list = field(default_factory=list)  # (function, name, value) a function gave log_metric
 
     def metrics(self) -> dict[str, float]:
         """TRL-named means: "reward" and "rewards/<fn>/mean"."""
@@ -381,12 +384,16 @@ class OwnReward:
 @dataclass(frozen=True)
 class RewardSettings:
     """What scoring a round reads besides the rollouts, built once per run: --reward-weights, --reward-options,
-    whether the prompts end in THINK_PREFILL (--prefill-think), --answer-kind and the --reward-function functions."""
+    whether the prompts end in THINK_PREFILL (--prefill-think), --answer-kind, the --reward-function functions, their
+    time limit (--reward-function-timeout-s) and the `trainer_state` they receive (a transformers.TrainerState that the
+    run keeps current, as TRL's trainer does; None: a fresh one)."""
     weights: dict | None = None
     options: dict | None = None
     prefill_think: bool = False
     answer_kind: str | None = None
     functions: tuple = ()  # OwnReward
+    function_timeout_s: float = trl_call.DEFAULT_TIMEOUT_S
+    trainer_state: object = None
 
 
 def graded_completion(completion_text, prefill_think):
@@ -394,67 +401,93 @@ def graded_completion(completion_text, prefill_think):
     return THINK_PREFILL + completion_text if prefill_think else completion_text
 
 
-RESERVED_KEYWORDS = ("prompts", "completions", "completion_ids", "answer", "num_workers", "timeout_s", "answer_kind")
+# Keywords compute_rewards gives the functions itself: a dataset column of one of these names is not passed on.
+RESERVED_KEYWORDS = ("prompts", "completions", "completion_ids", "answer", "num_workers", "timeout_s", "answer_kind",
+                     "trainer_state", "log_extra", "log_metric")
 
 
 def score_rollouts(rollouts, examples, settings) -> RewardResult:
     """Every rollout of a sampling.Rollouts (row i*n + j: rollout j of examples[i], data.Examples) scored by every
-    registered term and every function of one's own, weighted (settings: a RewardSettings); each function also gets
-    every column of the rows (data.Example.columns) by name, as TRL passes them."""
-    rows = rollouts.prompt_index.tolist()
+    registered term and every function of one's own, weighted (settings: a RewardSettings)."""
     completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
+    return score_texts(examples, rollouts.prompt_index.tolist(), rollouts.texts, completion_ids, settings)
+
+
+def score_texts(examples, rows, texts, completion_ids, settings, registered=True) -> RewardResult:
+    """Completion texts[k] of examples[rows[k]] (data.Examples) scored as `score_rollouts` does (registered=False:
+    by the functions of one's own alone, as eval.py reports them); each function also gets every column of the rows
+    (data.Example.columns) by name, as TRL passes them."""
     names = dict.fromkeys(key for example in examples for key in getattr(example, "columns", {}))
     columns = {key: [examples[i].columns.get(key) for i in rows] for key in names if key not in RESERVED_KEYWORDS}
     return compute_rewards([examples[i].prompt for i in rows],
-                           [graded_completion(text, settings.prefill_think) for text in rollouts.texts],
-                           [examples[i].answer for i in rows], **terms_of(settings), completion_ids=completion_ids,
-                           columns=columns)
+                           [graded_completion(text, settings.prefill_think) for text in texts],
+                           [examples[i].answer for i in rows], **terms_of(settings, registered),
+                           completion_ids=completion_ids, columns=columns, trainer_state=settings.trainer_state)
 
 
-def terms_of(settings):
-    """compute_rewards' reward_funcs, weights and options for a RewardSettings: every registered term and every
-    function of one's own, weighted; --answer-kind given to the accuracy term."""
+def terms_of(settings, registered=True):
+    """compute_rewards' reward_funcs, weights, options and time limit for a RewardSettings: every registered term
+    (registered=False: none) and every function of one's own, weighted; --answer-kind given to the accuracy term."""
     options = dict(settings.options or {})
     if settings.answer_kind:
         options["accuracy"] = {**options.get("accuracy", {}), "answer_kind": settings.answer_kind}
-    return dict(reward_funcs={**REWARD_FUNCS, **{own.name: own.func for own in settings.functions}},
-                weights={**(settings.weights or {}), **{own.name: own.weight for own in settings.functions}},
-                options=options)
+    terms = REWARD_FUNCS if registered else {}
+    weights = {name: weight for name, weight in (settings.weights or {}).items() if name in terms}
+    return dict(reward_funcs={**terms, **{own.name: own.func for own in settings.functions}},
+                weights={**weights, **{own.name: own.weight for own in settings.functions}},
+                options=options, function_timeout_s=settings.function_timeout_s)
 
 
 def _checked_values(name, values, count, prompts):
-    """A function's values as floats (None: NaN, not applicable); anything else is one ValueError line naming the
-    function and the first bad completion (its prompt's start): nothing is trained on a wrong reward."""
+    """A function's values as a float32 tensor (None: NaN, not applicable), as TRL converts them; anything else is
+    one ValueError line naming the function and the first bad completion (its prompt's start): nothing is trained on
+    a wrong reward. A number beyond float32's range (1e300 is finite as a Python float) is refused too."""
+    import torch
+
     if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
         raise ValueError(f"reward function {name!r} returned {type(values).__name__}, not a list of {count} numbers")
     values = values.tolist() if hasattr(values, "tolist") else list(values)
     if len(values) != count:
         raise ValueError(f"reward function {name!r} returned {len(values)} values for {count} completions")
-    out = []
+
+    def refused(row, value, why="a reward is a finite number or None"):
+        start = completion_text(prompts[row][-1] if isinstance(prompts[row], list) and prompts[row]
+                                else prompts[row])[:60]
+        return ValueError(f"reward function {name!r} returned {value!r} for completion {row} of {count} "
+                          f"(prompt {start!r}): {why}")
+
+    numbers = []
     for row, value in enumerate(values):
-        number = value if value is None or isinstance(value, (int, float)) and not isinstance(value, bool) else "bad"
-        if number == "bad" or (number is not None and not math.isfinite(number)):
-            start = completion_text(prompts[row][-1] if isinstance(prompts[row], list) and prompts[row]
-                                    else prompts[row])[:60]
-            raise ValueError(f"reward function {name!r} returned {value!r} for completion {row} of {count} "
-                             f"(prompt {start!r}): a reward is a finite number or None")
-        out.append(float("nan") if number is None else float(number))
-    return out
+        number = value.item() if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 else value  # numpy, torch
+        if number is not None and not (isinstance(number, Real) and not isinstance(number, bool)
+                                       and math.isfinite(number)):
+            raise refused(row, value)
+        numbers.append(float("nan") if number is None else float(number))
+    tensor = torch.tensor(numbers, dtype=torch.float32)
+    overflow = torch.isinf(tensor).nonzero()
+    if len(overflow):
+        row = int(overflow[0])
+        raise refused(row, values[row], "beyond float32's range (3.4e38), in which rewards are computed")
+    return tensor
 
 
 def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=None, num_workers=0, *, options=None,
-                    completion_ids=None, columns=None) -> RewardResult:
+                    completion_ids=None, columns=None, trainer_state=None,
+                    function_timeout_s=trl_call.DEFAULT_TIMEOUT_S) -> RewardResult:
     """Every reward function on every completion, and their weighted sum (paper: 1/1/1).
 
-    reward_funcs: name -> TRL-shaped f(prompts, completions, answer, **kwargs) -> list[float | None] (None: every
-    registered term, REWARD_FUNCS); each is called with keywords, also num_workers, completion_ids (token ids per
-    completion, or None) and its options (a registered term's defaults, replaced by options[name]). A None from a
-    function (TRL: "not applicable") is NaN in per_func and counts 0 in total. weights: name -> weight (weight 0:
-    logged, not summed); a registered term not named keeps its default weight, any other function needs one, and a
-    weight for no function is a ValueError (a silently defaulted or ignored weight would change the objective).
-    columns: name -> one value per completion, passed to every function by name (TRL's dataset columns). A function
-    that is not a registered term and raises, or any that returns a wrong count, NaN or a non-number, is one
-    ValueError line naming it (`_checked_values`)."""
+    reward_funcs: name -> reward function (None: every registered term, REWARD_FUNCS). A registered term is called
+    f(prompts, completions, answer, completion_ids, num_workers, **options, **columns) with the completion texts
+    (options: its defaults, replaced by options[name]). Any other function (one's own) is called as TRL calls it
+    (grading/trl_call.py): prompts, completions in the prompts' format (chat prompts: one assistant message each),
+    completion_ids (token ids per completion, or None), every column (answer included), trainer_state (None: a fresh
+    one), log_extra and log_metric, awaited if async, within function_timeout_s seconds; what it logs is in the
+    result. A None from a function (TRL: "not applicable") is NaN in per_func and counts 0 in total. weights: name ->
+    weight (weight 0: logged, not summed); a registered term not named keeps its default weight, any other function
+    needs one, and a weight for no function is a ValueError (a silently defaulted or ignored weight would change the
+    objective). columns: name -> one value per completion. A function of one's own that raises, times out or exits,
+    or any function that returns a wrong count, NaN, a non-number or a number beyond float32, is one ValueError line
+    naming it (`_checked_values`); so is a weighted total beyond float32."""
     import torch
 
     reward_funcs = REWARD_FUNCS if reward_funcs is None else reward_funcs
@@ -471,23 +504,40 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
     if len(answers) != len(completions) or len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers: "
                          "give one prompt and one answer per completion")
+    columns = columns or {}
+    own_calls = [name for name in reward_funcs if name not in REWARD_TERMS]
+    if own_calls:  # what TRL passes besides the columns
+        log = trl_call.RewardLog(len(completions))
+        trl_kwargs = {"prompts": list(prompts), "completions": trl_call.trl_completions(prompts, completions),
+                      "completion_ids": completion_ids, **columns, "answer": list(answers),
+                      "trainer_state": trl_call.trainer_state() if trainer_state is None else trainer_state}
     per_func, total = {}, torch.zeros(len(completions), dtype=torch.float32)
     with timeouts_counted() as timeouts:  # completions scored 0 for want of a verdict
         for name, func in reward_funcs.items():
-            try:
-                own = {**(REWARD_TERMS[name].options if name in REWARD_TERMS else {}), **options.get(name, {})}
-                values = func(prompts=list(prompts), completions=list(completions), answer=list(answers),
-                              completion_ids=completion_ids, num_workers=num_workers,
-                              **{key: value for key, value in (columns or {}).items() if key not in own}, **own)
-            except Exception as error:
-                if name not in REWARD_TERMS:  # one's own function: one line, as any bad input
-                    raise ValueError(f"reward function {name!r} raised {type(error).__name__}: "
-                                     f"{(str(error).splitlines() or [''])[0]}") from error
-                error.add_note(f"(in reward function {name!r})")
-                raise
-            tensor = torch.tensor(_checked_values(name, values, len(completions), prompts), dtype=torch.float32)
-            per_func[name] = tensor
-            total += weights[name] * torch.nan_to_num(tensor, nan=0.0)
+            if name in own_calls:
+                log_extra, log_metric = log.for_function(name)
+                values = trl_call.call(name, func, dict(trl_kwargs, log_extra=log_extra, log_metric=log_metric),
+                                       function_timeout_s)
+            else:
+                own = {**REWARD_TERMS[name].options, **options.get(name, {})}
+                try:
+                    values = func(prompts=list(prompts), completions=list(completions), answer=list(answers),
+                                  completion_ids=completion_ids, num_workers=num_workers,
+                                  **{key: value for key, value in columns.items() if key not in own}, **own)
+                except Exception as error:
+                    error.add_note(f"(in reward function {name!r})")
+                    raise
+            per_func[name] = _checked_values(name, values, len(completions), prompts)
+            total += weights[name] * torch.nan_to_num(per_func[name], nan=0.0)
+    beyond = torch.isinf(total).nonzero()
+    if len(beyond):
+        row = int(beyond[0])
+        terms = ", ".join(f"{name} {float(values[row]):g} x weight {weights[name]:g}" for name, values in per_func.items())
+        raise ValueError(f"the weighted total reward of completion {row} of {len(completions)} is beyond float32's "
+                         f"range (3.4e38): {terms}")
     timed_out = torch.zeros(len(completions), dtype=torch.bool)
     timed_out[sorted(timeouts.positions)] = True
-    return RewardResult(total=total, per_func=per_func, grader_timeouts=timed_out)
+    return RewardResult(total=total, per_func=per_func, grader_timeouts=timed_out,
+                        logged_columns=log.columns if own_calls else {},
+                        logged_metrics=log.metrics if own_calls else [])
+

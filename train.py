@@ -39,6 +39,7 @@ import rewards
 import sampling
 import update
 from engine import rollout_check
+from grading import trl_call
 from run import checkpoint, completions, report, runfolder, signals
 from run.loop import evaluate_heldout, evaluation_due, load, resume  # the loop's parts around the step
 from run.metrics import PHASE_KEYS, step_metrics, timed
@@ -131,6 +132,8 @@ class Round:
     lengths: torch.Tensor = None    # [P*n] completion tokens
     truncated: torch.Tensor = None  # [P*n] bool: no EOS within the budget
     texts: list = None              # [P*n] completions
+    logged_columns: list = None     # [P*n] {column: value} the reward functions gave log_extra
+    logged_metrics: list = None     # (function, name, value) the reward functions gave log_metric
     prompt_tokens: int = 0          # tokens of the P prompts, x n (each rollout re-reads its prompt)
     backends: list = None           # the backend that generated the rollouts (none: no prompt)
 
@@ -142,6 +145,9 @@ class Round:
         self.kept_rows = torch.zeros(0, dtype=torch.long) if self.kept_rows is None else self.kept_rows
         if self.grader_timeouts is None:  # a reward function of no answer comparison
             self.grader_timeouts = torch.zeros(num_prompts * n, dtype=torch.bool)
+        self.logged_columns = [{} for _ in range(num_prompts * n)] if self.logged_columns is None \
+            else self.logged_columns
+        self.logged_metrics = [] if self.logged_metrics is None else self.logged_metrics
         for name in ("advantages", "sampler_ratios"):
             if getattr(self, name) is None:
                 setattr(self, name, torch.full((num_prompts * n,), math.nan))
@@ -207,8 +213,11 @@ def scored_round(examples, rollouts, settings, first_chunk=0):
     """The Round of `rollouts` (n per prompt of `examples`, none for none) with their rewards (settings: a
     StepSettings)."""
     scores = rewards.score_rollouts(rollouts, examples, settings.rewards)
+    logged_columns = [{column: values[row] for column, values in scores.logged_columns.items()}
+                      for row in range(len(rollouts.texts))]
     return Round(examples, rollouts, scores.total.view(len(examples), settings.num_rollouts), scores.per_func,
-                 scores.grader_timeouts, first_chunk)
+                 scores.grader_timeouts, first_chunk, logged_columns=logged_columns,
+                 logged_metrics=scores.logged_metrics)
 
 
 def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=rollout_round, processes=ONE_PROCESS):
@@ -343,6 +352,7 @@ def run(args, run_dir, processes):
             if stop is not None:
                 break
             step_start, before_s = time.perf_counter(), state.elapsed_s
+            trl_call.advance(settings.rewards.trainer_state, state.step, state.position, len(train_set))  # TRL's view
             rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
             with signals.cuda_oom_hint(args, "the training step"), report.peak_memory_measured(args.device):
                 metrics, scored = train_step(model, tokenizer, optimizer, rounds, settings, state.step + 1,

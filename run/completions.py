@@ -3,7 +3,8 @@
 For every --log-completions-interval-th step, <out>/completions/step_XXXXXX.jsonl holds each prompt once (marked when
 --dynamic-sampling set it aside) and each rollout with its completion, every reward function's value and the
 weighted total, whether its answer comparison timed out twice (accuracy 0, unverified), length, truncation, whether
-the rule kept it, the advantage the loss used and its mean ratio pi / pi_sampler (rollout_check.py);
+the rule kept it, the advantage the loss used, its mean ratio pi / pi_sampler (rollout_check.py) and, under "logged",
+the columns a reward function gave TRL's log_extra;
 eval_step_XXXXXX.jsonl holds a sample of each evaluation's completions and
 grades. `rollout_table` prints one prompt's rollouts sorted by reward (`python eval.py rollouts RUN`); report.py's
 sinks send the same to TensorBoard as text and to W&B as a table. Files are written atomically (checkpoint.py), and a
@@ -53,7 +54,8 @@ def completions_record(step, scored):
                              "grader_timeout": bool(scored_round.grader_timeouts[r]),
                              "kept": bool(kept[r]), "advantage": _finite_or_none(scored_round.advantages[r]),
                              "sampler_ratio": None if scored_round.sampler_ratios is None else
-                             _finite_or_none(scored_round.sampler_ratios[r])})
+                             _finite_or_none(scored_round.sampler_ratios[r]),
+                             **({"logged": scored_round.logged_columns[r]} if scored_round.logged_columns[r] else {})})
     return {"type": "completions", "name": f"step_{step:06d}", "step": step, "rows": rows}
 
 

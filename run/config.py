@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import data
+from grading import trl_call
 import grpo_loss
 import models
 import pods
@@ -51,7 +52,8 @@ POSITIVE_INTS = ("num_rollouts", "update_size", "prompts_per_step", "grad_accum_
                  "max_completion_tokens", "max_prompt_tokens", "rollout_batch_size", "micro_batch_size",
                  "max_generation_rounds")
 NON_NEGATIVE = ("max_steps", "max_time_s", "keep_checkpoints", "eval_interval", "eval_interval_s", "eval_samples",
-                "eval_temperature", "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval")
+                "eval_temperature", "num_threads", "weight_decay", "kl_coef", "lora_rank", "log_completions_interval",
+                "reward_function_timeout_s")
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
 # Others may change: RECORDED_AT_RESUME (optimizer settings, the budget, bf16) into config.json "changes" and the
 # metrics; intervals, logging, memory and speed silently (--prefix-sharing too: the same update, computed once per
@@ -181,6 +183,9 @@ def build_parser():
     add("--reward-function", action="append", default=[], metavar="FILE.py:NAME[=WEIGHT]",
         help="a reward function of your own, TRL's signature (prompts, completions, completion_ids and every dataset "
              "column by keyword; returns a float or None per completion), weight 1 unless given; repeatable (default: none)")
+    add("--reward-function-timeout-s", type=float, default=trl_call.DEFAULT_TIMEOUT_S,
+        help="seconds one call of a --reward-function function may take (it scores a rollout batch); past it the run "
+             "stops in one line naming the function; 0 = no limit")
     add("--prompts-per-step", type=int, help="prompts per rollout batch (P): P x n rollouts are generated")
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
@@ -276,6 +281,8 @@ def parse_args(argv=None, restarted=False):
     defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    if saved and first.reward_function:  # given again: these functions, not the run's and these appended to them
+        args.reward_function = first.reward_function
     if args.dataset not in data.DATASET_READERS and "--one-shot" not in argv:
         args.one_shot = False  # the preset's worked example is for its own dataset; given for one's own rows: refused
     if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
@@ -601,9 +608,12 @@ def _check_data_flags(args):
 
 def reward_settings(args):
     """The rewards.RewardSettings of the flags: the registered terms' weights and options, --prefill-think,
-    --answer-kind and the --reward-function functions (loaded)."""
+    --answer-kind, the --reward-function functions (loaded), their time limit, and for them a TRL trainer_state of
+    the run's --max-steps (train.py keeps its step and epoch current)."""
+    functions = tuple(load_reward_function(spec) for spec in args.reward_function or [])
     return rewards.RewardSettings(args.reward_weights, args.reward_options, args.prefill_think, args.answer_kind,
-                                  tuple(load_reward_function(spec) for spec in args.reward_function or []))
+                                  functions, args.reward_function_timeout_s,
+                                  trl_call.trainer_state(max_steps=args.max_steps) if functions else None)
 
 
 def _check_reward_functions(args, saved):
@@ -713,9 +723,13 @@ def parse_reward_function(spec):
     return path, name, value
 
 
+_REWARD_FILES = {}  # (resolved path, SHA-256) -> its module: a file is imported once per process
+
+
 def load_reward_function(spec):
-    """The OwnReward of a --reward-function spec: the file imported, NAME a function taking **kwargs (it receives
-    every dataset column by name). Everything wrong is one ValueError line naming the spec."""
+    """The OwnReward of a --reward-function spec: the file imported (once per process and content), NAME a function
+    taking **kwargs (it receives every dataset column by name). Everything wrong is one ValueError line naming the
+    spec."""
     import hashlib
     import importlib.util
     import inspect
@@ -728,13 +742,17 @@ def load_reward_function(spec):
         raise ValueError(f"--reward-function {spec!r}: {name!r} is a registered reward term; name yours otherwise "
                          "(--reward-weights changes a registered term's weight)")
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    module_spec = importlib.util.spec_from_file_location(f"reward_file_{Path(path).stem}_{digest[:8]}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001  the user's file: one line, whatever it raised
-        raise ValueError(f"--reward-function {spec!r}: importing {path} raised {type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    key = (str(Path(path).resolve()), digest)
+    if key not in _REWARD_FILES:
+        module_spec = importlib.util.spec_from_file_location(f"reward_file_{Path(path).stem}_{digest[:8]}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as error:  # noqa: BLE001  the user's file: one line, whatever it raised
+            raise ValueError(f"--reward-function {spec!r}: importing {path} raised {type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}") from None
+        _REWARD_FILES[key] = module
+    module = _REWARD_FILES[key]
     func = getattr(module, name, None)
     if not callable(func):
         found = sorted(key for key, value in vars(module).items() if inspect.isfunction(value))

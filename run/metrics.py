@@ -57,7 +57,20 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
                    step_tokens=step_tokens, update_rows=result.rows, optimizer_steps=result.optimizer_steps,
                    num_zero_variance_dropped=sum(s.zero_variance_dropped for s in scored), num_truncated_masked=masked,
                    step_skipped=result.skipped_steps, **costs)
+    metrics.update(logged_metrics(scored, metrics))
     return metrics
+
+
+def logged_metrics(scored, metrics):
+    """{name: mean of the step's values} of what the reward functions gave log_metric (TRL: the mean over the
+    logging step), under TRL's name; a name the step's line has already is one ValueError line naming the function."""
+    values = {}
+    for function, name, value in (entry for s in scored for entry in s.logged_metrics):
+        if name in metrics:
+            raise ValueError(f"reward function {function!r} logged {name!r} with log_metric, a name the step's metrics "
+                             "line has already: log it under another name")
+        values.setdefault(name, []).append(value)
+    return {name: sum(logged) / len(logged) for name, logged in values.items()}
 
 
 def kept_groups(scored_round):

@@ -16,6 +16,11 @@ class Stopped(SystemExit):
     """The run stopped on SIGTERM or SIGINT after checkpointing its last completed step; exit status 128 + signal."""
 
 
+class StoppedNow(SystemExit):
+    """A second SIGTERM or SIGINT: the run ends at once (exit status 128 + signal), wherever it was, a reward function
+    of one's own included (which tells it from a sys.exit of its own by this class)."""
+
+
 @contextlib.contextmanager
 def cuda_oom_hint(args, phase):
     """Re-raise CUDA OOM naming the flags that bound the memory of each phase."""
@@ -39,7 +44,7 @@ def stop_on_signal():
 
     def handler(signum, frame):
         if requested:
-            raise SystemExit(128 + signum)
+            raise StoppedNow(128 + signum)
         requested["signal"] = signum
         print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint (again: stop now)",
               file=sys.stderr, flush=True)

@@ -72,7 +72,7 @@ UNPINNED_OK = {"baseline", "load_in_4bit", "generation_copy", "prefill_think", "
                # your own data and reward: they act only on a dataset given as a file or Hub id (a registered one, as
                # every study's, refuses them), and no extra reward function unless one is named
                "question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction", "answer_kind",
-               "reward_function"}
+               "reward_function", "reward_function_timeout_s"}
 
 
 def test_every_setting_of_the_recorded_tables_is_pinned():
