@@ -60,12 +60,14 @@ def _check_args(prompts, answers, samples_per_prompt, repeats, temperature):
 
 
 def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_per_prompt=1, repeats=1, seed=0,
-                     progress=False, samples_out=None, check_sampler=True, answer_kind=None):
+                     progress=False, samples_out=None, check_sampler=True, answer_kind=None, reward_report=None):
     """One EvalResult per repeat (the command line reports their mean and std; evaluate() pools them). settings:
     sampling.GenerationSettings (train.py passes its run's, so held-out evaluation reuses its decode graphs).
     samples_out: a list that receives every graded completion of the first repeat ({prompt, answer, completion,
     correct, formatted}, in prompt order). check_sampler: score the first chunk's tokens with the model itself (the
     sampler check, one extra forward pass); train.py turns it off once its own training steps check every step.
+    reward_report: a RewardReport that scores every completion with the run's reward functions of one's own
+    (each sample of samples_out gets their values, "rewards").
 
     Prompts are generated in chunks of rollout_batch_size // K prompts (K samples each, so about rollout_batch_size
     rows per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
@@ -114,9 +116,14 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
                                                       answer_kind=answer_kind)  # --answer-kind, as in training
             timed_out += len(timeouts.positions)
             is_formatted = rewards.format_rewards(None, texts)
+            own = reward_report(rows, rollouts.texts, [ids[:n] for ids, n in zip(rollouts.completion_ids.tolist(),
+                                rollouts.lengths.tolist())], repeat).per_func if reward_report else {}
             if samples_out is not None and repeat == 0:
                 samples_out.extend({"prompt": prompts[i], "answer": answers[i], "completion": text, "correct": a > 0,
-                                    "formatted": f > 0} for i, text, a, f in zip(rows, texts, is_correct, is_formatted))
+                                    "formatted": f > 0, **({"rewards": {name: None if math.isnan(values[k]) else
+                                                                        float(values[k]) for name, values in own.items()}}
+                                                           if own else {})}
+                                   for k, (i, text, a, f) in enumerate(zip(rows, texts, is_correct, is_formatted)))
             correct += sum(a > 0 for a in is_correct)
             formatted += sum(f > 0 for f in is_formatted)
             both += sum(a > 0 and f > 0 for a, f in zip(is_correct, is_formatted))
@@ -172,13 +179,18 @@ def _pool(per_repeat):
                       sum(r.elapsed_s for r in per_repeat), sum(r.grader_timeouts for r in per_repeat))
 
 
+def mean_and_std(values):
+    """(mean, sample std) of repeats' values (std 0 for one; (None, 0.0) for none)."""
+    mean = sum(values) / len(values) if values else None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+
+
 def summarize_repeats(per_repeat):
     """{metric: {"mean", "std", "per_repeat"}} for the results file; std is the sample std (0 for R=1)."""
     summary = {}
     for name in ("accuracy", "format_accuracy", "both_accuracy", "mean_completion_length"):
         values = [getattr(r, name) for r in per_repeat]
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+        mean, std = mean_and_std(values)
         summary[name] = {"mean": mean, "std": std, "per_repeat": values}
     summary["num_samples"] = sum(r.num_samples for r in per_repeat)
     summary["grader_timeouts"] = sum(r.grader_timeouts for r in per_repeat)  # scored incorrect, unverified
@@ -359,6 +371,57 @@ def run_settings(args, checkpoints):
     return settings
 
 
+class RewardReport:
+    """The reward report: the functions of one's own of `settings` (rewards.RewardSettings.functions) on held-out
+    completions of `examples` (data.Examples), called as in training (rewards.score_texts); their mean over the
+    completions each applies to, per repeat, and the mean of what they gave log_metric."""
+
+    def __init__(self, examples, settings):
+        self.examples, self.settings = examples, settings
+        self.sums, self.logged = {}, {}  # repeat -> name -> [sum, count]; metric -> [values]
+
+    def __call__(self, rows, texts, completion_ids, repeat=0):
+        """Completion texts[k] (ungraded, as generated) of examples[rows[k]] scored; counted into `repeat`."""
+        import rewards
+
+        result = rewards.score_texts(self.examples, rows, texts, completion_ids, self.settings, registered=False)
+        for name, values in result.per_func.items():
+            applied = values[~values.isnan()]
+            total = self.sums.setdefault(repeat, {}).setdefault(name, [0.0, 0])
+            total[0], total[1] = total[0] + float(applied.sum()), total[1] + len(applied)
+        for _, name, value in result.logged_metrics:
+            self.logged.setdefault(name, []).append(value)
+        return result
+
+    def summary(self):
+        """{"rewards": {name: {"mean", "std", "per_repeat"}}, "logged_metrics": {name: mean}} (None: no completion
+        the function applies to); std is the sample std over repeats (0 for one)."""
+        names = dict.fromkeys(name for repeat in self.sums.values() for name in repeat)
+        report = {}
+        for name in names:
+            per_repeat = [total / count if count else None for total, count in
+                          (self.sums[repeat].get(name, (0.0, 0)) for repeat in sorted(self.sums))]
+            mean, std = mean_and_std([value for value in per_repeat if value is not None])
+            report[name] = {"mean": mean, "std": std, "per_repeat": per_repeat}
+        return {"rewards": report, "logged_metrics": {name: sum(v) / len(v) for name, v in self.logged.items()}}
+
+
+def reward_report(functions, examples, settings, run_config, progress):
+    """The rewards.RewardReport of a checkpoint (progress: its step) for the run's reward functions of one's own,
+    called as in training: the run's prefill and time limit, a TRL trainer_state at the checkpoint's step and the
+    run's --max-steps; None without such functions."""
+    import rewards
+    from grading import trl_call
+
+    if not functions:
+        return None
+    step = (progress or {}).get("step") or 0
+    return RewardReport(examples, rewards.RewardSettings(
+        prefill_think=settings["prefill_think"], functions=tuple(functions),
+        function_timeout_s=run_config.get("reward_function_timeout_s", trl_call.DEFAULT_TIMEOUT_S),
+        trainer_state=trl_call.trainer_state(step, 0.0, run_config.get("max_steps") or 0)))
+
+
 def show_rollouts(argv):
     """`python eval.py rollouts RUN`: print the completions log of a training step (one prompt's n rollouts sorted
     by reward, the kept ones marked with their advantages) or of an evaluation; returns the printed lines. A run
@@ -423,7 +486,7 @@ def main(argv=None, load_sharded=None):
     if argv[:1] == ["rollouts"]:
         return show_rollouts(argv[1:])
     args = parse_args(argv)
-    from run import checkpoint
+    from run import checkpoint, config
     import data
     import models
     from run import runfolder
@@ -461,6 +524,13 @@ def main(argv=None, load_sharded=None):
                    "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p,
                    "max_completion_tokens": settings["max_completion_tokens"], "seed": args.seed,
                    "one_shot": settings["one_shot"], "prefill_think": settings["prefill_think"]}
+    run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else {}
+    # The reward report: the run's own functions, on the run's own rows (another file need not have their columns).
+    own_functions, notes = config.recorded_reward_functions(run_config) if not settings["benchmark"] else ([], [])
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if own_functions:
+        eval_config["reward_functions"] = {own.name: own.sha256 for own in own_functions}
     saved = load_results(out_path, eval_config)
     todo = [path for path in checkpoints if path.name not in saved["results"]]
     # Each checkpoint's step and training time, read first: a trainer_state.pt that is not plain data (it could run
@@ -500,14 +570,15 @@ def main(argv=None, load_sharded=None):
         models.check_generation_fits(model, args.batch_size, longest + generation.max_new_tokens,
                                      f"--batch-size (now {args.batch_size}) or --max-completion-tokens (now "
                                      f"{generation.max_new_tokens})")
+        report = reward_report(own_functions, examples, settings, run_config, progress.get(path))
         per_repeat = evaluate_repeats(model, tokenizer, prompts, answers, generation,
                                       samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
                                       seed=args.seed, progress=not args.no_progress,
-                                      answer_kind=settings["source"].answer_kind)
+                                      answer_kind=settings["source"].answer_kind, reward_report=report)
         name = path.name if path is not None else "base"
         entry = {"checkpoint": str(path) if path else settings["model"],
                  **progress.get(path, {"step": 0, "elapsed_s": 0.0}),
-                 "num_prompts": len(prompts), **summarize_repeats(per_repeat)}
+                 "num_prompts": len(prompts), **summarize_repeats(per_repeat), **(report.summary() if report else {})}
         saved["results"][name] = entry
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(saved, indent=1))  # after every checkpoint: a crash loses one at most
@@ -515,6 +586,10 @@ def main(argv=None, load_sharded=None):
         print(f"{name}: accuracy {entry['accuracy']['mean']:.4f}{spread} "
               f"format {entry['format_accuracy']['mean']:.4f} both {entry['both_accuracy']['mean']:.4f} "
               f"length {entry['mean_completion_length']['mean']:.1f} ({entry['num_samples']} samples) -> {out_path}")
+        if report:
+            print("  rewards of the run's own functions: " + ", ".join(
+                f"{name} {value['mean']:.4f}" if value["mean"] is not None else f"{name} (applies to none)"
+                for name, value in entry["rewards"].items()))
         if model is not base:
             if hasattr(model, "unload"):
                 base = model.unload()  # strip the LoRA layers: the plain base model for the next adapter

@@ -764,6 +764,21 @@ def load_reward_function(spec):
     return rewards.OwnReward(name, func, weight, str(Path(path).resolve()), digest)
 
 
+def recorded_reward_functions(run_config):
+    """(the OwnRewards a run's config.json records, loaded, and a line for each it cannot load as the run trained
+    with it: its file gone or changed since, SHA-256). eval.py's reward report."""
+    loaded, notes = [], []
+    for name, entry in (run_config.get("reward_functions") or {}).items():
+        path = Path(entry["path"])
+        problem = "is gone" if not path.is_file() else "changed since the run trained with it (SHA-256)" \
+            if data.file_sha256(path) != entry["sha256"] else None
+        if problem:
+            notes.append(f"the run's reward function {name!r}: {path} {problem}; it is left out of the reward report")
+        else:
+            loaded.append(load_reward_function(f"{path}:{name}={entry['weight']}"))
+    return loaded, notes
+
+
 def model_options(args):
     """models.load_policy's options from the flags (besides the model, its dtype and device)."""
     return dict(load_in_4bit=args.load_in_4bit, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,

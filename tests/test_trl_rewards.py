@@ -207,6 +207,37 @@ def test_train_py_runs_each_documented_function_unchanged_with_trls_rewards(trai
     assert all(f"rewards/{name}/mean" in step for name in theirs)
 
 
+# ------------------------------------------------------------------------------------ eval.py's reward report
+def test_eval_pys_reward_report_scores_each_documented_function_as_trl_does(trained_run, trl_trainer, monkeypatch,
+                                                                           capsys):
+    """eval.py --checkpoint reports the run's own functions on its held-out completions (each sample's values equal
+    TRL's, at the checkpoint's step), their means in the results file and in its printed line."""
+    import eval as eval_module
+
+    run_dir, specs = trained_run
+    samples, evaluate_repeats = [], eval_module.evaluate_repeats
+    monkeypatch.setattr(eval_module, "evaluate_repeats",
+                        lambda *args, **kwargs: evaluate_repeats(*args, **dict(kwargs, samples_out=samples)))
+    saved = eval_module.main(["--checkpoint", str(run_dir), "--repeats", "1", "--temperature", "0", "--no-progress",
+                              "--max-completion-tokens", "6", "--num-threads", "1", "--device", "cpu",
+                              "--out", str(run_dir / "eval_rewards.json")])
+    assert "rewards of the run's own functions: token_count" in capsys.readouterr().out
+    report = saved["results"]["step_000001"]["rewards"]
+    assert saved["config"]["reward_functions"].keys() == report.keys() == {
+        *trl_doc_rewards.CHAT, *LIBRARY}
+    rows = [json.loads(line) for line in (run_dir.parent / "sums.jsonl").read_text().splitlines()]
+    held_out = [next(row for row in rows if row["problem"] in sample["prompt"]) for sample in samples]
+    theirs, _, _ = trl_rewards(trl_trainer, functions_of(specs), [as_trl_row(row) for row in held_out],
+                               [chat_prompt(row) for row in held_out],
+                               trl_call.trl_completions([chat_prompt(held_out[0])], [s["completion"] for s in samples]),
+                               [[7] * int(s["rewards"]["token_count"]) for s in samples], state=(1, 0.0, 1))
+    del theirs["token_count"]  # a sample holds no token ids: its count was given to TRL from it, not compared
+    assert_equal_rewards({name: [s["rewards"][name] for s in samples] for name in theirs}, theirs)
+    for name, values in theirs.items():
+        applied = values[~values.isnan()]
+        assert report[name]["mean"] == (pytest.approx(float(applied.mean())) if len(applied) else None), name
+
+
 # ------------------------------------------------------------------------ what goes wrong: one line naming the function
 CHAT_PROMPTS = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "content": "What is 2 + 3?"}]]
 
