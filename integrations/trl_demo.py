@@ -52,7 +52,8 @@ MAPPED = frozenset((
     "model", "lora_rank", "lora_alpha", "lora_target_modules", "gradient_checkpointing",  # train.load; TRL
     "dataset", "data_dir", "num_train_rows", "one_shot", "prefill_think", "max_prompt_tokens", "system_prompt",
     "num_rollouts", "update_size", "rule", "advantage_normalization", "scale_rewards",  # PODSConfig
-    "reward_weights", "reward_options", "reward_function", "answer_kind",  # the reward function (reward_function)
+    "reward_weights", "reward_options", "reward_function", "reward_function_timeout_s",  # the reward function
+    "answer_kind",  # (reward_function)
     "question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",  # train.load's data
     "prompts_per_step", "clip_eps", "clip_eps_high", "loss_aggregation", "mask_truncated",  # PODSConfig
     "importance_sampling_level", "policy_loss",  # PODSConfig: importance_sampling_level, loss_type "cispo"
@@ -236,17 +237,36 @@ def trl_config(args, run_dir):
 
 
 def reward_function(args):
-    """The project's weighted reward (rewards.compute_rewards: --reward-weights, --reward-options, every
-    --reward-function of one's own with the dataset's other columns by name, and the token ids of each completion,
-    EOS included, as train.py gives them), as a TRL reward function of the dataset's columns."""
+    """The project's weighted reward (rewards.compute_rewards: --reward-weights, --reward-options, the token ids of
+    each completion, EOS included, as train.py gives them, and every --reward-function of one's own called as TRL
+    calls it: the chat messages as prompts, each completion as an assistant message, the dataset's columns by name,
+    and TRL's own trainer_state, log_extra and log_metric) as one TRL reward function of the dataset's columns. What
+    the functions log goes to TRL's log_extra / log_metric, and each function's mean to log_metric as train.py's
+    metrics line names it (rewards/NAME/mean)."""
     settings = config.reward_settings(args)
 
-    def demo_reward(prompts, completions, answer, messages, completion_ids=None, **kwargs):
+    def demo_reward(prompts, completions, answer, messages, completion_ids=None, trainer_state=None, log_extra=None,
+                    log_metric=None, **kwargs):
         graded = [rewards.graded_completion(text, args.prefill_think) for text in completions]
         columns = {key: value for key, value in kwargs.items() if key not in rewards.RESERVED_KEYWORDS}
-        return rewards.compute_rewards(messages, graded, answer, **rewards.terms_of(settings),
-                                       completion_ids=completion_ids, columns=columns).total.tolist()
+        result = rewards.compute_rewards(messages, graded, answer, **rewards.terms_of(settings),
+                                         completion_ids=completion_ids, columns=columns, trainer_state=trainer_state)
+        for column, values in result.logged_columns.items() if log_extra else ():
+            log_extra(column, values)
+        for function, name, value in result.logged_metrics if log_metric else ():
+            log_metric(name, value)
+        for name, value in result.metrics().items() if log_metric else ():
+            if name.startswith("rewards/"):
+                log_metric(name, value)
+        return result.total.tolist()
     return demo_reward
+
+
+def dataset_rows(examples):
+    """TRL's dataset of train.py's prompts (data.Examples): the rendered prompt text (train.py's, prefill included), the
+    answer, the chat messages (what the rewards get as prompts) and every other column of the rows by its name."""
+    return [{**{key: value for key, value in (e.columns or {}).items() if key not in ("prompt", "answer", "messages")},
+             "prompt": e.text, "answer": e.answer, "messages": e.prompt} for e in examples]
 
 
 def timed_trainer_class():
@@ -349,10 +369,7 @@ def _run(args, run_dir):
     tokenizer, train_set, eval_set, model, optimizer = train.load(args, train.OneProcess())
     import datasets
 
-    dataset = datasets.Dataset.from_list([{**{key: value for key, value in (e.columns or {}).items() if key not in
-                                              ("prompt", "answer", "messages")},  # a file's own columns, by name
-                                           "prompt": e.text, "answer": e.answer, "messages": e.prompt}
-                                          for e in train_set])
+    dataset = datasets.Dataset.from_list(dataset_rows(train_set))
     constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     trainer = timed_trainer_class()(model=model, reward_funcs=reward_function(args), args=trl_config(args, run_dir),
                                     train_dataset=dataset, processing_class=tokenizer,

@@ -238,6 +238,96 @@ def test_eval_pys_reward_report_scores_each_documented_function_as_trl_does(trai
         assert report[name]["mean"] == (pytest.approx(float(applied.mean())) if len(applied) else None), name
 
 
+# --------------------------------------------------------------------------------------------------- the TRL demo
+@pytest.mark.parametrize("name", [*trl_doc_rewards.CHAT, *LIBRARY])
+def test_the_trl_demos_reward_runs_each_documented_function_unchanged_with_trls_rewards(
+        name, tmp_path, smollm2_tokenizer, trl_trainer):
+    """The demo's one TRL reward function, called by TRL's own _calculate_rewards on the demo's dataset rows (rendered
+    text prompts, plain-text completions, TRL's trainer_state, log_extra and log_metric): with the registered terms
+    weighted 0, its total is the function's rewards as TRL computes them on the chat prompts (None: 0); what the
+    function logs reaches TRL's log_extra / log_metric, and its mean is logged as train.py names it."""
+    from integrations import trl_demo
+
+    spec = f"{library_file(tmp_path)}:{name}" if name in LIBRARY else f"{DOC_FILE}:{name}"
+    args = trl_demo.parse_args([*own_flags(tmp_path, spec), "--reward-weights", "accuracy=0,format=0,tag_count=0",
+                                "--output-dir", str(tmp_path / "run")])
+    examples = data.build_prompt_set(args.dataset, "train", smollm2_tokenizer, source=config.data_source(args))
+    index = [0, 0, 1, 1, 2, 3]
+    rows = [trl_demo.dataset_rows(examples)[i] for i in index]
+    ids = [[5] * (k + 1) for k in range(len(index))]
+    through_demo, columns, metrics = trl_rewards(trl_trainer, [trl_demo.reward_function(args)],
+                                                 [{k: v for k, v in row.items() if k != "prompt"} for row in rows],
+                                                 [row["prompt"] for row in rows], COMPLETIONS, ids, state=(2, 0.25, 16))
+    theirs, their_columns, their_metrics = trl_rewards(
+        trl_trainer, functions_of([spec]), inputs_of(examples, index), [examples[i].prompt for i in index],
+        trl_call.trl_completions([examples[0].prompt], COMPLETIONS), ids, state=(2, 0.25, 16))
+    torch.testing.assert_close(through_demo["demo_reward"], theirs[name].nan_to_num())
+    assert columns == their_columns and {k: v for k, v in metrics.items() if not k.startswith("rewards/")} == \
+        their_metrics
+    assert metrics[f"rewards/{name}/mean"] == [pytest.approx(float(theirs[name].nanmean()), nan_ok=True)]
+
+
+@pytest.mark.slow  # ~30 s: TRL's first step, then the evaluation
+def test_a_tiny_trl_demo_run_trains_with_every_documented_function(tiny_model_dir, tmp_path):
+    """The whole demo through TRL with every documented function and TRL's library ones: it trains, and its metrics
+    line has each function's mean (train.py's names) and the value an example gave log_metric."""
+    from integrations import trl_demo
+
+    specs = CHAT_SPECS + [f"{library_file(tmp_path)}:{name}" for name in LIBRARY]
+    run_dir = trl_demo.main(["--model", str(tiny_model_dir), *own_flags(tmp_path, *specs), "--num-rollouts", "4",
+                             "--update-size", "2", "--prompts-per-step", "2", "--max-completion-tokens", "8",
+                             "--max-steps", "1", "--lora-rank", "4", "--micro-batch-size", "2", "--eval-samples", "0",
+                             "--num-threads", "1", "--output-dir", str(tmp_path / "run")])
+    step = read_lines(run_dir, "train")[0]
+    assert "solution_rate" in step and all(f"rewards/{name}/mean" in step for name in (*trl_doc_rewards.CHAT,
+                                                                                         *LIBRARY))
+
+
+# ----------------------------------------------------------------------------------------------- PODSGRPOTrainer
+def test_pods_grpo_trainer_runs_each_documented_function_with_the_rewards_pods_computes(tmp_path):
+    """The same functions as reward_funcs of PODSGRPOTrainer on a chat dataset (TRL calls them): one training step,
+    and what TRL computed for each equals rewards.compute_rewards on the same prompts, completions, token ids,
+    columns and trainer state."""
+    import datasets
+    from integrations import trl_pods
+    from test_trl_pods import char_tokenizer, tiny_qwen2
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rows = [{"problem": f"what is {i} + 3", "solution": str(i + 3), "task": "sums" if i % 2 else "words"}
+            for i in range(4)]
+    dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": row["problem"]}], **row}
+                                          for row in rows])
+    functions = functions_of(CHAT_SPECS + [f"{library_file(tmp_path)}:{name}" for name in LIBRARY])
+    args = trl_pods.PODSConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none",
+                               num_generations=4, num_generations_kept=2, per_device_train_batch_size=8,
+                               max_completion_length=6, max_steps=1, learning_rate=1e-2, save_strategy="no",
+                               logging_steps=1, disable_tqdm=True)
+    trainer = trl_pods.PODSGRPOTrainer(model=tiny_qwen2(), reward_funcs=functions, args=args, train_dataset=dataset,
+                                       processing_class=tokenizer)
+    calls, calculate = [], trainer._calculate_rewards
+
+    def recorded(inputs, prompts, completions, completion_ids):
+        state = (trainer.state.global_step, trainer.state.epoch, trainer.state.max_steps)
+        calls.append((inputs, prompts, completions, completion_ids, state, calculate(inputs, prompts, completions,
+                                                                                     completion_ids)))
+        return calls[-1][-1]
+
+    trainer._calculate_rewards = recorded
+    trainer.train()
+    assert trainer.state.global_step == 1 and len(calls) == 1
+    inputs, prompts, completions, completion_ids, state, theirs = calls[0]
+    columns = {key: [row[key] for row in inputs] for key in ("problem", "solution", "task")}
+    names = [func.__name__ for func in functions]
+    ours = rewards.compute_rewards(prompts, [c[0]["content"] for c in completions], columns["solution"],
+                                   dict(zip(names, functions)), dict.fromkeys(names, 1.0),
+                                   completion_ids=completion_ids, columns=columns,
+                                   trainer_state=trl_call.trainer_state(*state))
+    assert_equal_rewards({name: values.tolist() for name, values in ours.per_func.items()},
+                         {name: theirs[:, i] for i, name in enumerate(names)})
+    assert any("solution_rate" in line for line in trainer.state.log_history)
+
+
 # ------------------------------------------------------------------------ what goes wrong: one line naming the function
 CHAT_PROMPTS = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "content": "What is 2 + 3?"}]]
 
