@@ -23,24 +23,23 @@ train.py is refused here until it is mapped (MAPPED) or honoured at the values T
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import torch
-
-from run import checkpoint
-from run import config
+from run import config  # the flags, parsed and checked before the modules below that load torch
 import data
+import grpo_loss
 import models
-from run import report
 import rewards
-from run import runfolder
-import sampling
-import train
-import update
+from run import checkpoint, report, runfolder
+from lazy import lazy_module
+
+torch = lazy_module("torch", globals())  # imported at first use (lazy.py): --help and the refusals need none
+train = lazy_module("train", globals())
 
 PROG = "python -m integrations.trl_demo"
 LOSS_TYPES = {"sequence": "grpo", "token": "dapo", "fixed": "dr_grpo"}  # --loss-aggregation -> TRL's loss_type
@@ -55,9 +54,9 @@ MAPPED = frozenset((
     "reward_weights", "reward_options", "reward_function", "reward_function_timeout_s",  # the reward function
     "answer_kind",  # (reward_function)
     "question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",  # train.load's data
-    "prompts_per_step", "clip_eps", "clip_eps_high", "loss_aggregation", "mask_truncated",  # PODSConfig
-    "importance_sampling_level", "policy_loss",  # PODSConfig: importance_sampling_level, loss_type "cispo"
+    "prompts_per_step", "loss_aggregation", "mask_truncated",  # PODSConfig
     "learning_rate", "weight_decay", "optimizer", "max_grad_norm",  # train.load's optimizer (constant rate); TRL
+    "bf16",  # train.load's weights; TRL's autocast where train.py autocasts (full fine-tuning)
     "temperature", "top_p", "max_completion_tokens", "rollout_batch_size", "micro_batch_size",
     "seed", "num_threads", "max_steps", "max_time_s", "eval_interval", "eval_interval_s", "eval_samples",
     "eval_temperature",
@@ -71,7 +70,6 @@ LIMITED = {
                 "unset: the held-out evaluation runs on train.py's default backend)", None),
     "checkpoint_interval_s": (lambda value: value < 0, "< 0: the demo writes no checkpoints", -1.0),
     "log_completions_interval": (lambda value: value == 0, "0: the demo writes no completions logs", 0),
-    "bf16": (lambda value: value is False, "--no-bf16: TRL's CPU run is float32 (its use_cpu)", False),
 }
 # Why some refused flags cannot be mapped (the refusal adds it; any other flag: "not mapped onto TRL by this demo").
 WHY = {
@@ -81,6 +79,10 @@ WHY = {
     "dynamic_sampling": "TRL has no DAPO refill of zero-spread groups",
     "kl_coef": "TRL's KL term (beta) is not checked against train.py's here, so the demo runs TRL with beta = 0",
     "progress": "it prints a line per step, no bar",
+    **{grpo_loss.flag_name(option).removeprefix("--").replace("-", "_"):
+       "it acts on the ratio pi / pi_old alone, which is exactly 1 with the one update per rollout batch this demo runs "
+       "(--updates-per-batch is not mapped onto TRL)"
+       for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["ratio_only"]},
 }
 
 
@@ -149,10 +151,6 @@ def refusal(args, given=()):
 
 def unsupported_combination(args):
     """The one line refusing mapped flags whose combination TRL's batch layout or loss cannot run, or None."""
-    if args.policy_loss == "cispo" and (args.loss_aggregation != "token" or args.clip_eps < 1):
-        return (f"--policy-loss cispo maps onto TRL's loss_type 'cispo' only with --loss-aggregation token (its "
-                f"normaliser) and --clip-eps >= 1 (its weight has no lower bound); got --loss-aggregation "
-                f"{args.loss_aggregation}, --clip-eps {args.clip_eps:g}")
     rows, kept_rows = args.prompts_per_step * args.num_rollouts, args.prompts_per_step * args.update_size
     if kept_rows % args.micro_batch_size:
         return (f"the kept rows of a step ({args.prompts_per_step} x {args.update_size}) must be a multiple of "
@@ -194,23 +192,13 @@ def parse_args(argv=None):
                 for item in _flag_and_value(name, value)]
     with warnings.catch_warnings(record=True) as said:  # shown only for a run that is not refused
         warnings.simplefilter("always")
-        args = config.parse_args(argv + defaults)
+        args = config.parse_args(argv + defaults, refusal=lambda flags: refusal(flags, given))  # before torch loads
     problem = refusal(args, given)
     if problem:
         raise ValueError(problem)
     for warning in said:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return args
-
-
-def _policy_loss(args):
-    """TRL's loss_type and epsilon_high: the aggregation's loss type and the upper clip (1 + it), or for CISPO
-    loss_type "cispo" with epsilon_high its weight's bound itself, 1 + --clip-eps-high (`unsupported_combination`
-    refuses what it cannot run)."""
-    clip_high = args.clip_eps_high or args.clip_eps
-    if args.policy_loss == "cispo":
-        return dict(loss_type="cispo", epsilon_high=1 + clip_high)
-    return dict(loss_type=LOSS_TYPES[args.loss_aggregation], epsilon_high=clip_high)
 
 
 def trl_config(args, run_dir):
@@ -220,11 +208,13 @@ def trl_config(args, run_dir):
     kept_rows = args.prompts_per_step * args.update_size
     micro_batches = kept_rows // args.micro_batch_size
     return PODSConfig(
-        output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, report_to="none", seed=args.seed,
+        output_dir=str(run_dir / "trl"), use_cpu=True, report_to="none", seed=args.seed,
         num_generations=args.num_rollouts, num_generations_kept=args.update_size,
         downsampling_rule=args.rule, advantage_normalization=args.advantage_normalization,
         scale_rewards=args.scale_rewards, beta=0.0, epsilon=args.clip_eps, num_iterations=1,
-        importance_sampling_level=args.importance_sampling_level, **_policy_loss(args),
+        loss_type=LOSS_TYPES[args.loss_aggregation], epsilon_high=args.clip_eps_high or args.clip_eps,
+        # train.py's precision: its loader gives the weights their dtype; TRL autocasts where train.py does
+        bf16=models.compute_dtypes(args.bf16, args.lora_rank)[1] is torch.bfloat16,
         mask_truncated_completions=args.mask_truncated, temperature=args.temperature, top_p=args.top_p, top_k=0,
         max_completion_length=args.max_completion_tokens,
         # transformers' own name: `gradient_checkpointing` is a deprecated alias (a FutureWarning at every start)
@@ -394,6 +384,12 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, OSError, update.TrainingError, data.HubUnavailable,
-            sampling.SamplerError) as error:  # one line, as train.py's (OSError: the disk)
+    except (ValueError, OSError, data.HubUnavailable) as error:  # one line, as train.py's (OSError: the disk)
+        sys.exit(f"trl_demo: error: {error}")
+    except RuntimeError as error:  # a failed step or sampler: their modules are loaded by then
+        import sampling
+        import update
+
+        if not isinstance(error, (update.TrainingError, sampling.SamplerError)):
+            raise
         sys.exit(f"trl_demo: error: {error}")

@@ -252,10 +252,12 @@ def build_parser():
     return parser
 
 
-def parse_args(argv=None, restarted=False):
+def parse_args(argv=None, restarted=False, refusal=None):
     """Resolved, checked flags: flags > the resumed run's config > --baseline > the preset. Raises ValueError or
     FileNotFoundError (one line each) for anything wrong, before any model or data is loaded. restarted: a launcher
-    started this run again (torchrun --max-restarts): it resumes from its latest checkpoint, or starts over."""
+    started this run again (torchrun --max-restarts): it resumes from its latest checkpoint, or starts over.
+    refusal(args): a caller's own line refusing the resolved values, or None, asked before the checks that load
+    torch (the TRL demo's)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     first = parser.parse_args(argv)  # --help, an unknown flag, a bad choice or number: answered before any import
@@ -291,6 +293,9 @@ def parse_args(argv=None, restarted=False):
         print(json.dumps(dict(vars(args), label=method_label(args), output_dir=str(run_dir(args))), indent=1))
         parser.exit()
     check_values(args)  # no torch yet: a value out of range is refused at once
+    problem = refusal and refusal(args)
+    if problem:
+        raise ValueError(problem)
     resolve_device(args)
     unrecorded["bf16"] = resolved_bf16(unrecorded["bf16"], args.device)
     check_args(args, restarted)

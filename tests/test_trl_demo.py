@@ -54,20 +54,15 @@ def test_the_demo_preset_maps_onto_one_trl_generation_per_step(tmp_path, flags, 
     assert trl_args.max_steps == 16  # the demo's budget: 16 steps, as in train.py
 
 
-@pytest.mark.parametrize("flags, loss_type, epsilon_high, level", [
-    (["--importance-sampling-level", "sequence"], "grpo", 0.2, "sequence"),
-    (["--policy-loss", "cispo", "--loss-aggregation", "token", "--clip-eps", "1", "--clip-eps-high", "4"], "cispo",
-     5.0, "token"),
-    (["--policy-loss", "cispo", "--loss-aggregation", "token", "--clip-eps", "1", "--importance-sampling-level",
-      "sequence"], "cispo", 2.0, "sequence")])
-def test_gspo_and_cispo_map_onto_trls_settings(tmp_path, flags, loss_type, epsilon_high, level):
-    """--importance-sampling-level is TRL's; --policy-loss cispo is loss_type "cispo" with its weight's bound
-    epsilon_high = 1 + --clip-eps-high (test_trl_pods checks TRL's loss on them against grpo_loss)."""
-    with pytest.warns(UserWarning, match="cannot act with --updates-per-batch 1"):
-        args = trl_demo.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
-    trl_args = trl_demo.trl_config(args, tmp_path)
-    assert (trl_args.loss_type, trl_args.importance_sampling_level) == (loss_type, level)
-    assert trl_args.epsilon_high == pytest.approx(epsilon_high)
+@pytest.mark.parametrize("flags", [["--importance-sampling-level", "sequence"], ["--clip-eps-high", "0.28"],
+                                   ["--policy-loss", "cispo", "--loss-aggregation", "token", "--clip-eps", "1"]])
+@pytest.mark.usefixtures("nothing_loads")
+def test_the_loss_options_that_act_on_the_ratio_alone_are_refused(tiny_model_dir, tmp_path, flags):
+    """The demo runs one update per rollout batch, where pi / pi_old is exactly 1: GSPO's sequence level, CISPO and the
+    clip bounds cannot act there, so they are refused rather than accepted with advice (--mu) the demo refuses too."""
+    with pytest.raises(ValueError, match="is not mapped onto TRL by this demo: it acts on the ratio pi / pi_old alone, "
+                                         "which is exactly 1 with the one update per rollout batch this demo runs"):
+        trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run", *flags))
 
 
 def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
@@ -92,10 +87,6 @@ def test_the_trl_settings_raise_no_deprecation_warning(tmp_path):
     (["--micro-batch-size", "3"], "multiple of --micro-batch-size"),
     (["--prompts-per-step", "3", "--num-rollouts", "5", "--micro-batch-size", "3"], "15 rows a step generates"),
     (["--rollout-batch-size", "4"], "--rollout-batch-size 4 is less than"),
-    (["--bf16"], "--bf16 True is not mapped onto TRL by this demo \\(only --no-bf16"),
-    (["--policy-loss", "cispo"], "--policy-loss cispo maps onto TRL's loss_type 'cispo' only with "
-     "--loss-aggregation token"),
-    (["--policy-loss", "cispo", "--loss-aggregation", "token"], "--clip-eps >= 1 \\(its weight has no lower bound"),
 ])
 @pytest.mark.usefixtures("nothing_loads")
 def test_flags_it_cannot_map_are_refused_before_anything_loads(tiny_model_dir, tmp_path, flags, message):
@@ -124,7 +115,7 @@ def test_every_train_py_flag_is_mapped_or_refused(tiny_model_dir, tmp_path):
             trl_demo.main(tiny_demo_argv(tiny_model_dir, tmp_path / "run", *example_argv(action)))
         refused.append(action.dest)
     assert {"dynamic_sampling", "importance_sampling_correction", "resume", "kl_coef"} <= set(refused)
-    assert "bf16" in trl_demo.LIMITED   # --no-bf16 only: TRL's CPU run is float32
+    assert "bf16" in trl_demo.MAPPED  # train.py's precision (test_the_demo_computes_in_train_pys_precision)
     mapped_flags = [option for action in trl_demo.demo_parser()._actions for option in action.option_strings]
     for action in config.build_parser()._actions:  # argparse's prefix matching must not turn one into the other
         if action.dest in refused:
@@ -273,12 +264,37 @@ def test_eval_interval_s_evaluates_on_the_training_clock_as_train_py(monkeypatch
 
 
 @pytest.mark.usefixtures("nothing_loads")
-def test_the_demo_presets_bf16_becomes_float32_for_trl(monkeypatch, tiny_model_dir, tmp_path):
-    """The demo preset computes in bf16 where the CPU can (--bf16 auto); TRL's CPU run is float32, so the demo
-    takes --no-bf16 unless --bf16 is given (refused above)."""
+@pytest.mark.parametrize("lora_rank, autocast", [(4, False), (0, True)])
+def test_the_demo_computes_in_train_pys_precision(monkeypatch, tiny_model_dir, tmp_path, lora_rank, autocast):
+    """The demo preset computes in bf16 where the CPU has bf16 instructions (--bf16 auto), through TRL as in train.py:
+    the loader gives the weights train.py's dtype (LoRA: bf16 base weights) and TRL autocasts where train.py does (full
+    fine-tuning: float32 weights, bf16 autocast)."""
     monkeypatch.setattr(trl_demo.config.models, "native_bf16", lambda device: True)
-    assert trl_demo.config.parse_args([]).bf16 is True
-    assert trl_demo.parse_args(tiny_demo_argv(tiny_model_dir, tmp_path / "run")).bf16 is False
+    argv = tiny_demo_argv(tiny_model_dir, tmp_path / "run", "--lora-rank", str(lora_rank))
+    args, like_train_py = trl_demo.parse_args(argv), config.parse_args(argv)
+    assert args.bf16 is like_train_py.bf16 is True
+    assert trl_demo.trl_config(args, tmp_path).bf16 is autocast
+    assert (torch.bfloat16 if lora_rank else torch.float32, torch.bfloat16 if autocast else None) == \
+        __import__("models").compute_dtypes(args.bf16, args.lora_rank)  # what train.load and train.py's update use
+
+
+def test_help_and_the_refusals_come_before_torch_loads():
+    """--help, a mistyped flag, a flag it cannot map and a combination it cannot run are answered in one line before
+    torch, transformers or TRL load (they took seconds each when the demo imported them first)."""
+    code = ("import json, runpy, sys; sys.argv = ['trl_demo'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_module('integrations.trl_demo', run_name='__main__')\n"
+            "finally:\n    print(json.dumps(sorted(m for m in ('torch', 'transformers', 'peft', 'trl', 'datasets') "
+            "if m in sys.modules)))")
+    for argv, status, said in ((["--help"], 0, "usage: python -m integrations.trl_demo"),
+                               (["--max-stepz", "3"], 2, "trl_demo: error: unrecognized arguments: --max-stepz 3"),
+                               (["--dynamic-sampling"], 1, "trl_demo: error: --dynamic-sampling is not mapped"),
+                               (["--prompts-per-step", "2"], 1, "must be a multiple of --micro-batch-size"),
+                               (["--update-size", "32"], 1, "--update-size m = 32 must be <= --num-rollouts n = 16")):
+        done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == status and said in done.stdout + done.stderr, (argv, done.stderr)
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == [], argv
+        assert status == 0 or len(done.stderr.strip().splitlines()) == 1
 
 
 def test_your_own_file_and_reward_function_reach_trls_reward_as_train_pys(tmp_path, smollm2_tokenizer):
