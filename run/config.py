@@ -181,8 +181,9 @@ def build_parser():
     add("--reward-options", default="",
         help="term.option=value,... for the reward terms with options of their own (rewards.REWARD_TERMS)")
     add("--reward-function", action="append", default=[], metavar="FILE.py:NAME[=WEIGHT]",
-        help="a reward function of your own, TRL's signature (prompts, completions, completion_ids and every dataset "
-             "column by keyword; returns a float or None per completion), weight 1 unless given; repeatable (default: none)")
+        help="a reward function of your own, called as TRL's GRPOTrainer calls it (prompts, completions as assistant "
+             "messages, completion_ids, every dataset column, trainer_state, log_extra, log_metric, by keyword; "
+             "returns a number or None per completion), weight 1 unless given; repeatable (default: none)")
     add("--reward-function-timeout-s", type=float, default=trl_call.DEFAULT_TIMEOUT_S,
         help="seconds one call of a --reward-function function may take (it scores a rollout batch); past it the run "
              "stops in one line naming the function; 0 = no limit")
