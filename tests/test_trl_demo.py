@@ -323,3 +323,15 @@ def test_your_own_file_and_reward_function_reach_trls_reward_as_train_pys(tmp_pa
                                                  [e.prompt for e in rows], completion_ids=ids, **columns)
     assert through_trl == pytest.approx(trained.total.tolist())
     assert "says_the_unit" in trained.per_func and not torch.isnan(trained.per_func["says_the_unit"]).all()
+
+
+@pytest.mark.usefixtures("nothing_loads")
+def test_a_paper_preset_keeps_its_bf16_through_trl(tiny_model_dir, tmp_path):
+    """--preset a sets --bf16 (LoRA: bf16 base weights): the demo runs it so, as train.py would, where it once ran
+    such a preset in float32 without a word."""
+    argv = ["--preset", "a", "--model", str(tiny_model_dir), "--dataset", "arithmetic", "--eval-samples", "0",
+            "--output-dir", str(tmp_path / "run")]
+    with pytest.warns(UserWarning, match="--bf16 on a CPU without bf16 instructions"):
+        args, like_train_py = trl_demo.parse_args(argv), config.parse_args(argv)
+    assert args.bf16 is like_train_py.bf16 is True and args.lora_rank == 64
+    assert trl_demo.trl_config(args, tmp_path).bf16 is False  # LoRA: no autocast, as in train.py
