@@ -431,8 +431,7 @@ def terms_of(settings, registered=True):
     options = dict(settings.options or {})
     if settings.answer_kind:
         options["accuracy"] = {**options.get("accuracy", {}), "answer_kind": settings.answer_kind}
-    terms = REWARD_FUNCS if registered else {}
-    weights = {name: weight for name, weight in (settings.weights or {}).items() if name in terms}
+    terms, weights = (REWARD_FUNCS, settings.weights or {}) if registered else ({}, {})
     return dict(reward_funcs={**terms, **{own.name: own.func for own in settings.functions}},
                 weights={**weights, **{own.name: own.weight for own in settings.functions}},
                 options=options, function_timeout_s=settings.function_timeout_s)
