@@ -85,6 +85,20 @@ def _read_jsonl(path):
     return records, skipped
 
 
+def read_json_object(path):
+    """The JSON object a results file holds; ValueError (one line naming the file) for one cut short, not UTF-8, not
+    JSON, or holding something else than an object."""
+    try:
+        record = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON, cut short or corrupt ({error.msg}, line {error.lineno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: holds a JSON {type(record).__name__}, not the object a results file holds")
+    return record
+
+
 def _finite(value):
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -106,8 +120,7 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     records, skipped = _read_jsonl(metrics_path)
     train = {r["step"]: r for r in records if r.get("type", "train") == "train" and "step" in r}
     if eval_file:
-        results = json.loads((run_dir / eval_file).read_text())["results"].values()
-        points = {r["step"]: (r["elapsed_s"], r[metric]["mean"]) for r in results}
+        points = eval_file_points(run_dir / eval_file, metric)
     else:
         points = {r["step"]: (r.get("elapsed_s"), r.get(f"eval/{metric}")) for r in records
                   if r.get("type") == "eval" and "step" in r}
@@ -125,6 +138,18 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
                    np.array([t for t, _, _ in finite], dtype=float), np.array([a for _, a, _ in finite], dtype=float),
                    durations.astype(float), step_phases, skipped, config, len(points) - len(finite),
                    np.array([s for _, _, s in finite], dtype=float))
+
+
+def eval_file_points(path, metric):
+    """{step: (training seconds, mean `metric`)} of an eval.py results file; a file that is missing, cut short, not
+    UTF-8 or not eval.py's is one ValueError naming it."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file (eval.py writes it: python eval.py --checkpoint RUN)")
+    try:
+        return {r["step"]: (r["elapsed_s"], r[metric]["mean"])
+                for r in read_json_object(path)["results"].values()}
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path}: not an eval.py results file (no {error} in it)") from None
 
 
 def within_budget(run, budget_s):
@@ -149,6 +174,15 @@ def within_budget(run, budget_s):
                          f"budget of {budget_s:g} s (leave out --budget-s)")
     return replace(run, eval_times_s=run.eval_times_s[keep], eval_accuracy=run.eval_accuracy[keep],
                    eval_steps=run.eval_steps[keep], step_durations_s=durations, step_phases_s=phases)
+
+
+def budget_seconds(text):
+    """argparse type of a time budget (--budget-s, study.py's --max-time-s): a finite number of seconds > 0 (a
+    negative one would cut every run to its first step; NaN would read as no budget)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _budget(run):
@@ -443,7 +477,8 @@ def compare_benchmarks(run_dirs, eval_files, *, plot=None, title=None, metric="a
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="compare.py", description="accuracy vs wall-clock, speed-up")
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="compare.py", description="accuracy vs wall-clock, speed-up")
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--plot", help="PNG path")
     parser.add_argument("--table", help="also write the markdown table here")
@@ -457,7 +492,7 @@ def main(argv=None):
     parser.add_argument("--metric", choices=METRICS, default="accuracy",
                         help="held-out metric to compare (both_accuracy = correct and well-formatted)")
     parser.add_argument("--title")
-    parser.add_argument("--budget-s", type=float, help="read every run as one of this --max-time-s (runs of "
+    parser.add_argument("--budget-s", type=budget_seconds, help="read every run as one of this --max-time-s (runs of "
                         "different budgets are otherwise refused)")
     args = vars(parser.parse_args(argv))
     table_path, json_path = args.pop("table"), args.pop("json")

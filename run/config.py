@@ -91,10 +91,11 @@ def _shown(value):
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line (what is wrong, and where the flags are listed), not the usage text. A
     negative number, also in scientific notation (`--lr -1e-3`) or -inf/-nan, is a value, not a flag: the range
-    checks then name what is wrong with it."""
+    checks then name what is wrong with it. No flag is taken by a prefix of its name (`--num-rollout 4` is refused,
+    not read as --num-rollouts): a typo never starts a run."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **dict(kwargs, allow_abbrev=False))
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
                                                    re.IGNORECASE)
 
