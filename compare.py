@@ -57,6 +57,7 @@ class RunData:
     config: dict = field(default_factory=dict)
     nonfinite_evals: int = 0      # eval points left out: their time or value is not a finite number (NaN)
     eval_steps: np.ndarray = field(default_factory=lambda: np.empty(0))  # the step of each evaluation
+    cannot_learn: Counter = field(default_factory=Counter)  # steps that gave the update nothing to learn, by why
 
     @property
     def phase_means_s(self):
@@ -137,7 +138,8 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     return RunData(str(run_dir), method_label(config), config.get("seed"),
                    np.array([t for t, _, _ in finite], dtype=float), np.array([a for _, a, _ in finite], dtype=float),
                    durations.astype(float), step_phases, skipped, config, len(points) - len(finite),
-                   np.array([s for _, _, s in finite], dtype=float))
+                   np.array([s for _, _, s in finite], dtype=float),
+                   Counter(code for r in steps for code in r.get("cannot_learn") or ()))
 
 
 def eval_file_points(path, metric):
@@ -392,6 +394,14 @@ def save_figure(fig, path, title=None):
     plt.close(fig)
 
 
+def cannot_learn_note(run):
+    """The line under the table of a run some of whose steps gave the update nothing to learn from (metrics.jsonl's
+    "cannot_learn", report.learning_signal), with what to change."""
+    codes = run.cannot_learn.most_common()
+    return (f"- {run.run_dir}: steps that could not learn: " + ", ".join(f"{count} {code}" for code, count in codes)
+            + f" of {len(run.step_durations_s)} steps; {report.CANNOT_LEARN[codes[0][0]]}")
+
+
 def config_differences(runs):
     """'key: value (n runs), value (n runs)' for every other setting that is not the same in all runs
     (e.g. a preset edited between runs: their curves are then not comparable)."""
@@ -437,6 +447,7 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
     problems += [f"- {r.run_dir}: {r.nonfinite_evals} eval points left out, their time or {metric} not a finite number"
                  for r in runs if r.nonfinite_evals]
     problems += [f"- settings differ between runs: {d}" for d in config_differences(runs)]
+    problems += [cannot_learn_note(r) for r in runs if r.cannot_learn]
     labels = list(dict.fromkeys(r.label for r in runs))
     if len(labels) == 1 and baseline_label in (None, labels[0]):  # nothing to compare against: no speed-up
         baseline_label = None

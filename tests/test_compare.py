@@ -325,3 +325,16 @@ def test_an_unreadable_eval_file_is_named(tmp_path, monkeypatch, content, messag
     assert all(f"{run / 'scores.json'}: {message}" in text for run in runs)
     with pytest.raises(ValueError, match=re.escape(f"{runs[0] / 'scores.json'}: {message}")):  # several files
         compare.compare_benchmarks(runs, ["scores.json", "scores.json"])
+
+
+def test_runs_whose_steps_could_not_learn_are_named_under_the_table(tmp_path):
+    """A step that gave the update nothing to learn from (metrics.jsonl's "cannot_learn") is counted under the table,
+    by why, with what to change."""
+    stuck = make_run(tmp_path, "stuck", "GRPO 4/4", 0, ramp(0.5, 100), step_times=[1.0] * 3, extra_lines=[
+        json.dumps({"type": "train", "step": step, "elapsed_s": float(step), "cannot_learn": codes}) + "\n"
+        for step, codes in ((1, ["truncated", "rewards_zero"]), (2, ["truncated"]), (3, []))])
+    fine = make_run(tmp_path, "fine", "GRPO 4/4", 1, ramp(0.5, 100), step_times=[1.0] * 3)
+    _, table = compare.compare([stuck, fine])
+    assert (f"- {stuck}: steps that could not learn: 2 truncated, 1 rewards_zero of 3 steps; raise "
+            "--max-completion-tokens") in table
+    assert str(fine) not in table
