@@ -39,6 +39,7 @@ PHASES = ("generate_s", "update_s")  # the per-step clock a comparison reports b
 # Config keys that legitimately differ between the runs of one comparison: the method (rule, n/m, GRPO-GA and the
 # variant flags its label names), the seed, bookkeeping. Any other difference is listed under the table.
 PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
+                "value_sources",
                 "baseline", "grad_accum_steps", "loss_aggregation", "clip_eps_high", "scale_rewards",
                 "selection_scope", "mask_truncated", "drop_zero_variance", "dynamic_sampling",
                 "dynamic_sampling_metric", "report_to"}

@@ -275,6 +275,7 @@ def train(args, processes=OneProcess()):
     """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder."""
     run_dir = config.run_dir(args)
     with contextlib.ExitStack() as held:
+        held.enter_context(runfolder.removed_if_left_empty(run_dir))  # left after the lock is given back
         with runfolder.disk_full_at_start(run_dir):
             run_dir.mkdir(parents=True, exist_ok=True)
             if processes.is_main:
@@ -287,6 +288,8 @@ def run(args, run_dir, processes):
     label = config.method_label(args)
     if processes.is_main:
         print(report.start_line(label, args, run_dir), flush=True)
+        if report.own_rows_line(args):
+            print(report.own_rows_line(args), flush=True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)

@@ -247,6 +247,20 @@ def start_line(label, args, run_dir):
     return f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation} -> {run_dir}"
 
 
+def own_rows_line(args):
+    """Said after the start line when your own rows took settings in place of the preset's task settings
+    (presets.OWN_ROWS): which, and where to change them; None otherwise."""
+    taken = [key for key, source in getattr(args, "value_sources", {}).items()
+             if source.startswith("your own rows") and key != "one_shot"]
+    if not taken:
+        return None
+    shown = {("system_prompt", None): "the paper's (data.SYSTEM_PROMPT)", ("system_prompt", ""): "none"}
+    values = ", ".join(f"--{key.replace('_', '-')} {shown.get((key, getattr(args, key)), getattr(args, key))}"
+                       for key in taken)
+    return (f"your own rows: {values}, not the {args.preset} preset's task settings (presets.OWN_ROWS; a flag sets "
+            "any of them, --print-config shows where each value comes from)")
+
+
 def eta_line(args, state, step_s):
     """Said once, after a run's first step: what that step took and what the budget then means in time, so a slow
     machine shows its pace at once, not at the end (None: no budget)."""
