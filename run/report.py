@@ -290,7 +290,7 @@ def finish_lines(run_dir, args, steps, elapsed_s):
     if args.log_completions_interval:
         commands.append(f"python eval.py rollouts {run}   # one prompt's rollouts, the kept ones marked")
     if args.checkpoint_interval_s >= 0:
-        commands.append(f"python eval.py --checkpoint {run} --repeats 5   # re-evaluate every checkpoint")
+        commands.append(f"python eval.py --checkpoint {run}   # every checkpoint, as the run evaluated its policy")
     return [f"done: {steps} steps, {elapsed_s:.0f} s of training -> {run_dir}",
             f"  results: {Path(run_dir) / checkpoint.METRICS_FILE} (a line per step and per evaluation)",
             *(f"  {'next:' if i == 0 else '':8} {command}" for i, command in enumerate(commands))]

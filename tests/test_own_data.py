@@ -239,6 +239,11 @@ def test_your_own_rows_take_settings_of_their_own_not_the_demos_and_say_where_ea
     resumed = parse("--output-dir", str(run_dir), "--resume")
     assert (resumed.max_completion_tokens, resumed.system_prompt) == (32, PRESETS["demo"]["system_prompt"])
     assert resumed.value_sources["max_completion_tokens"] == "the resumed run: your own rows (presets.OWN_ROWS)"
+    assert resumed.split_rule == data.SPLIT_RULE  # as recorded; a run from before the rule keeps its ranked split
+    older = {key: value for key, value in json.loads((run_dir / "config.json").read_text()).items()
+             if key not in ("split_rule", "value_sources")}
+    (run_dir / "config.json").write_text(json.dumps(older))
+    assert parse("--output-dir", str(run_dir), "--resume").split_rule == data.RANKED_SPLIT
 
 
 def test_more_rows_than_the_file_holds_are_refused_naming_the_flag():
@@ -379,8 +384,9 @@ def test_eval_reads_the_runs_held_out_rows_and_any_other_benchmark_by_the_same_f
     assert set(kinds) == {"number"}  # eval.py's, read from the run's config.json
     original = data_file.read_bytes()  # a changed file: its held-out rows may differ, refused in one line
     data_file.write_bytes(original + b"\n")
-    with pytest.raises(ValueError, match="changed since the run trained on it"):
-        eval_module.main(["--checkpoint", str(run_dir), *flags])
+    for named in ([], ["--dataset", str(data_file)]):  # whether the run's config.json or --dataset names it
+        with pytest.raises(ValueError, match="changed since the run trained on it"):
+            eval_module.main(["--checkpoint", str(run_dir), *named, *flags])
     data_file.write_bytes(original)
     own = json.loads((run_dir / "eval_test.json").read_text())
     assert own["config"]["dataset"] == str(data_file) and own["results"]
@@ -388,6 +394,20 @@ def test_eval_reads_the_runs_held_out_rows_and_any_other_benchmark_by_the_same_f
     eval_module.main(["--checkpoint", str(run_dir), "--dataset", str(other), "--question-field", "q",
                       "--answer-field", "a", "--prompt-template", "{question}", "--eval-fraction", "0.2", *flags])
     assert json.loads((run_dir / "eval_sums_test.json").read_text())["results"]
+    with other.open("a") as handle:  # the file edited: recorded by SHA-256, so its new scores are not mixed in
+        handle.write(json.dumps({"q": "What is 10 + 1?", "a": "11"}) + "\n")
+    with pytest.raises(ValueError, match=r"eval_sums_test.json holds results measured with other settings "
+                                         r"\(data_files\); pass --out"):
+        eval_module.main(["--checkpoint", str(run_dir), "--dataset", str(other), "--question-field", "q",
+                          "--answer-field", "a", "--prompt-template", "{question}", "--eval-fraction", "0.2", *flags])
+    eval_module.main(["--checkpoint", str(run_dir), "--eval-dataset", str(other), "--question-field", "q",
+                      "--answer-field", "a", "--prompt-template", "Q: {question}", *flags])  # another template
+    import hashlib
+
+    tagged = run_dir / f"eval_sums-{hashlib.sha256(b'Q: {question}').hexdigest()[:8]}_all.json"
+    assert json.loads(tagged.read_text())["results"]["step_000001"]["num_prompts"] == 11  # every row of the file
+    assert sorted(path.name for path in run_dir.glob("eval_*.json")) == sorted(
+        ["eval_test.json", "eval_sums_test.json", tagged.name])
     import compare  # the two benchmarks side by side: a table each, an accuracy panel each
 
     rows = compare.main([str(run_dir), "--eval-file", "eval_test.json", "eval_sums_test.json", "--min-seeds", "0",

@@ -186,7 +186,7 @@ def test_the_closing_lines_offer_only_the_commands_the_run_can_answer():
     commands = report.finish_lines("runs/a b", args, 3, 4.6)[2:]
     assert [line.split("#")[0].strip() for line in commands] == [
         "next:    python compare.py 'runs/a b' --plot 'runs/a b/accuracy.png'",
-        "python eval.py --checkpoint 'runs/a b' --repeats 5"]  # quoted: the folder has a space; no completions log
+        "python eval.py --checkpoint 'runs/a b'"]  # quoted: the folder has a space; no completions log
     assert "evaluation of 10 prompts at step 0 and the end" in report.start_line("GRPO 4/4", args, "r")
 
 
