@@ -234,10 +234,10 @@ def load_adapter(base, folder, base_name):
                      "trained, or check the run's config.json") from None
 
 
-def parse_args(argv):
+def build_parser():
+    """eval.py's flags (docs/evaluation.md's table names each)."""
     from run import config
     import data
-    import models
 
     parser = config.OneLineParser(prog="eval.py", description=__doc__.split("\n\n")[0],
                                   epilog="A training run's logged rollouts: python eval.py rollouts RUN [--step S] "
@@ -289,6 +289,14 @@ def parse_args(argv):
     parser.add_argument("--num-threads", type=int, default=0,
                         help="torch CPU threads (0 = torch's default, one per physical core)")
     parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def parse_args(argv):
+    from run import config
+    import models
+
+    parser = build_parser()
     args = parser.parse_args(argv)  # --help, a mistyped flag or value: answered before torch loads (the device)
     if args.preset and args.checkpoint:
         parser.error("--preset is for --model: a checkpoint is evaluated with its own run's settings (config.json)")
