@@ -611,3 +611,13 @@ def test_no_command_takes_a_flag_by_a_prefix_of_its_name(capsys):
     assert len(parsers) >= 15 and config.OneLineParser(prog="x").allow_abbrev is False
     assert [name for name, call in parsers if not any(keyword.arg == "allow_abbrev" and keyword.value.value is False
                                                       for keyword in call.keywords)] == []
+
+
+def test_a_top_entropy_quantile_of_0_is_refused_not_read_as_the_top_token(capsys):
+    """--top-entropy-quantile 0 reads as "no token", but the mask at 0 keeps each micro-batch's highest-entropy token(s)
+    (TRL's too): refused in one line, as an out-of-range value is."""
+    for value, message in (("0", "0 would train on the highest-entropy token(s) alone"), ("1.5", "must be in [0, 1]")):
+        with pytest.raises(SystemExit) as refused:
+            config.parse_args(["--top-entropy-quantile", value])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert config.parse_args(["--top-entropy-quantile", "0.2"]).top_entropy_quantile == 0.2

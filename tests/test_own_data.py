@@ -128,9 +128,12 @@ def test_nested_fields_are_read_by_a_dotted_path(tmp_path):
     dotted = str(tmp_path / "dotted.csv")
     assert data.read_own_rows(data.DataSource(dotted, "q", "meta.answer", eval_dataset=dotted), "test")[0]["answer"] \
         == "2"
-    nested = str(tmp_path / "nested.jsonl")
-    with pytest.raises(ValueError, match=r"field 'meta' holds an object with fields \['answer', 'level'\]"):
-        data.read_own_rows(data.DataSource(nested, "problem.text", "meta", eval_dataset=nested), "test")
+    for name in ("nested.jsonl", "nested.parquet"):  # the parent field: refused, not its repr as the text
+        nested = str(tmp_path / name)
+        with pytest.raises(ValueError, match=r"field 'meta' holds an object with fields \['answer', 'level'\]"):
+            data.read_own_rows(data.DataSource(nested, "problem.text", "meta", eval_dataset=nested), "test")
+        with pytest.raises(ValueError, match=r"field 'problem' holds an object .*e.g. --question-field problem.text"):
+            data.read_own_rows(data.DataSource(nested, "problem", "meta.answer", eval_dataset=nested), "test")
 
 
 def test_a_spreadsheets_csv_is_read_as_it_is_saved(tmp_path):
