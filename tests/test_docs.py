@@ -379,3 +379,24 @@ def test_the_ga_studys_per_run_table_is_its_committed_data():
         assert float(row[3]) == max(listed), f"BENCHMARKS.md: {arm} seed {row[1]}: peak {row[3]}, not {max(listed)}"
         checked += 1
     assert checked >= 10
+
+
+def test_evaluation_md_documents_every_study_command():
+    """Each command study.py answers (its usage line) has its paragraph in evaluation.md (`study.py NAME`)."""
+    import study
+
+    with pytest.raises(SystemExit) as usage:
+        study.main(["nonsense"])
+    commands = set(re.findall(r"python study\.py (\w+)", str(usage.value.code)))
+    assert {"run", "variants", "ga", "pods", "objectives", "bootstrap", "compare"} <= commands
+    documented = set(re.findall(r"study\.py (\w+)", DOCS["docs/evaluation.md"]))
+    assert commands - documented == set(), f"docs/evaluation.md: no word of study.py {sorted(commands - documented)}"
+
+
+def test_training_mds_other_values_table_gives_each_presets_micro_batch():
+    row = next(row for row in table_rows(section("docs/training.md", "| other values | `demo` | `a`–`f` |", "\n"))
+               if row[0].startswith("rollout batch / micro-batch"))
+    for column, presets in ((1, ["demo"]), (2, ["a", "b", "c", "d"])):
+        shown = row[column].split(" (")[0]
+        assert {f"{PRESETS[p]['rollout_batch_size']} / {PRESETS[p]['micro_batch_size']}" for p in presets} == {shown}
+    assert all(f"{PRESETS[p]['rollout_batch_size']} / {PRESETS[p]['micro_batch_size']}" in row[2] for p in "ef")

@@ -453,3 +453,24 @@ def test_a_held_out_row_too_long_for_the_model_is_named(tiny_model_dir, tmp_path
         train.main(tiny_argv(tiny_model_dir, tmp_path / "run", *OWN[:-2], "--eval-dataset", str(held_out),
                              "--num-train-rows", "16"))
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_names_each_rows_results_file_and_refuses_a_split_of_a_whole_file(tmp_path):
+    """Without a run: the results file's name follows the rows (dataset, split, template); --eval-dataset is every row
+    of its file, so a --split with it is refused."""
+    import hashlib
+
+    import eval as eval_module
+
+    other = str(write_jsonl(tmp_path / "other.jsonl", [{"question": f"What is {i} + 1?", "answer": str(i + 1)}
+                                                         for i in range(10)]))
+    tagged = f"eval_other-{hashlib.sha256(b'Q: {question}').hexdigest()[:8]}_all.json"
+    for argv, name in ((["--dataset", "arithmetic"], "eval_arithmetic_test.json"),
+                       (["--dataset", other], "eval_other_test.json"),
+                       (["--dataset", other, "--split", "train"], "eval_other_train.json"),
+                       (["--eval-dataset", other], "eval_other_all.json"),
+                       (["--eval-dataset", other, "--prompt-template", "Q: {question}"], tagged)):
+        assert eval_module.run_settings(eval_module.parse_args(["--model", "m", *argv]), [])["name"] == name, argv
+    with pytest.raises(ValueError, match="--eval-dataset evaluates every row of its file: leave out --split"):
+        eval_module.run_settings(eval_module.parse_args(["--model", "m", "--eval-dataset", other, "--split",
+                                                         "train"]), [])
