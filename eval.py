@@ -363,7 +363,9 @@ def run_settings(args, checkpoints):
     if whole_file and args.split != "test":
         raise ValueError("--eval-dataset evaluates every row of its file: leave out --split")
     dataset = args.eval_dataset if whole_file else args.dataset or run_source.dataset
-    runs_rows = dataset == run_source.dataset  # the run's own file or dataset: its held-out part, as it split it
+    runs_rows = not whole_file and (dataset == run_source.dataset or (  # the run's own rows, split as it split them
+        data.own_kind(dataset) == "file" and Path(dataset).resolve() == Path(run_source.dataset).resolve()))
+    dataset = run_source.dataset if runs_rows else dataset
     template = data.read_template(args.prompt_template) if args.prompt_template is not None else \
         run_source.prompt_template
     if template is not None:
@@ -377,7 +379,7 @@ def run_settings(args, checkpoints):
     source = dataclasses.replace(source, answer_kind=data.answer_kind_of(source))
     if checkpoints:
         check_trained_files(run_config, source)
-    own = source == run_source and args.split == "test"
+    own = source == run_source
     settings = {"model": args.model or args.base_model or run_config.get("model"), "dataset": dataset,
                 "source": source, "split": "all" if whole_file else args.split,
                 "name": results_name(source, "all" if whole_file else args.split, own),
