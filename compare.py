@@ -39,6 +39,7 @@ PHASES = ("generate_s", "update_s")  # the per-step clock a comparison reports b
 # Config keys that legitimately differ between the runs of one comparison: the method (rule, n/m, GRPO-GA and the
 # variant flags its label names), the seed, bookkeeping. Any other difference is listed under the table.
 PER_RUN_KEYS = {"label", "rule", "num_rollouts", "update_size", "seed", "output_dir", "resume", "progress",
+                "value_sources",
                 "baseline", "grad_accum_steps", "loss_aggregation", "clip_eps_high", "scale_rewards",
                 "selection_scope", "mask_truncated", "drop_zero_variance", "dynamic_sampling",
                 "dynamic_sampling_metric", "report_to"}
@@ -57,6 +58,7 @@ class RunData:
     config: dict = field(default_factory=dict)
     nonfinite_evals: int = 0      # eval points left out: their time or value is not a finite number (NaN)
     eval_steps: np.ndarray = field(default_factory=lambda: np.empty(0))  # the step of each evaluation
+    cannot_learn: Counter = field(default_factory=Counter)  # steps that gave the update nothing to learn, by why
 
     @property
     def phase_means_s(self):
@@ -85,6 +87,20 @@ def _read_jsonl(path):
     return records, skipped
 
 
+def read_json_object(path):
+    """The JSON object a results file holds; ValueError (one line naming the file) for one cut short, not UTF-8, not
+    JSON, or holding something else than an object."""
+    try:
+        record = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON, cut short or corrupt ({error.msg}, line {error.lineno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: holds a JSON {type(record).__name__}, not the object a results file holds")
+    return record
+
+
 def _finite(value):
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -106,8 +122,7 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     records, skipped = _read_jsonl(metrics_path)
     train = {r["step"]: r for r in records if r.get("type", "train") == "train" and "step" in r}
     if eval_file:
-        results = json.loads((run_dir / eval_file).read_text())["results"].values()
-        points = {r["step"]: (r["elapsed_s"], r[metric]["mean"]) for r in results}
+        points = eval_file_points(run_dir / eval_file, metric)
     else:
         points = {r["step"]: (r.get("elapsed_s"), r.get(f"eval/{metric}")) for r in records
                   if r.get("type") == "eval" and "step" in r}
@@ -124,7 +139,20 @@ def read_run(run_dir, eval_file=None, metric="accuracy"):
     return RunData(str(run_dir), method_label(config), config.get("seed"),
                    np.array([t for t, _, _ in finite], dtype=float), np.array([a for _, a, _ in finite], dtype=float),
                    durations.astype(float), step_phases, skipped, config, len(points) - len(finite),
-                   np.array([s for _, _, s in finite], dtype=float))
+                   np.array([s for _, _, s in finite], dtype=float),
+                   Counter(code for r in steps for code in r.get("cannot_learn") or ()))
+
+
+def eval_file_points(path, metric):
+    """{step: (training seconds, mean `metric`)} of an eval.py results file; a file that is missing, cut short, not
+    UTF-8 or not eval.py's is one ValueError naming it."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file (eval.py writes it: python eval.py --checkpoint RUN)")
+    try:
+        return {r["step"]: (r["elapsed_s"], r[metric]["mean"])
+                for r in read_json_object(path)["results"].values()}
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path}: not an eval.py results file (no {error} in it)") from None
 
 
 def within_budget(run, budget_s):
@@ -149,6 +177,15 @@ def within_budget(run, budget_s):
                          f"budget of {budget_s:g} s (leave out --budget-s)")
     return replace(run, eval_times_s=run.eval_times_s[keep], eval_accuracy=run.eval_accuracy[keep],
                    eval_steps=run.eval_steps[keep], step_durations_s=durations, step_phases_s=phases)
+
+
+def budget_seconds(text):
+    """argparse type of a time budget (--budget-s, study.py's --max-time-s): a finite number of seconds > 0 (a
+    negative one would cut every run to its first step; NaN would read as no budget)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _budget(run):
@@ -358,6 +395,14 @@ def save_figure(fig, path, title=None):
     plt.close(fig)
 
 
+def cannot_learn_note(run):
+    """The line under the table of a run some of whose steps gave the update nothing to learn from (metrics.jsonl's
+    "cannot_learn", report.learning_signal), with what to change."""
+    codes = run.cannot_learn.most_common()
+    return (f"- {run.run_dir}: steps that could not learn: " + ", ".join(f"{count} {code}" for code, count in codes)
+            + f" of {len(run.step_durations_s)} steps; {report.CANNOT_LEARN[codes[0][0]]}")
+
+
 def config_differences(runs):
     """'key: value (n runs), value (n runs)' for every other setting that is not the same in all runs
     (e.g. a preset edited between runs: their curves are then not comparable)."""
@@ -403,6 +448,7 @@ def compare(run_dirs, *, baseline_label=None, interp="linear", min_seeds=2, eval
     problems += [f"- {r.run_dir}: {r.nonfinite_evals} eval points left out, their time or {metric} not a finite number"
                  for r in runs if r.nonfinite_evals]
     problems += [f"- settings differ between runs: {d}" for d in config_differences(runs)]
+    problems += [cannot_learn_note(r) for r in runs if r.cannot_learn]
     labels = list(dict.fromkeys(r.label for r in runs))
     if len(labels) == 1 and baseline_label in (None, labels[0]):  # nothing to compare against: no speed-up
         baseline_label = None
@@ -443,7 +489,8 @@ def compare_benchmarks(run_dirs, eval_files, *, plot=None, title=None, metric="a
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="compare.py", description="accuracy vs wall-clock, speed-up")
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="compare.py", description="accuracy vs wall-clock, speed-up")
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--plot", help="PNG path")
     parser.add_argument("--table", help="also write the markdown table here")
@@ -457,7 +504,7 @@ def main(argv=None):
     parser.add_argument("--metric", choices=METRICS, default="accuracy",
                         help="held-out metric to compare (both_accuracy = correct and well-formatted)")
     parser.add_argument("--title")
-    parser.add_argument("--budget-s", type=float, help="read every run as one of this --max-time-s (runs of "
+    parser.add_argument("--budget-s", type=budget_seconds, help="read every run as one of this --max-time-s (runs of "
                         "different budgets are otherwise refused)")
     args = vars(parser.parse_args(argv))
     table_path, json_path = args.pop("table"), args.pop("json")

@@ -18,10 +18,12 @@ Simplifications: the chemistry held-out split is ours (the source has none): a f
 rows. Arithmetic train and test use disjoint sets of {a, b} pairs.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -89,10 +91,9 @@ def check_data_source(name, data_dir=None, splits=SPLITS, source=None):
     """A one-line ValueError when `name` has neither its local files nor a usable Hub source. Fast and offline
     (run before any model loads): "usable" = a Hub id and an importable `datasets`; an unreachable Hub shows
     when the rows are read (load_split's RuntimeError). A file of one's own (source: its DataSource) is read and
-    every row checked (check_own_rows)."""
+    every row checked (check_own_rows), and {split: number of rows} returned (None for the other datasets)."""
     if reader_of(name) is None:
-        check_own_rows(source or DataSource(name), splits)
-        return
+        return check_own_rows(source or DataSource(name), splits)
     folder = Path(data_dir) if data_dir is not None else default_data_dir()
     if name == "arithmetic":
         return
@@ -218,18 +219,34 @@ def sciknoweval_l3_mcq(rows):
     return sorted(picked, key=lambda row: row["task"])
 
 
+@contextlib.contextmanager
+def hub_quiet():
+    """huggingface_hub's and datasets' warnings held back while rows are read from the Hub: a Hub that cannot be
+    reached ends in one line (HubUnavailable), not after a "Retrying in 1s [Retry 1/5]" line per retry."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _hub_rows(name, split, hub_id):
     import datasets
 
     try:
-        if name == "gsm8k":
-            parts = [datasets.load_dataset(hub_id, "main", split=split)]
-        elif name == "chemistry":  # one "test" collection; our train/test split is made from it below
-            parts = [sciknoweval_l3_mcq(datasets.load_dataset(hub_id, "v2", split="test"))]
-        elif "hendrycks_math" in hub_id:
-            parts = [datasets.load_dataset(hub_id, config, split=split) for config in _MATH_HUB_CONFIGS]
-        else:  # e.g. HuggingFaceH4/MATH-500, which only has a test split
-            parts = [datasets.load_dataset(hub_id, split=split)]
+        with hub_quiet():
+            if name == "gsm8k":
+                parts = [datasets.load_dataset(hub_id, "main", split=split)]
+            elif name == "chemistry":  # one "test" collection; our train/test split is made from it below
+                parts = [sciknoweval_l3_mcq(datasets.load_dataset(hub_id, "v2", split="test"))]
+            elif "hendrycks_math" in hub_id:
+                parts = [datasets.load_dataset(hub_id, config, split=split) for config in _MATH_HUB_CONFIGS]
+            else:  # e.g. HuggingFaceH4/MATH-500, which only has a test split
+                parts = [datasets.load_dataset(hub_id, split=split)]
     except Exception as error:  # noqa: BLE001  network, auth, unknown id: one clear message
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise HubUnavailable(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {reason}. Offline? "
@@ -267,23 +284,27 @@ class DatasetReader:
     """A dataset: read(split, *, data_dir, hub_id, num_rows, seed, max_digits) -> rows, each a dict with "question" and
     "answer" (strings) and any other columns (the reward functions receive them by name). template: the user turn,
     str.format'ed with the row. makes_rows: read() makes exactly num_rows rows itself (synthetic data). answer_kind:
-    what the accuracy reward compares (ANSWER_KINDS; None: told by the answer, a letter A-D a choice)."""
+    what the accuracy reward compares (ANSWER_KINDS; None: told by the answer, a letter A-D a choice). columns: the
+    fields of its rows, which a --prompt-template is checked against before anything loads (None: checked as the
+    rows are read)."""
     name: str
     read: Callable
     template: str = "{question}"
     answer_kind: str | None = None
     makes_rows: bool = False
     summary: str = ""
+    columns: tuple | None = None
 
 
 DATASET_READERS: dict[str, DatasetReader] = {}  # name -> reader, in registration order
 ANSWER_KINDS = ("number", "latex", "choice")
 
 
-def register_dataset(name, *, template="{question}", answer_kind=None, makes_rows=False, summary=""):
+def register_dataset(name, *, template="{question}", answer_kind=None, makes_rows=False, summary="", columns=None):
     """Decorator: add a reader of rows to the registry as `name` (--dataset NAME)."""
     def add(read):
-        DATASET_READERS[name] = DatasetReader(name, read, template, answer_kind, makes_rows, summary)
+        DATASET_READERS[name] = DatasetReader(name, read, template, answer_kind, makes_rows, summary,
+                                              None if columns is None else tuple(columns))
         return read
     return add
 
@@ -298,25 +319,29 @@ def _read_files(name, split, data_dir, hub_id):
     return _convert(name, read_jsonl(path, _FIELDS[name]), str(path))
 
 
-@register_dataset("gsm8k", answer_kind="number", summary="GSM8K grade-school word problems (number answers)")
+@register_dataset("gsm8k", answer_kind="number", summary="GSM8K grade-school word problems (number answers)",
+                  columns=("question", "answer", "solution"))
 def read_gsm8k(split, *, data_dir=None, hub_id=None, **unused):
     return _read_files("gsm8k", split, data_dir, hub_id)
 
 
-@register_dataset("math", answer_kind="latex", summary="MATH competition problems; held out: MATH-500 (LaTeX answers)")
+@register_dataset("math", answer_kind="latex", summary="MATH competition problems; held out: MATH-500 (LaTeX answers)",
+                  columns=("question", "answer", "solution", "subject", "level", "unique_id"))
 def read_math(split, *, data_dir=None, hub_id=None, **unused):
     return _read_files("math", split, data_dir, hub_id)
 
 
 @register_dataset("chemistry", template=f"{CHEMISTRY_INSTRUCTION}\n\n{{question}}", answer_kind="choice",
-                  summary="SciKnowEval Chemistry L3, four-choice questions (a letter A-D)")
+                  summary="SciKnowEval Chemistry L3, four-choice questions (a letter A-D)",
+                  columns=("question", "answer", "choices", "task", "subtask"))
 def read_chemistry(split, *, data_dir=None, hub_id=None, **unused):
     rows = _read_files("chemistry", split, data_dir, hub_id)
     return _split_part(rows, [row["question"] for row in rows], CHEMISTRY_TEST_FRACTION, split)
 
 
 @register_dataset("arithmetic", answer_kind="number", makes_rows=True,
-                  summary="synthetic sums of two 1-3 digit numbers (the offline demo's)")
+                  summary="synthetic sums of two 1-3 digit numbers (the offline demo's)",
+                  columns=("question", "answer", "a", "b"))
 def read_arithmetic(split, *, hub_id=None, num_rows=None, seed=0, max_digits=2, **unused):
     if hub_id:
         raise ValueError("the arithmetic task is synthetic: it has no Hub id")
@@ -329,14 +354,20 @@ DATASETS = tuple(DATASET_READERS)
 # ------------------------------------------------------------------------------------------ your own rows
 OWN_FILE_SUFFIXES = (".jsonl", ".csv", ".parquet")
 DEFAULT_EVAL_FRACTION = 0.1  # of your own rows, held out by a stable hash when no --eval-dataset is given
+# How a file's rows are split: each row by a salted SHA-256 of its question alone, so duplicates stay together and
+# appending rows moves no row already there. Runs before it took the exact fraction of smallest hashes of question and
+# answer (RANKED_SPLIT): config.json records the rule ("split_rule"), and a run keeps the one it started with.
+SPLIT_RULE = "question-hash"
+RANKED_SPLIT = "row-hash-rank"
 
 
 @dataclass(frozen=True)
 class DataSource:
     """Where a run's rows come from and how they are shaped (the data flags). dataset: a registered name, a local
     .jsonl / .csv / .parquet file or a Hub dataset id; the rest apply to one's own rows (a template also to the
-    registered ones). eval_dataset: the held-out rows' file or Hub id; else eval_fraction of the rows (by a
-    stable hash of the question) are held out."""
+    registered ones). question_field / answer_field: a column, or a field nested in one by a dotted path
+    (meta.answer). eval_dataset: the held-out rows' file or Hub id (all its rows); else eval_fraction of the rows
+    are held out, by split_rule (SPLIT_RULE)."""
     dataset: str
     question_field: str = "question"
     answer_field: str = "answer"
@@ -344,6 +375,7 @@ class DataSource:
     eval_dataset: str | None = None
     eval_fraction: float | None = None
     answer_kind: str | None = None
+    split_rule: str = SPLIT_RULE
 
 
 def own_kind(name):
@@ -371,7 +403,8 @@ def answer_kind_of(source):
 
 
 def _numbered_rows(path):
-    """[(row number, row)] of a local file: JSONL line numbers; CSV and Parquet count data rows from 1."""
+    """[(row number, row)] of a local file: JSONL line numbers; CSV and Parquet count data rows from 1. A CSV may
+    start with a byte-order mark (Excel's "CSV UTF-8" writes one); one that is not UTF-8 is one line naming it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
@@ -380,9 +413,16 @@ def _numbered_rows(path):
         return list(jsonl_values(path, lambda line_number: f"{path} row {line_number}"))
     if suffix == ".csv":
         import csv
+        import io
 
-        with path.open(newline="", encoding="utf-8") as handle:
-            return list(enumerate(csv.DictReader(handle), start=1))
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            raise ValueError(f"{path} line {line}: not UTF-8 ({error.reason}, byte {error.start + 1}); save it as "
+                             "UTF-8 CSV") from None
+        return list(enumerate(csv.DictReader(io.StringIO(text, newline="")), start=1))
     try:
         import pyarrow.parquet
     except ImportError:
@@ -394,7 +434,8 @@ def _hub_own_rows(hub_id, split):
     import datasets
 
     try:
-        return list(enumerate(datasets.load_dataset(hub_id, split=split), start=1))
+        with hub_quiet():
+            return list(enumerate(datasets.load_dataset(hub_id, split=split), start=1))
     except Exception as error:  # noqa: BLE001  network, auth, unknown id or split: one clear message
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise HubUnavailable(f"could not load {hub_id!r} ({split}) from the Hugging Face Hub: {reason}") from error
@@ -408,29 +449,92 @@ def template_fields(template):
         raise ValueError(f"--prompt-template: {error} (write a literal brace as {{{{ or }}}})") from None
 
 
-def shaped_rows(numbered_rows, where, source):
-    """Rows of one's own as loader rows ({**columns, "question", "answer"}), each checked: an object, the question
-    and answer fields present and not empty, every template column present, an answer of --answer-kind; the first bad
-    row is one ValueError line naming `where`, the row number and the field."""
-    template = source.prompt_template or "{question}"
+def read_template(value):
+    """--prompt-template's text: a file's content where `value` names a file (UTF-8), else `value` itself."""
+    if value is None or not Path(value).is_file():
+        return value
+    try:
+        return Path(value).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompt-template {value}: not UTF-8 text ({error.reason}, byte {error.start + 1})") \
+            from None
+
+
+def check_template(template, columns=None, dataset=None):
+    """The one-line ValueError of a prompt template that cannot render a question: a stray brace, a placeholder that
+    is not a column name, none at all (every prompt would be the same text; a path of no file reads as such a text),
+    or, given the dataset's `columns`, a placeholder naming none of them."""
     fields = template_fields(template)
     if any(not name or not name.isidentifier() for name in fields):
         raise ValueError(f"--prompt-template {template!r}: every placeholder must name a column, e.g. {{question}}")
+    if not fields:
+        if re.search(r"[/\\]|\.\w{1,5}$", template.strip()):
+            raise ValueError(f"--prompt-template {template}: no such file (a template text names the question "
+                             "by {question})")
+        raise ValueError(f"--prompt-template {template!r} has no placeholder: every prompt would be this same text; "
+                         "put {question} where the question goes")
+    missing = [name for name in fields if columns is not None and name not in columns]
+    if missing:
+        raise ValueError(f"--prompt-template names field {missing[0]!r}, which {dataset}'s rows lack (fields: "
+                         f"{sorted(columns)})")
+
+
+def field_value(row, name):
+    """The value of column `name`, or of a field nested in one by a dotted path (meta.answer: row["meta"]["answer"];
+    a column whose own name holds a dot is taken first). KeyError(name) when there is none."""
+    if name in row:
+        return row[name]
+    value = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(name)
+        value = value[part]
+    return value
+
+
+def cell_problem(value, name, flag):
+    """Why a question or answer cell cannot be read as text, or None: an object, a list or a boolean would become
+    Python's repr ("{'v': 28}", "True"), which no completion matches."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or not str(value).strip():
+        return f"field {name!r} is empty"
+    if isinstance(value, bool):
+        return f"field {name!r} holds a boolean ({str(value).lower()}), not text: write it as text in the file"
+    if isinstance(value, dict):
+        fields = sorted(map(str, value))
+        return (f"field {name!r} holds an object with fields {fields}, not text: name one with a dotted path, e.g. "
+                f"{flag} {name}.{fields[0] if fields else 'name'}")
+    if not isinstance(value, (str, int, float)):
+        return f"field {name!r} holds a {type(value).__name__} ({str(value)[:40]}), not text"
+    return None
+
+
+def shaped_rows(numbered_rows, where, source):
+    """Rows of one's own as loader rows ({**columns, "question", "answer"}), each checked: an object, the question
+    and answer fields present (dotted paths: nested fields), text or numbers and not empty, every template column
+    present, an answer of --answer-kind; the first bad row is one ValueError line naming `where`, the row number and
+    the field."""
+    template = source.prompt_template or "{question}"
+    check_template(template)
+    fields = template_fields(template)
     rows = []
     for number, row in numbered_rows:
         if not isinstance(row, dict):
             raise ValueError(f"{where} row {number}: expected an object with fields, got {type(row).__name__}")
-        for name in (source.question_field, source.answer_field):
-            if name not in row:
-                raise ValueError(f"{where} row {number}: no field {name!r} (fields: {sorted(row)}); name another "
-                                 f"with --{'question' if name == source.question_field else 'answer'}-field")
-            if row[name] is None or not str(row[name]).strip():
-                raise ValueError(f"{where} row {number}: field {name!r} is empty")
-        shaped = {**row, "question": str(row[source.question_field]), "answer": str(row[source.answer_field]).strip()}
+        cells = {}
+        for name, flag in ((source.question_field, "--question-field"), (source.answer_field, "--answer-field")):
+            try:
+                cells[flag] = field_value(row, name)
+            except KeyError:
+                raise ValueError(f"{where} row {number}: no field {name!r} (fields: {sorted(row, key=str)}); name "
+                                 f"another with {flag}") from None
+            problem = cell_problem(cells[flag], name, flag)
+            if problem:
+                raise ValueError(f"{where} row {number}: {problem}")
+        shaped = {**row, "question": str(cells["--question-field"]), "answer": str(cells["--answer-field"]).strip()}
         missing = [name for name in fields if name not in shaped]
         if missing:
             raise ValueError(f"{where} row {number}: --prompt-template names field {missing[0]!r}, which the row "
-                             f"lacks (fields: {sorted(row)})")
+                             f"lacks (fields: {sorted(row, key=str)})")
         problem = answer_problem(shaped["answer"], source.answer_kind)
         if problem:
             raise ValueError(f"{where} row {number}: field {source.answer_field!r} {problem}")
@@ -458,10 +562,17 @@ def _own_part(name, split, source):
     return _hub_own_rows(name, split), f"{name} ({split})"
 
 
+def held_out(question, fraction):
+    """Whether a row of this question is held out (SPLIT_RULE): its salted SHA-256, read as a number in [0, 1), is
+    below `fraction`. The row alone decides: duplicates go together, and rows added to the file move no other."""
+    digest = hashlib.sha256(f"{_SPLIT_SALT}:{question.strip()}".encode()).hexdigest()
+    return int(digest[:15], 16) / 16 ** 15 < fraction
+
+
 def read_own_rows(source, split):
-    """One split of one's own rows: --eval-dataset's rows for "test" where given, else the `eval_fraction` of the
-    --dataset rows whose question hashes smallest (train: the rest). A Hub id without --eval-dataset or
-    --eval-fraction reads its own "train" / "test" splits."""
+    """One split of one's own rows: --eval-dataset's rows (every one) for "test" where given, else the rows of
+    --dataset whose question is held out (`held_out`, about `eval_fraction` of them) for "test", the others for
+    "train". A Hub id without --eval-dataset or --eval-fraction reads its own "train" / "test" splits."""
     if split == "test" and source.eval_dataset:
         return shaped_rows(*_own_part(source.eval_dataset, "test", source), source)
     hub_splits = own_kind(source.dataset) == "hub" and not source.eval_dataset and source.eval_fraction is None
@@ -469,16 +580,22 @@ def read_own_rows(source, split):
     if source.eval_dataset or hub_splits:
         return rows
     fraction = DEFAULT_EVAL_FRACTION if source.eval_fraction is None else source.eval_fraction
-    part = _split_part(rows, [json.dumps([row["question"], row["answer"]]) for row in rows], fraction, split)
+    if source.split_rule == RANKED_SPLIT:  # a run started before SPLIT_RULE: the rows it was split into
+        part = _split_part(rows, [json.dumps([row["question"], row["answer"]]) for row in rows], fraction, split)
+    else:
+        part = [row for row in rows if held_out(row["question"], fraction) == (split == "test")]
     if not part:
-        raise ValueError(f"{source.dataset}: the {split} part of {len(rows)} rows is empty (--eval-fraction "
-                         f"{fraction:g}); give another --eval-fraction or an --eval-dataset file")
+        raise ValueError(f"{source.dataset}: the {'held-out' if split == 'test' else 'training'} part of its "
+                         f"{len(rows)} rows is empty (--eval-fraction {fraction:g} holds out each row by a hash of "
+                         "its question, about that fraction of them); give another --eval-fraction or an "
+                         "--eval-dataset file (train.py: or --eval-samples 0, no held-out evaluation)")
     return part
 
 
 def check_own_rows(source, splits=SPLITS):
     """The offline checks of one's own rows before anything loads: local files read and every row checked
-    (shaped_rows); a Hub id needs `datasets` importable (its rows are checked as they are read)."""
+    (shaped_rows); a Hub id needs `datasets` importable (its rows are checked as they are read). Returns {split:
+    number of rows} of the splits read from files."""
     if source.answer_kind is not None and source.answer_kind not in ANSWER_KINDS:
         raise ValueError(f"--answer-kind must be one of {ANSWER_KINDS}, got {source.answer_kind!r}")
     names = [source.dataset] + ([source.eval_dataset] if source.eval_dataset and "test" in splits else [])
@@ -488,9 +605,8 @@ def check_own_rows(source, splits=SPLITS):
             raise ValueError(f"--eval-dataset {name!r}: expected a .jsonl / .csv / .parquet file or a Hub id")
         if kind == "hub" and importlib.util.find_spec("datasets") is None:
             raise ValueError(f"reading {name} from the Hub needs the `datasets` package (pip install datasets)")
-    for split in splits:
-        if all(own_kind(name) == "file" for name in names):
-            read_own_rows(source, split)
+    return {split: len(read_own_rows(source, split)) for split in splits
+            if all(own_kind(name) == "file" for name in names)}
 
 
 def file_sha256(path):
@@ -544,15 +660,29 @@ def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None
                              "write the example into --prompt-template")
     else:
         options = dict(data_dir=data_dir, hub_id=hub_id, num_rows=num_rows, seed=seed, max_digits=max_digits)
-        rows, template = reader.read(split, **options), source.prompt_template or reader.template
+        template = source.prompt_template or reader.template
+        check_template(template, reader.columns, name)
+        rows = reader.read(split, **options)
         example = ONE_SHOT[name] if one_shot else None
     if num_rows is not None and not (reader and reader.makes_rows):
         if num_rows > len(rows):
-            raise ValueError(f"num_rows={num_rows} but {name}/{split} has only {len(rows)} rows")
+            raise ValueError(too_many_rows(num_rows, split, name, len(rows)))
         rows = [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), num_rows))]
     for row in rows:
-        row["prompt"] = _messages(system_prompt, example, template.format_map(row))
+        try:
+            row["prompt"] = _messages(system_prompt, example, template.format_map(row))
+        except KeyError as error:  # a registered reader that lists no columns: its rows tell
+            raise ValueError(f"--prompt-template names field {error}, which {name}'s rows lack (fields: "
+                             f"{sorted(row, key=str)})") from None
     return datasets.Dataset.from_list(rows)
+
+
+def too_many_rows(num_rows, split, name, count):
+    """The line refusing `num_rows` rows of a split that has `count`, naming the flag that asked for them."""
+    if split == "train":
+        return f"--num-train-rows {num_rows}: {name} has {count} training rows"
+    return (f"--eval-samples {num_rows} (eval.py: --num-prompts): {name} has {count} held-out rows; ask for at most "
+            f"{count}")
 
 
 def render_prompts(tokenizer, prompts, prefill_think=False, *, use_chat_template=None):

@@ -9,11 +9,15 @@ Simplifications: one device; a completion is graded on its text alone (rewards.a
 format_rewards, batched), so "both" means answer-correct *and* well-formatted; a prompt ending in the
 "<think>\n" prefill has it put back in front of the completion before grading (rewards.graded_completion).
 Temperature 0 means greedy decoding: all samples of a prompt would be identical, so K and R collapse to 1
-(with a warning). Prompts come from data.build_prompt_set with the run's settings (config.json), and the run
-folder is read through checkpoint.py.
+(said in one line). Prompts come from data.build_prompt_set with the run's settings (config.json), and the run
+folder is read through checkpoint.py. By default a checkpoint is evaluated as its run evaluated its policy (its
+held-out sample, temperature and batch, one repeat: about one of its evaluations' time per checkpoint); the
+paper's protocol is --repeats 5 --temperature 0.9. Each (dataset, split, template) has its results file.
 
     python eval.py --checkpoint runs/demo                  # every checkpoint of a run -> runs/demo/eval_test.json
-    python eval.py --checkpoint runs/demo/checkpoints/step_000020 --repeats 5
+    python eval.py --checkpoint runs/demo/checkpoints/step_000020 --repeats 5 --temperature 0.9 --out paper.json
+    python eval.py --checkpoint runs/pens --eval-dataset other.csv --question-field q --answer-field a
+                                                           # every row of a second file -> eval_other_all.json
     python eval.py --model smollm2-135m-offline --dataset arithmetic --out base.json
     python eval.py --preset demo                           # the demo's base model, as a demo run evaluates its policy
 
@@ -29,6 +33,7 @@ import re
 import sys
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,16 +206,20 @@ def summarize_repeats(per_repeat):
 # ---------------------------------------------------------------- command line: which model(s) to evaluate
 
 def load_results(path, eval_config):
-    """Existing results keyed by checkpoint name; refuses to mix results measured under other settings."""
+    """Existing results keyed by checkpoint name; refuses to mix results measured under other settings: other rows
+    (dataset, fields, template, held-out part, a data file's SHA-256), prompts or sampling."""
+    from compare import read_json_object
+
     if not path.is_file():
         return {"config": eval_config, "results": {}}
-    saved = json.loads(path.read_text())
+    saved = read_json_object(path)
     config = saved.get("config", {})
     if "max_new_tokens" in config:  # files written before max_completion_tokens was the one key
         config.setdefault("max_completion_tokens", config.pop("max_new_tokens"))
     if config != eval_config:
         differing = sorted(k for k in set(eval_config) | set(config) if config.get(k) != eval_config.get(k))
-        raise ValueError(f"{path} holds results measured with other settings ({', '.join(differing)}); "
+        older = " (not recorded by the eval.py that wrote it)" if set(eval_config) - set(config) else ""
+        raise ValueError(f"{path} holds results measured with other settings ({', '.join(differing)}){older}; "
                          "pass --out with a new file name")
     return saved
 
@@ -237,10 +246,10 @@ def load_adapter(base, folder, base_name):
                      "trained, or check the run's config.json") from None
 
 
-def parse_args(argv):
+def build_parser():
+    """eval.py's flags (docs/evaluation.md's table names each)."""
     from run import config
     import data
-    import models
 
     parser = config.OneLineParser(prog="eval.py", description=__doc__.split("\n\n")[0],
                                   epilog="A training run's logged rollouts: python eval.py rollouts RUN [--step S] "
@@ -260,20 +269,25 @@ def parse_args(argv):
     parser.add_argument("--answer-field", help="your own rows' answer column (default: the run's, else answer)")
     parser.add_argument("--prompt-template", help="the user turn, a text or a file, {question} and any column "
                         "(default: the run's)")
-    parser.add_argument("--eval-dataset", help="your own held-out rows' file or Hub id (default: the run's)")
+    parser.add_argument("--eval-dataset", help="every row of this file or Hub id's test split, results in "
+                        "eval_<name>_all.json (default: the run's held-out rows)")
     parser.add_argument("--eval-fraction", type=float, help="the fraction of --dataset held out (default: the run's)")
     parser.add_argument("--answer-kind", choices=data.ANSWER_KINDS, help="default: the run's, else told by the answer")
     parser.add_argument("--data-dir", help="folder with the dataset files (default: the run's, else "
                                            "$PODS_DATA_DIR or ../shared/data, else the Hugging Face Hub)")
     parser.add_argument("--split", default="test", choices=("train", "test"))
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: the whole split")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="default: the run's held-out sample (its --eval-samples), else the whole split")
     parser.add_argument("--samples-per-prompt", "-k", type=int, default=1)
-    parser.add_argument("--repeats", "-r", type=int, default=5, help="the authors used 5")
-    parser.add_argument("--temperature", type=float, default=0.9, help="the authors used 0.9; 0 = greedy")
+    parser.add_argument("--repeats", "-r", type=int, default=1, help="the authors used 5 (at temperature 0.9)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="default: the run's --eval-temperature, else 0.9 (the authors'); 0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-completion-tokens", "--max-new-tokens", type=int, default=None,
                         help="default: the run's, else 256")
-    parser.add_argument("--batch-size", type=int, default=64, help="rows (prompts x samples) per generate call")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows (prompts x samples) per generate call (default: the run's --rollout-batch-size, "
+                             "else 64)")
     parser.add_argument("--backend", choices=("engine", "hf"), help="as train.py's: engine (no fallback) or hf; "
                         "default: the decode engine, falling back to generate() when it fails or samples off-policy")
     parser.add_argument("--prefix-sharing", choices=("on", "off"), default="on",
@@ -282,17 +296,25 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the model's own")
-    parser.add_argument("--out", help="results JSON (default: <run>/eval_<split>.json, or eval_<split>.json)")
+    parser.add_argument("--out", help="results JSON (default: <run>/eval_<split>.json for the run's held-out rows, "
+                        "eval_<dataset>[-<template>]_<split>.json for others; without --checkpoint in this folder)")
     parser.add_argument("--num-threads", type=int, default=0,
                         help="torch CPU threads (0 = torch's default, one per physical core)")
     parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def parse_args(argv):
+    from run import config
+    import models
+
+    parser = build_parser()
     args = parser.parse_args(argv)  # --help, a mistyped flag or value: answered before torch loads (the device)
     if args.preset and args.checkpoint:
         parser.error("--preset is for --model: a checkpoint is evaluated with its own run's settings (config.json)")
-    if args.preset:  # the preset's evaluation settings as defaults; flags given still win
+    if args.preset:  # the preset's model; its evaluation settings as a run's (run_settings); flags given still win
         preset = config.PRESETS[args.preset]
-        parser.set_defaults(model=preset["model"], num_prompts=preset["eval_samples"],
-                            temperature=preset["eval_temperature"], batch_size=preset["rollout_batch_size"])
+        parser.set_defaults(model=preset["model"])
         args = parser.parse_args(argv)
     if not (args.checkpoint or args.model):
         parser.error("one of the arguments --checkpoint --model --preset is required")
@@ -315,8 +337,10 @@ def flag_problem(args):
             return f"{flag} must be >= 1, got {value}"
     if args.num_threads < 0:
         return f"--num-threads must be >= 0 (0 = torch's default), got {args.num_threads}"
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
         return f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"
+    if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
+        return f"--eval-fraction must be in (0, 1), got {args.eval_fraction:g}"
     if not 0 < args.top_p <= 1:
         return f"--top-p must be in (0, 1], got {args.top_p}"
     import data
@@ -324,50 +348,66 @@ def flag_problem(args):
     if args.dataset and args.dataset not in data.DATASET_READERS and data.own_kind(args.dataset) is None:
         return (f"--dataset {args.dataset!r}: not a registered dataset ({', '.join(data.DATASETS)}), a .jsonl / .csv "
                 "/ .parquet file or a Hub id (owner/name)")
+    if args.eval_dataset and data.own_kind(args.eval_dataset) is None:
+        return f"--eval-dataset {args.eval_dataset!r}: expected a .jsonl / .csv / .parquet file or a Hub id"
     return None
-
-
-def benchmark_name(dataset, run_dataset):
-    """"" for the run's own dataset, else the other benchmark's name and "_" (a file's stem, a Hub id's name):
-    eval_<benchmark>_<split>.json beside the run's eval_<split>.json."""
-    import data
-
-    if not dataset or dataset == run_dataset:
-        return ""
-    return re.sub(r"[^\w.-]+", "-", Path(dataset).stem if data.own_kind(dataset) == "file" else dataset.split("/")[-1]) + "_"
 
 
 def run_settings(args, checkpoints):
     """Model and prompt settings: explicit flags, else the run's config.json (or the --preset's values), else
-    defaults (those of train.py, so the prompts are rendered exactly as in training)."""
+    defaults (those of train.py, so the prompts are rendered exactly as in training). Sizes not given are the run's
+    held-out evaluation's (--num-prompts: its eval_samples, --temperature: its eval_temperature, --batch-size: its
+    rollout_batch_size): a checkpoint is evaluated as its run evaluated it, in about the time of one of its
+    evaluations. Another dataset (--dataset), or every row of a file (--eval-dataset), gets its own results file
+    (`results_name`); a file the run trained on must be as it was then."""
     from run import checkpoint
     from run import config
     import data
 
     run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else config.PRESETS.get(args.preset, {})
-    own = {key: getattr(args, key) if getattr(args, key) is not None else run_config.get(key)
-           for key in ("question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",
-                       "answer_kind")}
-    if own["prompt_template"] and Path(own["prompt_template"]).is_file():
-        own["prompt_template"] = Path(own["prompt_template"]).read_text(encoding="utf-8")
-    if checkpoints and args.dataset is None:  # the run's own rows: the files it trained on, unchanged
-        for role, recorded in (run_config.get("data_files") or {}).items():
-            if Path(recorded["path"]).is_file() and data.file_sha256(recorded["path"]) != recorded["sha256"]:
-                raise ValueError(f"{recorded['path']} changed since the run trained on it (its config.json records "
-                                 f"another SHA-256 for its {role}): its held-out rows may differ; restore the file or "
-                                 "give --dataset to evaluate on the file as it is now")
-    dataset = args.dataset or run_config.get("dataset") or "gsm8k"
-    source = data.DataSource(dataset, own["question_field"] or "question", own["answer_field"] or "answer",
-                             own["prompt_template"], own["eval_dataset"], own["eval_fraction"], own["answer_kind"])
-    settings = {"model": args.model or args.base_model or run_config.get("model"),
-                "dataset": dataset, "source": source, "benchmark": benchmark_name(args.dataset, run_config.get("dataset")),
+    run_source = data.DataSource(
+        run_config.get("dataset") or "gsm8k", run_config.get("question_field") or "question",
+        run_config.get("answer_field") or "answer", data.read_template(run_config.get("prompt_template")),
+        run_config.get("eval_dataset"), run_config.get("eval_fraction"), run_config.get("answer_kind"),
+        run_config.get("split_rule", data.RANKED_SPLIT if checkpoints else data.SPLIT_RULE))
+    run_source = dataclasses.replace(run_source, answer_kind=data.answer_kind_of(run_source))
+    whole_file = args.eval_dataset is not None and args.eval_dataset != run_source.eval_dataset
+    if whole_file and args.split != "test":
+        raise ValueError("--eval-dataset evaluates every row of its file: leave out --split")
+    dataset = args.eval_dataset if whole_file else args.dataset or run_source.dataset
+    runs_rows = not whole_file and (dataset == run_source.dataset or (  # the run's own rows, split as it split them
+        data.own_kind(dataset) == "file" and Path(dataset).resolve() == Path(run_source.dataset).resolve()))
+    dataset = run_source.dataset if runs_rows else dataset
+    template = data.read_template(args.prompt_template) if args.prompt_template is not None else \
+        run_source.prompt_template
+    if template is not None:
+        reader = data.DATASET_READERS.get(dataset)
+        data.check_template(template, reader and reader.columns, dataset)
+    source = data.DataSource(
+        dataset, args.question_field or run_source.question_field, args.answer_field or run_source.answer_field,
+        template, args.eval_dataset if whole_file else run_source.eval_dataset if runs_rows else None,
+        args.eval_fraction if args.eval_fraction is not None else run_source.eval_fraction if runs_rows else None,
+        args.answer_kind or run_source.answer_kind, run_source.split_rule if runs_rows else data.SPLIT_RULE)
+    source = dataclasses.replace(source, answer_kind=data.answer_kind_of(source))
+    if checkpoints:
+        check_trained_files(run_config, source)
+    own = source == run_source
+    settings = {"model": args.model or args.base_model or run_config.get("model"), "dataset": dataset,
+                "source": source, "split": "all" if whole_file else args.split,
+                "name": results_name(source, "all" if whole_file else args.split, own), "own": own,
                 "data_dir": args.data_dir or run_config.get("data_dir"),
-                "one_shot": bool(run_config.get("one_shot", False)),
+                "one_shot": bool(run_config.get("one_shot", False)) and dataset in data.DATASET_READERS,
                 "system_prompt": data.system_prompt_of(run_config.get("system_prompt")),
                 "prefill_think": bool(run_config.get("prefill_think", False)),
                 "max_completion_tokens": args.max_completion_tokens or run_config.get("max_completion_tokens") or 256}
     if not settings["model"]:
         raise ValueError("the checkpoint's config.json names no base model: pass --base-model")
+    if args.num_prompts is None and runs_rows:  # the run's held-out sample (none evaluated: the whole split)
+        args.num_prompts = run_config.get("eval_samples") or None
+    if args.temperature is None:
+        args.temperature = 0.9 if run_config.get("eval_temperature") is None else run_config["eval_temperature"]
+    if args.batch_size is None:
+        args.batch_size = run_config.get("rollout_batch_size") or 64
     return settings
 
 
@@ -420,6 +460,39 @@ def reward_report(functions, examples, settings, run_config, progress):
         prefill_think=settings["prefill_think"], functions=tuple(functions),
         function_timeout_s=run_config.get("reward_function_timeout_s", trl_call.DEFAULT_TIMEOUT_S),
         trainer_state=trl_call.trainer_state(step, 0.0, run_config.get("max_steps") or 0)))
+
+
+def check_trained_files(run_config, source):
+    """A file the run trained on (its config.json's data_files) that the evaluation reads must be as it was: its
+    held-out rows, and the rows the run trained on, may differ otherwise (one ValueError line)."""
+    import data
+
+    reading = {str(Path(name).resolve()) for name in (source.dataset, source.eval_dataset)
+               if name and data.own_kind(name) == "file"}
+    for role, recorded in (run_config.get("data_files") or {}).items():
+        if recorded["path"] in reading and data.file_sha256(recorded["path"]) != recorded["sha256"]:
+            raise ValueError(f"{recorded['path']} changed since the run trained on it (its config.json records "
+                             f"another SHA-256 for its {role}): its held-out rows may differ; restore the file, or "
+                             "evaluate a copy of it under another name (its results go to a file of their own)")
+
+
+def results_name(source, split, own):
+    """The results file of an evaluation, one per (dataset, split, template): eval_<split>.json for the run's own
+    held-out rows; else eval_<the file's stem or the Hub id's name>[-<template's SHA-256, 8 hex>]_<split>.json, the
+    template's part for a template other than the question alone (split "all": every row of an --eval-dataset
+    file). Its config records the rest (fields, files' SHA-256, sampling): a file measured otherwise is refused."""
+    import hashlib
+
+    import data
+
+    if own:
+        return f"eval_{split}.json"
+    name = source.eval_dataset if split == "all" else source.dataset
+    name = Path(name).stem if data.own_kind(name) == "file" else name.split("/")[-1]
+    if source.prompt_template not in (None, "{question}"):
+        name += "-" + hashlib.sha256(source.prompt_template.encode()).hexdigest()[:8]
+    name = re.sub(r"[^\w.-]+", "-", name)
+    return f"eval_{name}_{split}.json"
 
 
 def show_rollouts(argv):
@@ -510,23 +583,33 @@ def main(argv=None, load_sharded=None):
                          "python -m multigpu eval and the same flags")
     settings = run_settings(args, checkpoints)
     data.check_data_source(settings["dataset"], settings["data_dir"], splits=(args.split,), source=settings["source"])
+    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.repeats > 1):  # said once, in one line
+        print(f"eval.py: temperature 0 is greedy decoding: every sample would be the same, so --samples-per-prompt "
+              f"{args.samples_per_prompt} and --repeats {args.repeats} are 1", file=sys.stderr)
+        args.samples_per_prompt = args.repeats = 1
     try:
         models.check_model_source(settings["model"])  # a missing local model: one line, before anything loads
     except (ValueError, OSError) as error:
         named_by = "--model" if args.model else "--base-model" if args.base_model else \
             "the model named in the run's config.json (another: --base-model)"
         raise ValueError(f"{named_by}: {error}") from None
-    name = f"eval_{settings['benchmark']}{args.split}.json"  # one result file per benchmark
+    name = settings["name"]  # one results file per dataset, split and template
     out_path = Path(args.out) if args.out else (
         checkpoint.run_dir_of(args.checkpoint) / name if args.checkpoint else Path(name))
-    eval_config = {"model": settings["model"], "dataset": settings["dataset"], "split": args.split,
+    source = settings["source"]  # what decides the rows and their prompts, the files' SHA-256 included
+    eval_config = {"model": settings["model"], "dataset": settings["dataset"], "split": settings["split"],
                    "num_prompts_requested": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
                    "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p,
                    "max_completion_tokens": settings["max_completion_tokens"], "seed": args.seed,
-                   "one_shot": settings["one_shot"], "prefill_think": settings["prefill_think"]}
+                   "one_shot": settings["one_shot"], "prefill_think": settings["prefill_think"],
+                   "system_prompt": settings["system_prompt"],
+                   **{key: getattr(source, key) for key in ("question_field", "answer_field", "prompt_template",
+                                                            "eval_dataset", "eval_fraction", "answer_kind",
+                                                            "split_rule")},
+                   "data_files": data.own_files(source)}
     run_config = checkpoint.read_run_config(checkpoints[0]) if checkpoints else {}
     # The reward report: the run's own functions, on the run's own rows (another file need not have their columns).
-    own_functions, notes = config.recorded_reward_functions(run_config) if not settings["benchmark"] else ([], [])
+    own_functions, notes = config.recorded_reward_functions(run_config) if settings["own"] else ([], [])
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     if own_functions:
@@ -545,7 +628,8 @@ def main(argv=None, load_sharded=None):
     tokenizer = models.load_tokenizer(settings["model"])
     try:
         # seed 0: the fixed held-out sample train.py evaluates on (the sampling seed is separate).
-        examples = data.build_prompt_set(settings["dataset"], args.split, tokenizer, data_dir=settings["data_dir"],
+        examples = data.build_prompt_set(settings["dataset"], "test" if settings["split"] == "all" else args.split,
+                                         tokenizer, data_dir=settings["data_dir"],
                                          num_rows=args.num_prompts, seed=0, one_shot=settings["one_shot"],
                                          system_prompt=settings["system_prompt"],
                                          prefill_think=settings["prefill_think"], source=settings["source"])
@@ -582,7 +666,7 @@ def main(argv=None, load_sharded=None):
         saved["results"][name] = entry
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(saved, indent=1))  # after every checkpoint: a crash loses one at most
-        spread = f" ± {entry['accuracy']['std']:.4f}" if args.repeats > 1 else " (1 repeat: no spread)"
+        spread = f" ± {entry['accuracy']['std']:.4f}" if len(per_repeat) > 1 else " (1 repeat: no spread)"
         print(f"{name}: accuracy {entry['accuracy']['mean']:.4f}{spread} "
               f"format {entry['format_accuracy']['mean']:.4f} both {entry['both_accuracy']['mean']:.4f} "
               f"length {entry['mean_completion_length']['mean']:.1f} ({entry['num_samples']} samples) -> {out_path}")

@@ -58,12 +58,16 @@ REMOVED_IS_CORRECTIONS = {
 
 
 def fraction(text: str) -> float:
-    """argparse type of a fraction in [0, 1] (one-line error otherwise)."""
+    """argparse type of --top-entropy-quantile, a fraction in (0, 1] (one-line error otherwise): 0 would read as "train
+    on no token", yet the mask at 0 keeps the highest-entropy token(s), as TRL's does."""
     import argparse
 
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    if value == 0:
+        raise argparse.ArgumentTypeError("0 would train on the highest-entropy token(s) alone, not on no token: give "
+                                         "a fraction > 0 (e.g. 0.2, the paper's)")
     return value
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from studies import bootstrap
 from studies import studyrun
-from compare import compare
+from compare import budget_seconds, compare
 from run.presets import DEMO_SYSTEM_PROMPT
 
 METRIC_FILES = (("accuracy", ""), ("both_accuracy", "_both"))  # study output: rules.png, rules_both.png, ...
@@ -286,12 +286,13 @@ def main(argv=None):
     description = {"run": "rule study + n/m study", "variants": "loss variants (paper, token, clip-higher)",
                    "ga": "PODS 16/4 vs GRPO-GA 16/16 vs random 16/4"}[command]
     ga = command == "ga"
-    parser = argparse.ArgumentParser(prog=f"study.py {command}", description=f"{description} at demo scale; "
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog=f"study.py {command}", description=f"{description} at demo scale; "
                                      "arguments after -- go to every train.py run")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4] if ga else [0, 1, 2])
     budget = {"run": RUN_MAX_TIME_S, "variants": VARIANTS_MAX_TIME_S, "ga": GA_MAX_TIME_S}[command]
-    parser.add_argument("--max-time-s", type=bootstrap.budget_seconds, default=budget,
+    parser.add_argument("--max-time-s", type=budget_seconds, default=budget,
                         help=f"training wall-clock per run (default: the recorded study's, {budget:g})")
     if command == "run":
         parser.add_argument("--nm-values", type=int, nargs="+", default=[4, 8, 16], help="n values at m = 4")
@@ -317,7 +318,8 @@ def main(argv=None):
 def _objectives_main(argv):
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog="study.py objectives", description="PODS 16/4 with the paper's loss vs "
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="study.py objectives", description="PODS 16/4 with the paper's loss vs "
                                      "GSPO's and CISPO's objectives at demo scale, paired by seed; arguments after -- "
                                      "go to every train.py run")
     parser.add_argument("--out", required=True)

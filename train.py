@@ -284,6 +284,7 @@ def train(args, processes=OneProcess()):
     """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder."""
     run_dir = config.run_dir(args)
     with contextlib.ExitStack() as held:
+        held.enter_context(runfolder.removed_if_left_empty(run_dir))  # left after the lock is given back
         with runfolder.disk_full_at_start(run_dir):
             run_dir.mkdir(parents=True, exist_ok=True)
             if processes.is_main:
@@ -296,6 +297,8 @@ def run(args, run_dir, processes):
     label = config.method_label(args)
     if processes.is_main:
         print(report.start_line(label, args, run_dir), flush=True)
+        if report.own_rows_line(args):
+            print(report.own_rows_line(args), flush=True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
@@ -312,6 +315,7 @@ def run(args, run_dir, processes):
     saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
     start_step = state.step  # evaluations check the sampler until this process's own steps do (evaluate_heldout)
     step_s, accuracy, stop = state.last_step_s, None, None  # a resume foresees its next step as the uninterrupted run
+    stuck = 0  # steps in a row that gave the update nothing to learn from (report.learning_signal)
     last_checkpoint_s = state.elapsed_s
 
     def draw(count):
@@ -359,7 +363,10 @@ def run(args, run_dir, processes):
                                              make_round, processes)
             if args.dynamic_sampling:
                 metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
-            for line in report.step_notes(metrics, args.dynamic_sampling) if processes.is_main else []:
+            metrics.update(report.learning_signal(metrics))  # "cannot_learn": nothing to learn from, and why
+            stuck = stuck + 1 if "cannot_learn" in metrics else 0
+            for line in report.step_notes(metrics, args, stuck, first=state.step == start_step) \
+                    if processes.is_main else []:
                 tqdm.write(f"step {state.step + 1}: {line}", file=sys.stderr)  # above the progress bar
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))

@@ -770,7 +770,8 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
 
 def bench_census(argv):
     """`python -m bench census`: count, print the tables (or, with --json, one JSON object), save the records."""
-    parser = argparse.ArgumentParser(prog="python -m bench census", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench census", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="a", choices=list("abcd"), help="the shapes and settings (default a)")
     parser.add_argument("--vocab", type=int, default=49152,
                         help="vocabulary size (default 49152: the GPU benchmarks' SmolLM2 tokenizer; 0: the model's)")

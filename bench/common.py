@@ -214,7 +214,7 @@ def device_label(device, tiny):
 def parse_args(name, argv, defaults, description):
     """The options of the model-shape benchmarks (asymmetry, memory, decode), checked; args.shapes: SETTING_A or
     TINY with the given overrides; args.trainer: the trainer's flags for them (trainer_args)."""
-    parser = argparse.ArgumentParser(prog=f"python -m bench {name}", description=description)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"python -m bench {name}", description=description)
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_CONFIGS), default="qwen2.5-3b")
     add("--device", default=None, help="cuda / cpu (default: cuda when available)")

@@ -161,7 +161,7 @@ def greedy_check(model, prompt_ids, steps, rows, precision, engine_path):
 
 def decode_options(argv):
     """(parts, kernel modes, the other options): --parts and --kernels, the options of this benchmark alone."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--kernels", default=",".join(KERNEL_MODES))
     known, rest = parser.parse_known_args(argv)

@@ -53,7 +53,8 @@ def demo_eval_set(tokenizer, num_prompts):
 
 
 def bench_evalprefix(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench evalprefix", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench evalprefix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="2-layer random Llama, the code path only")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 256 (tiny: 6)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the modes, timed, interleaved")

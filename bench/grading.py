@@ -70,7 +70,8 @@ def cold_rate(fn, count, repeats):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench rewards", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench rewards", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=None,
                         help="folder with gsm8k/test.jsonl and math/test500.jsonl (default: $PODS_DATA_DIR, else "
                              "../shared/data next to the repository, as train.py)")

@@ -45,7 +45,8 @@ COLUMNS = ["shape", "mode", "repeat", "rows", "tokens", "update_s", "cpu_s", "lo
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench prefix", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench prefix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="2-layer random model, toy shapes (the code path only)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each mode and shape (interleaved)")

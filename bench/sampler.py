@@ -100,7 +100,8 @@ def gap_row(model, tokenizer, prompt_ids, prompts, settings, seed, tiny):
 
 
 def bench_sampler(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench sampler", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench sampler", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="2-layer random model, random prompts")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--prompts", type=int, default=8, help="arithmetic prompts, 4 rollouts each")

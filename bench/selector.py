@@ -58,7 +58,8 @@ def random_rewards(prompts, n, kind, generator):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench selector", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench selector", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls for the fast functions (default 200)")
     parser.add_argument("--loop-repeats", type=int, default=None, help="timed calls for the authors' loop (default 5)")

@@ -8,7 +8,7 @@ BENCHMARKS.md are these tables, recomputed from the JSON files committed under r
 import json
 from pathlib import Path
 
-from studies import studydata
+import compare
 from bench.common import print_header, print_row
 
 
@@ -27,7 +27,7 @@ def bench_show(argv):
         if not path.is_file():
             raise SystemExit(f"python -m bench show: no file {path}")
         try:
-            saved = studydata.read_json_object(path)
+            saved = compare.read_json_object(path)
         except ValueError as error:
             raise SystemExit(f"python -m bench show: {error}") from None
         for key, value in saved.items():  # rows mixed with other values: a damaged table, said, not skipped

@@ -40,7 +40,8 @@ FILLER = "apples"  # one token per repetition in the SmolLM2 tokenizer (the widt
 
 def save_tokenizer(argv):
     """`python -m bench save-tokenizer DIR`: the offline demo model's tokenizer, saved to DIR for a GPU machine."""
-    parser = argparse.ArgumentParser(prog="python -m bench save-tokenizer", description=save_tokenizer.__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench save-tokenizer", description=save_tokenizer.__doc__)
     parser.add_argument("folder")
     folder = Path(parser.parse_args(argv).folder)
     models.load_tokenizer(models.SMOLLM2_ALIAS).save_pretrained(folder)
@@ -85,7 +86,8 @@ def synthetic_examples(tokenizer, count, width, seed, system_prompt=data.SYSTEM_
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench step", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", default=None,
                         help="folder made by `python -m bench save-tokenizer` (default: the demo package's, "
                              "if installed)")

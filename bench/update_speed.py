@@ -96,7 +96,8 @@ def profiled(fn, device):
 
 
 def bench_update(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench update", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m bench update", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     parser.add_argument("--tiny", action="store_true", help="2-layer model, toy shapes (always on for CPU)")
     parser.add_argument("--repeats", type=int, default=2, help="timed updates per row (default 2), after a warm-up")

@@ -146,7 +146,8 @@ def export_hf(checkpoint_dir, out_dir, base_model_name=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m multigpu export", description="Export a sharded checkpoint "
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python -m multigpu export", description="Export a sharded checkpoint "
                                      "(written under torchrun) to a plain Hugging Face model folder.")
     parser.add_argument("checkpoint", help="a checkpoint folder <run>/checkpoints/step_XXXXXX with dcp/")
     parser.add_argument("out_dir", help="a new (or empty) folder for the model")

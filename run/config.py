@@ -6,7 +6,8 @@ Importing this module loads no torch (the registries it reads import it at first
 makes the checks that need none first: `--help`, a mistyped flag or a value out of range are answered in well under a
 second; the checks of the device, the run folder, the data and the model source come after.
 
-Precedence: flags > the resumed run's config.json > --baseline > the preset (`parse_args`).
+Precedence: flags > the resumed run's config.json > --baseline > your own rows' settings (presets.OWN_ROWS, with a
+--dataset of your own) > the preset (`parse_args`); `value_sources` records which gave each value.
 
 Simplification: the learning rate is constant (as in the authors' single-GPU config; their multi-GPU recipe
 uses a cosine schedule with 10% warm-up).
@@ -29,7 +30,7 @@ import grpo_loss
 import models
 import pods
 import rewards
-from run.presets import BASELINES, PRESETS
+from run.presets import BASELINES, PRESETS, own_rows_settings
 
 # The choices of flags whose modules load torch: written here so that --help needs none of them (a test keeps each
 # equal to its module's: sampling.BACKENDS, update.OPTIMIZERS, report.REPORT_TO, dynamic_sampling.METRICS).
@@ -93,10 +94,11 @@ def _shown(value):
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line (what is wrong, and where the flags are listed), not the usage text. A
     negative number, also in scientific notation (`--lr -1e-3`) or -inf/-nan, is a value, not a flag: the range
-    checks then name what is wrong with it."""
+    checks then name what is wrong with it. No flag is taken by a prefix of its name (`--num-rollout 4` is refused,
+    not read as --num-rollouts): a typo never starts a run."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **dict(kwargs, allow_abbrev=False))
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
                                                    re.IGNORECASE)
 
@@ -273,21 +275,26 @@ def parse_args(argv=None, restarted=False, refusal=None):
         raise ValueError("--resume needs --output-dir of an existing run (with config.json)")
     saved = runfolder.read_config(first.output_dir) if first.resume else {}
     # A resumed run keeps its preset (config.json records what the run is; another --preset is refused below).
-    given = any(arg == "--preset" or arg.startswith("--preset=") for arg in argv)
-    preset = first.preset if given or saved.get("preset") not in PRESETS else saved["preset"]
-    defaults = dict(PRESETS[preset], preset=preset)
+    given = given_flags(argv)
+    preset = first.preset if "preset" in given or saved.get("preset") not in PRESETS else saved["preset"]
+    layers = {f"preset {preset}": dict(PRESETS[preset], preset=preset)}  # each later one over the ones before
+    if (first.dataset or saved.get("dataset") or PRESETS[preset].get("dataset")) not in data.DATASET_READERS:
+        layers["your own rows (presets.OWN_ROWS)"] = own_rows_settings(preset)  # not the preset dataset's settings
     if first.baseline or saved.get("baseline") is True:  # a resumed baseline's keys its config.json lacks: too
-        defaults.update(BASELINES[preset], rule="none")
+        layers["--baseline"] = dict(BASELINES[preset], rule="none")
+    defaults = {key: value for layer in layers.values() for key, value in layer.items()}
     dests = {action.dest for action in parser._actions}
     parser.set_defaults(**defaults)
     unrecorded = vars(parser.parse_args([]))  # a flag the run's config.json lacks (older than it) had its default
-    defaults.update({k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")})
+    layers["the resumed run"] = {k: v for k, v in saved.items() if k in dests and k not in ("resume", "preset")}
+    defaults.update(layers["the resumed run"])
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     if saved and first.reward_function:  # given again: these functions, not the run's and these appended to them
         args.reward_function = first.reward_function
-    if args.dataset not in data.DATASET_READERS and "--one-shot" not in argv:
-        args.one_shot = False  # the preset's worked example is for its own dataset; given for one's own rows: refused
+    args.value_sources = value_sources(parser, layers, given, saved.get("value_sources") or {})
+    # One's own rows are split by data.SPLIT_RULE; a resumed run by the rule it started with (older runs: ranked).
+    args.split_rule = saved.get("split_rule", data.RANKED_SPLIT) if first.resume else data.SPLIT_RULE
     if args.__dict__.pop("print_config"):  # before the checks: nothing needs to be at hand to see the values
         resolve_device(args)
         resolve_defaults(args)  # as config.json will hold them, with the run's label and folder
@@ -313,6 +320,29 @@ def parse_args(argv=None, restarted=False, refusal=None):
             saved["reward_options"] = parse_reward_options(saved["reward_options"])
     args.changes = runfolder.resume_changes(args, saved, RUN_IDENTITY, RECORDED_AT_RESUME) if args.resume else []
     return args
+
+
+def given_flags(argv):
+    """The destinations of the flags on the command line (aliases and --flag=value included)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def value_sources(parser, layers, given, recorded):
+    """{each flag's destination: where its value comes from}: "flag" (given now), the last of `layers` (name:
+    {destination: value}; "the resumed run": its config.json, with the source it recorded) that sets it, or "default"
+    (the parser's); --print-config and config.json show them."""
+    sources = {action.dest: "default" for action in parser._actions if action.dest not in ("help", "print_config")}
+    for name, layer in layers.items():
+        sources.update({key: name for key in layer if key in sources})
+    resumed = "the resumed run"
+    for key in set(layers.get(resumed, ())) & set(sources):  # as the run recorded it (older runs: config.json)
+        before = recorded.get(key, "config.json")
+        sources[key] = before if before.startswith(resumed) else f"{resumed}: {before}"
+    sources.update({key: "flag" for key in given if key in sources})
+    return sources
 
 
 def parse_args_or_exit(prog, argv=None):
@@ -420,15 +450,37 @@ def resolve_defaults(args):
     --log-completions-interval (default: --eval-interval), the reward weights and options parsed, once, into dicts
     (every registered term's weight), and every term's resolved weight and options (`reward_terms`). --print-config
     prints them so too."""
+    sources = args.value_sources
     if args.log_completions_interval is None:
         args.log_completions_interval = args.eval_interval
+        sources["log_completions_interval"] = f"--eval-interval ({sources['eval_interval']})"
     args.reward_weights = parse_reward_weights(args.reward_weights)
     args.reward_options = parse_reward_options(args.reward_options)
     args.reward_terms = reward_terms(args.reward_weights, args.reward_options)  # recorded in config.json
     if args.prompt_template and Path(args.prompt_template).is_file():  # a file: its text is what the run uses
-        args.prompt_template = Path(args.prompt_template).read_text(encoding="utf-8")
+        sources["prompt_template"] += f" (the file {args.prompt_template})"
+        args.prompt_template = data.read_template(args.prompt_template)
+    reader = data.DATASET_READERS.get(args.dataset)
+    if args.answer_kind is None and reader and reader.answer_kind and not args.resume:  # a resumed run keeps its own
+        args.answer_kind, sources["answer_kind"] = reader.answer_kind, f"dataset {args.dataset}"
+    _own_eval_samples(args)
     args.reward_function = list(dict.fromkeys(args.reward_function or []))  # a resume given its specs again
     record_files(args)
+
+
+def _own_eval_samples(args):
+    """With a file of one's own and --eval-samples not given (nor recorded by the resumed run): every held-out row
+    where the file holds fewer than the preset's count (a row it cannot read is left to the checks)."""
+    source = args.value_sources["eval_samples"]
+    if not args.eval_samples or source.startswith(("flag", "the resumed run")) or data.own_kind(args.dataset) != "file":
+        return
+    try:
+        count = len(data.read_own_rows(data_source(args), "test"))
+    except (ValueError, OSError):
+        return
+    if count < args.eval_samples:
+        args.value_sources["eval_samples"] = f"{source}: every held-out row ({count}), at most {args.eval_samples}"
+        args.eval_samples = count
 
 
 def record_files(args):
@@ -582,8 +634,11 @@ def _check_data(args):
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir} is not a folder")
     source = data_source(args)
-    data.check_data_source(args.dataset, args.data_dir, splits=("train", "test") if args.eval_samples else ("train",),
-                           source=source)
+    counts = data.check_data_source(args.dataset, args.data_dir, source=source,
+                                     splits=("train", "test") if args.eval_samples else ("train",))
+    for split, asked in (("train", args.num_train_rows), ("test", args.eval_samples)):
+        if asked and split in (counts or {}) and asked > counts[split]:
+            raise ValueError(data.too_many_rows(asked, split, args.dataset, counts[split]))
 
 
 def _check_data_flags(args):
@@ -608,8 +663,9 @@ def _check_data_flags(args):
         raise ValueError(f"--eval-fraction must be in (0, 1), got {args.eval_fraction:g}")
     if args.eval_dataset and args.eval_fraction is not None:
         raise ValueError("--eval-dataset and --eval-fraction both name the held-out rows: give one")
-    if args.prompt_template is not None:
-        data.template_fields(args.prompt_template)  # a stray brace: one line now
+    if args.prompt_template is not None:  # a stray brace, no placeholder, a column the registered rows lack: one line
+        reader = data.DATASET_READERS.get(args.dataset)
+        data.check_template(args.prompt_template, reader and reader.columns, args.dataset)
 
 
 def reward_settings(args):
@@ -641,7 +697,7 @@ def _reward_function_said(entry):
 def data_source(args):
     """The data flags as a data.DataSource."""
     return data.DataSource(args.dataset, args.question_field, args.answer_field, args.prompt_template,
-                           args.eval_dataset, args.eval_fraction, args.answer_kind)
+                           args.eval_dataset, args.eval_fraction, args.answer_kind, args.split_rule)
 
 
 def _check_data_files(args, saved):

@@ -31,12 +31,28 @@ def load(args, processes):
     model = processes.load_policy(args)
     model.train()  # checkpointing acts in training mode; dropout is off where it would run (sampling, update)
     # held-out prompts are not cut to --max-prompt-tokens: the longest of them may be longer
-    longest = max([args.max_prompt_tokens] + data.prompt_token_counts([e.text for e in eval_set], tokenizer))
+    held_out_tokens = data.prompt_token_counts([e.text for e in eval_set], tokenizer)
+    check_held_out_fits(eval_set, held_out_tokens, args, models.hf_model(model).config)
+    longest = max([args.max_prompt_tokens] + held_out_tokens)
     models.check_generation_fits(model, args.rollout_batch_size, longest + args.max_completion_tokens,
                                  f"--rollout-batch-size (now {args.rollout_batch_size}) or --max-completion-tokens "
                                  f"(now {args.max_completion_tokens})")
     optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     return tokenizer, train_set, eval_set, model, optimizer
+
+
+def check_held_out_fits(eval_set, tokens, args, model_config):
+    """Held-out prompts are kept whatever their length (eval.py's too), so one whose tokens and a completion exceed
+    the model's positions is refused, naming its file and question (no flag could make it fit)."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    over = [i for i, count in enumerate(tokens) if limit and count + args.max_completion_tokens > limit]
+    if over:
+        where = f"--eval-dataset {args.eval_dataset}" if args.eval_dataset else f"--dataset {args.dataset}"
+        question = " ".join(eval_set[over[0]].columns.get("question", "").split())
+        question = question[:60] + ("..." if len(question) > 60 else "")
+        raise ValueError(f"{where}: a held-out row's prompt is {tokens[over[0]]} tokens, which with "
+                         f"--max-completion-tokens {args.max_completion_tokens} exceed the model's {limit} positions "
+                         f"(question {question!r}; {len(over)} such rows): shorten or remove them")
 
 
 def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, check_sampler=True):

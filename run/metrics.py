@@ -37,6 +37,7 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
     group_std = rewards_all.std(dim=1) if rewards_all.shape[1] > 1 else torch.zeros(len(rewards_all))  # -n 1: 0
     kept_std = [rewards.std() for s in scored for rewards in kept_groups(s) if len(rewards) > 1]
     metrics = {"reward": float(rewards_all.mean()), "reward_std": float(group_std.mean()),
+               "reward_min": float(rewards_all.min()), "reward_max": float(rewards_all.max()),
                **({"reward_selected": float(kept_rewards.mean())} if len(kept_rewards) else {}),
                # what max-variance maximises: the spread of the kept rewards within each prompt
                **({"reward_std_selected": float(torch.stack(kept_std).mean())} if kept_std else {}),

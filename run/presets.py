@@ -47,6 +47,20 @@ PRESETS = {
               micro_batch_size=4),
 }
 PRESETS["f"] = dict(PRESETS["e"], model="Qwen/Qwen2.5-7B-Instruct", learning_rate=1.5e-5)
+# Your own rows (--dataset FILE or Hub id) with a preset: its worked example is its own dataset's, so none; with the
+# demo, its task settings are its sums' (32 completion tokens: a sum and its tags; a one-line format instruction for a
+# 135M model; 100 held-out sums), so these replace them: 256 tokens, room for the reasoning of a GSM8K-length word
+# problem; the paper's think/answer instruction (data.SYSTEM_PROMPT, as the registered datasets get); every held-out
+# row up to 100 (config.parse_args caps it at the file's held-out rows). A flag given wins; --print-config says where
+# each value came from, and a run that cannot learn with them says so at its first step (run/report.py).
+OWN_ROWS = {"demo": dict(max_completion_tokens=256, system_prompt=None, eval_samples=100)}
+
+
+def own_rows_settings(preset):
+    """The settings your own rows take instead of `preset`'s (OWN_ROWS, and no one-shot example)."""
+    return dict(OWN_ROWS.get(preset, {}), one_shot=False)
+
+
 # --baseline: the matching GRPO run, n = m (rule none), as in the paper's comparisons: (a) 16/16, (b) 8/8, (c) 16/16,
 # (d) 16/16; (e), (f): GRPO-GA, 16 GA steps of 32/32, the same effective n = 512 as PODS. (The authors'
 # scripts/plot.py also has GRPO 16/16 runs for (b) and 8/8 for (c): pass -n/-m.)

@@ -2,7 +2,8 @@
 
 `record_step`: one training step's metrics line (run/metrics.py's `step_metrics`: TRL's names, plus this trainer's
 counters update_rows, optimizer_steps, num_zero_variance_dropped, num_truncated_masked, skipped_steps, and timings)
-with the run's clock; `step_notes`: what a step says above the progress bar.
+with the run's clock; `step_notes`: what a step says above the progress bar; `learning_signal`: whether the step gave
+the update anything to learn from (its "cannot_learn" field, and the line naming the flag to change).
 `open_metrics`: every line goes to <out>/metrics.jsonl (checkpoint.py), and with --report-to also to TensorBoard
 or Weights & Biases under the same names, so runs can be browsed with the tools researchers already use.
 
@@ -41,20 +42,61 @@ TENSORBOARD_DIR = "tensorboard"
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
-def step_notes(metrics, dynamic_sampling=False):
+# Why a step gave the update nothing to learn from (TRL's completions/clipped_ratio and frac_reward_zero_std read as
+# a verdict), as metrics.jsonl's "cannot_learn" codes, each with what to change.
+TRUNCATED_LIMIT = 0.9  # of the completions cut at --max-completion-tokens
+CANNOT_LEARN = {
+    "truncated": "raise --max-completion-tokens (or ask for shorter answers in --prompt-template / --system-prompt)",
+    "rewards_zero": "check that --prompt-template / --system-prompt ask for what the rewards grade (an <answer> "
+                    "block) and the reward (--reward-function, --reward-weights)",
+    "rewards_equal": "the reward tells no completion from another: check the reward (--reward-function, "
+                     "--reward-weights) and the answers (--answer-field, --answer-kind)",
+    "no_spread": "no group's rollouts differ in reward: easier or harder prompts, more rollouts (--num-rollouts), or "
+                 "a reward that tells them apart",
+}
+
+
+def learning_signal(metrics):
+    """{"cannot_learn": [codes of CANNOT_LEARN]} for a step that gave the update nothing to learn from: >= 90 % of its
+    completions truncated, every reward 0 or every reward equal, or no group with a reward spread (every advantage
+    0); {} for a step that had something."""
+    codes = ["truncated"] if metrics["completions/clipped_ratio"] >= TRUNCATED_LIMIT else []
+    if metrics["reward_min"] == metrics["reward_max"]:
+        codes.append("rewards_zero" if metrics["reward_max"] == 0 else "rewards_equal")
+    elif metrics["frac_reward_zero_std"] == 1:
+        codes.append("no_spread")
+    return {"cannot_learn": codes} if codes else {}
+
+
+def cannot_learn_line(metrics, max_completion_tokens):
+    """The one line of a step that could not learn (learning_signal), naming what to change."""
+    said = {"truncated": f"{metrics['completions/clipped_ratio']:.0%} of the completions were cut at "
+                         f"--max-completion-tokens {max_completion_tokens}",
+            "rewards_zero": "every reward was 0", "rewards_equal": f"every reward was {metrics['reward_max']:g}",
+            "no_spread": "no group of rollouts had a reward spread (every advantage 0)"}
+    return "cannot learn: " + "; ".join(f"{said[code]}: {CANNOT_LEARN[code]}" for code in metrics["cannot_learn"])
+
+
+def step_notes(metrics, args=None, stuck_steps=0, first=False):
     """The lines a step says where the run is watched (above the progress bar): rewards possibly wrong, nothing
-    trained."""
+    trained, and (learning_signal) nothing to learn from, at the run's first step and as it persists: the 2nd, 4th,
+    8th ... step of a row of such steps (stuck_steps: how many in a row, this one included)."""
     import rewards
     from grading import grader
 
     notes = []
+    persists = stuck_steps >= 2 and stuck_steps & (stuck_steps - 1) == 0
+    if metrics.get("cannot_learn") and (first or persists):
+        notes.append(cannot_learn_line(metrics, args.max_completion_tokens if args else "?")
+                     + (f" ({stuck_steps} steps in a row)" if persists else ""))
     if metrics["rewards/grader_timeouts"]:
         notes.append(f"{metrics['rewards/grader_timeouts']} completions scored accuracy 0 because their answer "
                      f"comparison timed out twice ({rewards.VERIFY_TIMEOUT_S:g} s, then {grader.RETRY_FACTOR}x, of the "
                      "grader's CPU time): rewards/grader_timeouts")
     if metrics["update_rows"] == 0:
         notes.append("trained nothing: " + ("no group had a reward spread within --max-generation-rounds" if
-                                            dynamic_sampling else "every prompt was dropped") + " (no optimizer step)")
+                                            args and args.dynamic_sampling else "every prompt was dropped")
+                     + " (no optimizer step)")
     return notes
 
 
@@ -205,6 +247,20 @@ def start_line(label, args, run_dir):
     return f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation} -> {run_dir}"
 
 
+def own_rows_line(args):
+    """Said after the start line when your own rows took settings in place of the preset's task settings
+    (presets.OWN_ROWS): which, and where to change them; None otherwise."""
+    taken = [key for key, source in getattr(args, "value_sources", {}).items()
+             if source.startswith("your own rows") and key != "one_shot"]
+    if not taken:
+        return None
+    shown = {("system_prompt", None): "the paper's (data.SYSTEM_PROMPT)", ("system_prompt", ""): "none"}
+    values = ", ".join(f"--{key.replace('_', '-')} {shown.get((key, getattr(args, key)), getattr(args, key))}"
+                       for key in taken)
+    return (f"your own rows: {values}, not the {args.preset} preset's task settings (presets.OWN_ROWS; a flag sets "
+            "any of them, --print-config shows where each value comes from)")
+
+
 def eta_line(args, state, step_s):
     """Said once, after a run's first step: what that step took and what the budget then means in time, so a slow
     machine shows its pace at once, not at the end (None: no budget)."""
@@ -234,7 +290,7 @@ def finish_lines(run_dir, args, steps, elapsed_s):
     if args.log_completions_interval:
         commands.append(f"python eval.py rollouts {run}   # one prompt's rollouts, the kept ones marked")
     if args.checkpoint_interval_s >= 0:
-        commands.append(f"python eval.py --checkpoint {run} --repeats 5   # re-evaluate every checkpoint")
+        commands.append(f"python eval.py --checkpoint {run}   # every checkpoint, as the run evaluated its policy")
     return [f"done: {steps} steps, {elapsed_s:.0f} s of training -> {run_dir}",
             f"  results: {Path(run_dir) / checkpoint.METRICS_FILE} (a line per step and per evaluation)",
             *(f"  {'next:' if i == 0 else '':8} {command}" for i, command in enumerate(commands))]

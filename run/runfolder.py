@@ -228,6 +228,19 @@ def disk_full_at_start(run_dir):
                       "some space or pass another --output-dir") from None
 
 
+@contextlib.contextmanager
+def removed_if_left_empty(run_dir):
+    """A run folder this block makes is removed again when the block fails leaving it empty (a run refused while it
+    loads: an unreachable Hub, too few rows, a held-out row too long), so no empty folder stays behind."""
+    existed = Path(run_dir).exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and Path(run_dir).is_dir() and not any(Path(run_dir).iterdir()):
+            Path(run_dir).rmdir()
+        raise
+
+
 def start_over(run_dir):
     """What to do with a run folder that holds no checkpoint yet (a run stopped before its first one)."""
     metrics = Path(str(run_dir)) / checkpoint.METRICS_FILE  # str: a --resume without --output-dir is refused after

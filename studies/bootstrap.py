@@ -60,14 +60,6 @@ def resample_count(text):
     return value
 
 
-def budget_seconds(text):
-    """argparse type of a time budget (--max-time-s, --budget-s): a finite number of seconds > 0."""
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def on_axis(run, axis):
     """The run with its evaluations placed by training time ("time") or by optimizer step ("steps")."""
     if axis not in AXES:
@@ -543,7 +535,8 @@ def report(run_dirs, baseline_label, plot_path=None, title=None, metric="accurac
 def main(argv=None):
     from studies import studydata
 
-    parser = argparse.ArgumentParser(prog="study.py bootstrap", description="peak, final and mean accuracy and the "
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="study.py bootstrap", description="peak, final and mean accuracy and the "
                                      "speed-up with paired 95% bootstrap intervals over seeds, per step and on "
                                      "the clock")
     parser.add_argument("run_dirs", nargs="+", help="run folders (or folders of them); with --from-data, data "
@@ -557,8 +550,8 @@ def main(argv=None):
     parser.add_argument("--metric", choices=compare.METRICS, default="accuracy")
     parser.add_argument("--resamples", type=resample_count, default=RESAMPLES)
     parser.add_argument("--title")
-    parser.add_argument("--budget-s", type=budget_seconds, help="read every run as one with this --max-time-s (a run "
-                        "given a longer budget: its steps and evaluations past it left out)")
+    parser.add_argument("--budget-s", type=compare.budget_seconds, help="read every run as one with this "
+                        "--max-time-s (a run given a longer budget: its steps and evaluations past it left out)")
     parser.add_argument("--estimate-clock", action="store_true", help="with --from-data: place evaluations whose "
                         "seconds were not recorded at step x the arm's mean step time (reported as an estimate)")
     parser.add_argument("--jitter", type=float, default=0.0, help="also show how the clock's intervals move when "

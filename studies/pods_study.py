@@ -294,7 +294,7 @@ def write_pods_data(run_dirs, data_dir, budget_s, command, add=False):
 
 def _is_run_data(path):
     try:
-        return studydata.read_json_object(path).get("format") == studydata.FORMAT
+        return compare_module.read_json_object(path).get("format") == studydata.FORMAT
     except ValueError:
         return False
 
@@ -305,7 +305,7 @@ def earlier_export(data_dir, budget_s):
     study_file = Path(data_dir) / studydata.STUDY_FILE
     if not study_file.is_file():
         raise ValueError(f"--add-to-data: {data_dir} has no {studydata.STUDY_FILE} (no earlier export to add to)")
-    earlier = studydata.read_json_object(study_file)
+    earlier = compare_module.read_json_object(study_file)
     for key, now in (("budget_s", budget_s), ("train_args", list(PODS_TRAIN_ARGS))):
         if earlier.get(key) != now:
             raise ValueError(f"--add-to-data: {study_file} records another {key} than this study's: its runs and "
@@ -350,7 +350,7 @@ def report_pods_data(data_dir, budget_s=None, plot=None, resamples=bootstrap.RES
             raise ValueError(f"--seeds: {data_dir} holds no run of seed {', '.join(map(str, absent))}")
         runs = [r for r in runs if r.seed in seeds]
     study_file = Path(data_dir) / studydata.STUDY_FILE
-    recorded = studydata.read_json_object(study_file) if study_file.is_file() else {}
+    recorded = compare_module.read_json_object(study_file) if study_file.is_file() else {}
     budget_s = recorded.get("budget_s") if budget_s is None else budget_s
     compare_module.check_budgets(runs, budget_s, flag="--max-time-s")
     cost = cost_line(runs, recorded.get("run_wall_s", {}), recorded.get("run_eval_s", {}))
@@ -466,7 +466,7 @@ def main(argv):
     """`python study.py pods ...` (PODS_USAGE)."""
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog="study.py pods", description=PODS_USAGE,
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="study.py pods", description=PODS_USAGE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder of the run folders (required unless --from-data)")
     parser.add_argument("--from-data", metavar="DIR", help="report from data files (studydata.py); trains nothing")
@@ -474,7 +474,7 @@ def main(argv):
     parser.add_argument("--seeds", type=int, nargs="+", help="the seeds of every arm (default: 0-7 for grpo and pods, "
                         "0-4 for random, 0-2, 4, 5 for pods8 and pods32: PODS_SEEDS); with --from-data: report only "
                         "these seeds' runs")
-    parser.add_argument("--max-time-s", type=bootstrap.budget_seconds, help="training wall-clock per run (default "
+    parser.add_argument("--max-time-s", type=compare_module.budget_seconds, help="training wall-clock per run (default "
                         f"{PODS_MAX_TIME_S:g}; with --from-data: the budget the runs are read at, default the one "
                         "study.json records)")
     parser.add_argument("--num-threads", type=int, default=studyrun.TIMED_NUM_THREADS, help="torch CPU threads per "

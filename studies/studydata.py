@@ -77,23 +77,9 @@ def tracked_by_git(paths):
     return [p for p in paths if p.name in names]
 
 
-def read_json_object(path):
-    """The JSON object a results file holds; ValueError (one line naming the file) for one cut short, not UTF-8, not
-    JSON, or holding something else than an object."""
-    try:
-        record = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON, cut short or corrupt ({error.msg}, line {error.lineno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}: holds a JSON {type(record).__name__}, not the object a results file holds")
-    return record
-
-
 def read_data(path, metric="accuracy"):
     """A data file as compare.RunData (null values as NaN; per-step times, when only their count was kept, NaN)."""
-    record = read_json_object(path)
+    record = compare.read_json_object(path)
     if record.get("format") != FORMAT:
         raise ValueError(f"{path}: not a run data file (format {record.get('format')!r}, expected {FORMAT!r})")
     missing = [key for key in ("label", "seed", "steps", "evaluations") if key not in record]
@@ -140,7 +126,7 @@ def read_study(paths, metric="accuracy"):
         if path.is_dir():
             files = sorted(p for p in path.glob("*.json") if p.name != STUDY_FILE)
             if (path / STUDY_FILE).is_file():
-                clock.update(read_json_object(path / STUDY_FILE).get("arm_clock_s", {}))
+                clock.update(compare.read_json_object(path / STUDY_FILE).get("arm_clock_s", {}))
             if not files:
                 raise ValueError(f"{path}: no run data files (*.json)")
         else:

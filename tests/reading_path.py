@@ -116,6 +116,7 @@ def readme_block(hf_files, engine_files):
     """README's generated block: the files of the Hugging Face path with their lines, and what the engine adds."""
     total = sum(map(line_count, hf_files))
     added = [name for name in engine_files if name not in hf_files]
+    left = [name for name in hf_files if name not in engine_files]  # the Hugging Face backend's own file
     rows = [f"| {i} | `{name}` | {rounded(line_count(name))} | {ROLES.get(name) or summary(name)} |"
             for i, name in enumerate(hf_files, 1)]
     return "\n".join([
@@ -131,6 +132,8 @@ def readme_block(hf_files, engine_files):
         "",
         *[f"- `{name}` ({rounded(line_count(name))} lines): {ROLES.get(name) or summary(name)}" for name in added],
         "",
+        f"and leaves out {', '.join(f'`{name}`' for name in left)}, so a step on the default backend enters "
+        f"**{len(engine_files)} files, {rounded(sum(map(line_count, engine_files)))} lines**." if left else
         f"so a step on the default backend enters **{len(engine_files)} files, "
         f"{rounded(sum(map(line_count, engine_files)))} lines**.",
         END])

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import statistics
 
 import numpy as np
@@ -296,3 +297,44 @@ def test_runs_of_different_budgets_are_not_pooled_unless_cut_to_one(tmp_path, mo
 
     with pytest.raises(ValueError, match="different budgets"):
         bootstrap.report(runs, "PODS max_variance 16/4", resamples=5)
+
+
+def test_a_budget_that_is_not_a_positive_number_is_refused(tmp_path, monkeypatch, capsys):
+    """--budget-s -5 would cut every run to its first step and nan read as no budget: argparse refuses both, naming
+    the flag (as study.py's budgets)."""
+    run = make_run(tmp_path, "a", "GRPO 4/4", 0, ramp(0.5, 100))
+    for value in ("-5", "nan", "0"):
+        assert run_cli(monkeypatch, [run, "--budget-s", value]) == 2
+        assert f"argument --budget-s: must be a finite number > 0, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"config": {}, "results": {"step_000001": {"step": 1, "elapsed_s"', "not valid JSON, cut short or corrupt"),
+    (b'{"config": {}}', "not an eval.py results file (no 'results' in it)"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
+    (None, "no such file"),
+])
+def test_an_unreadable_eval_file_is_named(tmp_path, monkeypatch, content, message):
+    """--eval-file that is cut short, not eval.py's, not UTF-8 or missing: one line naming the file of each run."""
+    runs = [make_run(tmp_path, name, "GRPO 4/4", seed, ramp(0.5, 100)) for seed, name in enumerate("ab")]
+    for run in runs:
+        if content is not None:
+            (run / "scores.json").write_bytes(content)
+    text = run_cli(monkeypatch, [*runs, "--eval-file", "scores.json"])
+    assert text.startswith("compare.py: error: no readable run directory: ") and "\n" not in text
+    assert all(f"{run / 'scores.json'}: {message}" in text for run in runs)
+    with pytest.raises(ValueError, match=re.escape(f"{runs[0] / 'scores.json'}: {message}")):  # several files
+        compare.compare_benchmarks(runs, ["scores.json", "scores.json"])
+
+
+def test_runs_whose_steps_could_not_learn_are_named_under_the_table(tmp_path):
+    """A step that gave the update nothing to learn from (metrics.jsonl's "cannot_learn") is counted under the table,
+    by why, with what to change."""
+    stuck = make_run(tmp_path, "stuck", "GRPO 4/4", 0, ramp(0.5, 100), step_times=[1.0] * 3, extra_lines=[
+        json.dumps({"type": "train", "step": step, "elapsed_s": float(step), "cannot_learn": codes}) + "\n"
+        for step, codes in ((1, ["truncated", "rewards_zero"]), (2, ["truncated"]), (3, []))])
+    fine = make_run(tmp_path, "fine", "GRPO 4/4", 1, ramp(0.5, 100), step_times=[1.0] * 3)
+    _, table = compare.compare([stuck, fine])
+    assert (f"- {stuck}: steps that could not learn: 2 truncated, 1 rewards_zero of 3 steps; raise "
+            "--max-completion-tokens") in table
+    assert str(fine) not in table

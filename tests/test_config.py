@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -587,3 +588,36 @@ def test_the_demo_computes_in_bf16_where_the_device_has_bf16_arithmetic(monkeypa
     assert config.parse_args([]).bf16 is native
     assert config.parse_args(["--no-bf16"]).bf16 is False and config.parse_args(["--bf16"]).bf16 is True
     assert config.parse_args(["--preset", "a", "--device", "cpu"]).bf16 is True
+
+
+def test_no_command_takes_a_flag_by_a_prefix_of_its_name(capsys):
+    """`--num-rollout 4` is a typo, not --num-rollouts: every parser of the commands refuses abbreviations (argparse's
+    allow_abbrev), so a mistyped flag never starts a run; each parser in the sources says so (a new one too)."""
+    import ast
+
+    import compare
+    import eval as eval_module
+    import study
+
+    for command, argv in ((config.parse_args, ["--num-rollout", "4"]), (eval_module.parse_args, ["--checkpoin", "x"]),
+                          (compare.main, ["x", "--budget", "3"]), (study.main, ["pods", "--seed", "0", "--dry-run"])):
+        with pytest.raises(SystemExit) as refused:
+            command(argv)
+        assert refused.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    root = Path(__file__).resolve().parents[1]
+    sources = [path for path in root.rglob("*.py") if not {"tests", ".git"} & set(path.relative_to(root).parts)]
+    parsers = [(path.name, node) for path in sources for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser"]
+    assert len(parsers) >= 15 and config.OneLineParser(prog="x").allow_abbrev is False
+    assert [name for name, call in parsers if not any(keyword.arg == "allow_abbrev" and keyword.value.value is False
+                                                      for keyword in call.keywords)] == []
+
+
+def test_a_top_entropy_quantile_of_0_is_refused_not_read_as_the_top_token(capsys):
+    """--top-entropy-quantile 0 reads as "no token", but the mask at 0 keeps each micro-batch's highest-entropy token(s)
+    (TRL's too): refused in one line, as an out-of-range value is."""
+    for value, message in (("0", "0 would train on the highest-entropy token(s) alone"), ("1.5", "must be in [0, 1]")):
+        with pytest.raises(SystemExit) as refused:
+            config.parse_args(["--top-entropy-quantile", value])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert config.parse_args(["--top-entropy-quantile", "0.2"]).top_entropy_quantile == 0.2

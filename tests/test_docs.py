@@ -238,20 +238,38 @@ def test_where_things_are_names_every_file_and_every_benchmark():
 
 # ------------------------------------------------------------------------------------------ references
 
-MODULES = {path.stem for path in ROOT.glob("*.py")} | {path.parent.name for path in ROOT.glob("*/__init__.py")}
+# A module by the name the docs give it: top-level modules and packages, and the modules of the packages by their own
+# name (`bootstrap.report` is studies/bootstrap.py's); a name two packages share stands for either.
+MODULES = {path.stem: [path.stem] for path in ROOT.glob("*.py")}
+MODULES.update({path.parent.name: [path.parent.name] for path in ROOT.glob("*/__init__.py")})
+for path in ROOT.glob("*/*.py"):
+    if (path.parent / "__init__.py").is_file() and path.stem not in ("__init__", "__main__") and \
+            path.stem not in {p.stem for p in ROOT.glob("*.py")}:
+        MODULES.setdefault(path.stem, []).append(f"{path.parent.name}.{path.stem}")
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "png", "pt", "txt", "gguf", "yaml", "lock", "safetensors"}
+
+
+def has_name(module, attribute):
+    loaded = importlib.import_module(module)
+    if hasattr(loaded, attribute):
+        return True
+    try:
+        return importlib.util.find_spec(f"{module}.{attribute}") is not None
+    except ModuleNotFoundError:  # `module` is no package
+        return False
 
 
 @pytest.mark.parametrize("name", sorted(DOCS))
 def test_every_module_name_the_docs_cite_exists(name):
-    """`module.name` in a code span, for a module of the project, is an attribute of that module (or a submodule)."""
+    """`module.name` in a code span (which may run over a line break), for a module of the project, is an attribute
+    of that module (or a submodule)."""
     missing = set()
-    for span in re.findall(r"`([^`\n]+)`", DOCS[name]):
+    text = re.sub(r"```.*?```", "", DOCS[name], flags=re.S)  # code blocks: their own examples, not names cited
+    for span in re.findall(r"`([^`]+)`", text):
         for module, attribute in re.findall(r"(?<![\w./-])([a-z_]+)\.([A-Za-z_]\w*)", span):
             if module not in MODULES or attribute in FILE_SUFFIXES:
                 continue
-            loaded = importlib.import_module(module)
-            if not hasattr(loaded, attribute) and importlib.util.find_spec(f"{module}.{attribute}") is None:
+            if not any(has_name(candidate, attribute) for candidate in MODULES[module]):
                 missing.add(f"{module}.{attribute}")
     assert not missing, f"{name} cites what the code does not have: {sorted(missing)}"
 
@@ -273,3 +291,112 @@ def test_every_relative_link_reaches_a_file_and_its_heading(name):
         if fragment and file.suffix == ".md":
             anchors = {anchor(heading) for heading in re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)}
             assert fragment in anchors, f"{name}: link to {target}: no such heading"
+
+
+def python_blocks(name):
+    return re.findall(r"```python\n(.*?)```", DOCS[name], flags=re.S)
+
+
+@pytest.mark.parametrize("name", ["docs/rewards_and_data.md"])
+def test_the_python_blocks_of_the_docs_define_every_name_they_use(name):
+    """A snippet runs as written: each name it reads is imported, assigned before, a builtin, or one of the inputs its
+    text says it takes (the rewards block's prompts, completions, answers), and each `module.name` exists."""
+    import ast
+    import builtins
+
+    given = {"prompts", "completions", "answers"}  # the rewards block: "compute_rewards accepts ..." the caller's lists
+    for block in python_blocks(name):
+        tree, known, unknown = ast.parse(block), set(dir(builtins)) | given, []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                known |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                known.add(node.id)
+            elif isinstance(node, ast.arg):
+                known.add(node.arg)
+        unknown = sorted({node.id for node in ast.walk(tree) if isinstance(node, ast.Name)
+                          and isinstance(node.ctx, ast.Load) and node.id not in known})
+        assert not unknown, f"{name}: a python block uses {unknown} without defining them"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in MODULES:
+                assert any(has_name(module, node.attr) for module in MODULES[node.value.id]), \
+                    f"{name}: {node.value.id}.{node.attr} does not exist"
+
+
+@pytest.mark.slow
+def test_the_data_block_of_rewards_and_data_runs(data_dir):
+    """The data snippet as written (the GSM8K and MATH files, the demo model's tokenizer): ~30 s."""
+    namespace = {}
+    exec(python_blocks("docs/rewards_and_data.md")[1], namespace)
+    assert len(namespace["train"]) == 7473 and len(namespace["test"]) == 200 and len(namespace["held_out"]) == 2
+
+
+def test_every_signature_the_docs_spell_out_is_the_functions():
+    """A signature written out in full (with its keyword-only `*,`) names the function's parameters, no more, no
+    fewer: build_prompt_set's source, eval.evaluate's samples_out, check_sampler and answer_kind."""
+    import inspect
+
+    checked = []
+    for name, text in DOCS.items():
+        for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+            match = re.fullmatch(r"(?:(\w+)\.)?(\w+)\((.*\*,.*)\)(?: -> .*)?", " ".join(span.split()))
+            if not match:
+                continue
+            module, function, params = match.groups()
+            candidates = MODULES.get(module, []) if module else ["data", "eval", "pods", "grpo_loss", "rewards"]
+            found = [getattr(importlib.import_module(candidate), function) for candidate in candidates
+                     if hasattr(importlib.import_module(candidate), function)]
+            if not found or not callable(found[0]):
+                continue  # a protocol the text describes (a reader's read(...)), not a function of ours
+            written = [part.split("=")[0].strip().lstrip("*") for part in params.split(",") if part.strip() != "*"]
+            signature = inspect.signature(found[0])
+            assert written == list(signature.parameters), f"{name}: {function}{signature}"
+            checked.append(function)
+    assert {"build_prompt_set", "evaluate", "select"} <= set(checked)
+
+
+def test_the_flag_table_of_evaluation_md_names_every_eval_flag():
+    import eval as eval_module
+
+    table = section("docs/evaluation.md", "| flag | default | meaning |", "\n")
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", table))
+    every = {option for action in eval_module.build_parser()._actions for option in action.option_strings
+             if action.dest != "help" and option.startswith("--")}
+    assert every - named == set(), f"docs/evaluation.md, eval.py's table: no row for {sorted(every - named)}"
+
+
+def test_the_ga_studys_per_run_table_is_its_committed_data():
+    """BENCHMARKS' per-run table of the GA study: each row's accuracies are its run's data file's (results/ga), in
+    order, and its peak is their maximum."""
+    table = section("BENCHMARKS.md", "| arm | seed | held-out accuracy | peak | first ≥ 0.616 |", "\n")
+    arms = {"GRPO-GA 16/16": "grpo_ga-n16-m16", "PODS max_variance 16/4": "pods-n16-m4", "random 16/4": "random-n16-m4"}
+    arm, checked = None, 0
+    for row in table_rows(table):
+        arm = row[0] or arm
+        listed = [float(value) for value in row[2].split()]
+        recorded = json.loads((ROOT / "results" / "ga" / f"{arms[arm]}-s{row[1]}.json").read_text())
+        assert listed == recorded["evaluations"]["accuracy"][:len(listed)], f"BENCHMARKS.md: {arm} seed {row[1]}"
+        assert float(row[3]) == max(listed), f"BENCHMARKS.md: {arm} seed {row[1]}: peak {row[3]}, not {max(listed)}"
+        checked += 1
+    assert checked >= 10
+
+
+def test_evaluation_md_documents_every_study_command():
+    """Each command study.py answers (its usage line) has its paragraph in evaluation.md (`study.py NAME`)."""
+    import study
+
+    with pytest.raises(SystemExit) as usage:
+        study.main(["nonsense"])
+    commands = set(re.findall(r"python study\.py (\w+)", str(usage.value.code)))
+    assert {"run", "variants", "ga", "pods", "objectives", "bootstrap", "compare"} <= commands
+    documented = set(re.findall(r"study\.py (\w+)", DOCS["docs/evaluation.md"]))
+    assert commands - documented == set(), f"docs/evaluation.md: no word of study.py {sorted(commands - documented)}"
+
+
+def test_training_mds_other_values_table_gives_each_presets_micro_batch():
+    row = next(row for row in table_rows(section("docs/training.md", "| other values | `demo` | `a`–`f` |", "\n"))
+               if row[0].startswith("rollout batch / micro-batch"))
+    for column, presets in ((1, ["demo"]), (2, ["a", "b", "c", "d"])):
+        shown = row[column].split(" (")[0]
+        assert {f"{PRESETS[p]['rollout_batch_size']} / {PRESETS[p]['micro_batch_size']}" for p in presets} == {shown}
+    assert all(f"{PRESETS[p]['rollout_batch_size']} / {PRESETS[p]['micro_batch_size']}" in row[2] for p in "ef")

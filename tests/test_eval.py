@@ -276,9 +276,9 @@ def test_preset_evaluates_a_base_model_exactly_as_the_run_evaluates_its_policy(t
 
 def test_preset_supplies_the_runs_settings_and_flags_still_win(monkeypatch, capsys):
     args = eval_module.parse_args(["--preset", "a"])
+    assert eval_module.run_settings(args, [])["max_completion_tokens"] == 512
     assert (args.model, args.num_prompts, args.temperature, args.batch_size, args.dtype) == (
         "Qwen/Qwen2.5-3B-Instruct", 200, 0.9, 64, "bfloat16")
-    assert eval_module.run_settings(args, [])["max_completion_tokens"] == 512
     demo = eval_module.parse_args(["--preset", "demo", "--num-prompts", "7", "--model", "other"])
     assert (demo.model, demo.num_prompts, demo.dtype) == ("other", 7, "float32")
     settings = eval_module.run_settings(demo, [])
@@ -421,3 +421,23 @@ def test_evaluate_shares_the_prefix_by_default(tiny_model, smollm2_tokenizer):
         work.append(engine.STATS.prefill_tokens - before)
     assert 0 < work[0] < work[1] - 10 and results[0].accuracy == results[1].accuracy
     assert results[0].mean_completion_length == results[1].mean_completion_length
+
+
+def test_greedy_decoding_collapses_the_repeats_in_one_line_and_reports_no_spread(tmp_path, tiny_model,
+                                                                                  smollm2_tokenizer, capsys):
+    """At temperature 0 every repeat is the same: one line says so (not a Python warning with its source line) and
+    the result line says there is no spread, not "± 0.0000"."""
+    import warnings
+
+    model_dir = tmp_path / "model"
+    _save_tiny(model_dir, tiny_model, smollm2_tokenizer)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved = eval_module.main(["--model", str(model_dir), "--dataset", "arithmetic", "--num-prompts", "2",
+                                  "--repeats", "5", "--max-new-tokens", "2", "--temperature", "0",
+                                  "--out", str(tmp_path / "greedy.json"), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert err == ("eval.py: temperature 0 is greedy decoding: every sample would be the same, so "
+                   "--samples-per-prompt 1 and --repeats 5 are 1\n")
+    assert "(1 repeat: no spread)" in out and "±" not in out and saved["config"]["repeats"] == 1

@@ -186,5 +186,44 @@ def test_the_closing_lines_offer_only_the_commands_the_run_can_answer():
     commands = report.finish_lines("runs/a b", args, 3, 4.6)[2:]
     assert [line.split("#")[0].strip() for line in commands] == [
         "next:    python compare.py 'runs/a b' --plot 'runs/a b/accuracy.png'",
-        "python eval.py --checkpoint 'runs/a b' --repeats 5"]  # quoted: the folder has a space; no completions log
+        "python eval.py --checkpoint 'runs/a b'"]  # quoted: the folder has a space; no completions log
     assert "evaluation of 10 prompts at step 0 and the end" in report.start_line("GRPO 4/4", args, "r")
+
+
+def step_line(clipped=0.0, low=0.0, high=1.0, zero_std=0.5):
+    return {"completions/clipped_ratio": clipped, "reward_min": low, "reward_max": high, "reward": (low + high) / 2,
+            "frac_reward_zero_std": zero_std, "rewards/grader_timeouts": 0, "update_rows": 4}
+
+
+@pytest.mark.parametrize("line, codes, says", [
+    (step_line(), [], None),
+    (step_line(clipped=0.875), [], None),
+    (step_line(clipped=0.9), ["truncated"], "90% of the completions were cut at --max-completion-tokens 32: raise "
+                                            "--max-completion-tokens"),
+    (step_line(high=0.0, zero_std=1.0), ["rewards_zero"], "every reward was 0: check that --prompt-template / "
+                                                          "--system-prompt ask for what the rewards grade"),
+    (step_line(low=1.5, high=1.5, zero_std=1.0), ["rewards_equal"], "every reward was 1.5: the reward tells no "
+                                                                    "completion from another"),
+    (step_line(zero_std=1.0), ["no_spread"], "no group of rollouts had a reward spread (every advantage 0): "),
+    (step_line(clipped=1.0, high=0.0, zero_std=1.0), ["truncated", "rewards_zero"], "cut at --max-completion-tokens"),
+])
+def test_a_step_that_cannot_learn_says_why_and_names_what_to_change(line, codes, says):
+    """TRL's truncation and zero-std metrics read as a verdict: >= 90 % of the completions cut, every reward 0 or
+    equal, or no group with a spread is a "cannot_learn" field of the metrics line and one line naming the flag."""
+    line.update(report.learning_signal(line))
+    assert line.get("cannot_learn", []) == codes
+    notes = report.step_notes(line, types.SimpleNamespace(max_completion_tokens=32, dynamic_sampling=False), 1,
+                              first=True)
+    assert notes == ([] if says is None else [notes[0]]) and (says is None or (
+        notes[0].startswith("cannot learn: ") and says in notes[0]))
+
+
+def test_cannot_learn_is_said_at_the_first_step_and_as_it_persists():
+    """The line comes at the run's first step and at the 2nd, 4th, 8th ... step of a row of such steps; a single such
+    step later in a run (an easy prompt mix) is only in the metrics line."""
+    line = dict(step_line(zero_std=1.0), cannot_learn=["no_spread"])
+    args = types.SimpleNamespace(max_completion_tokens=32, dynamic_sampling=False)
+    said = [stuck for stuck in range(1, 10) if report.step_notes(line, args, stuck, first=stuck == 1)]
+    assert said == [1, 2, 4, 8]
+    assert report.step_notes(line, args, 1, first=False) == []
+    assert report.step_notes(line, args, 4)[0].endswith("(4 steps in a row)")

@@ -193,12 +193,12 @@ def test_a_new_run_on_a_full_disk_leaves_nothing_that_blocks_the_next_run(tiny_m
             __enter__=lambda self: self, __exit__=lambda self, *exc: os.close(fd), write=full))())
         with pytest.raises(OSError, match="disk full: no space left to start the run in .*run"):  # the folder named
             train.main(argv)
-    assert os.listdir(tmp_path / "run") == []
+    assert not (tmp_path / "run").exists()  # the folder it made, left empty: removed
     with monkeypatch.context() as patch:  # the lock fits, config.json does not
         patch.setattr(os, "fsync", full)
         with pytest.raises(OSError, match="disk full: no space left to start the run in .*run"):
             train.main(argv)
-    assert os.listdir(tmp_path / "run") == []
+    assert not (tmp_path / "run").exists()
     assert os.fdopen is real_fdopen and os.fsync is real_fsync
     train.main(argv)
     assert [line["step"] for line in read_lines(tmp_path / "run", "train")] == [1]
@@ -227,6 +227,8 @@ def test_sizes_beyond_the_dataset_and_a_held_folder_are_refused_before_the_model
         train.main(tiny_argv(tiny_model_dir, run_dir, "--prompts-per-step", "1000000000"))
     with pytest.raises(ValueError, match="arithmetic: 100000000 rows asked"):
         train.main(tiny_argv(tiny_model_dir, run_dir, "--eval-samples", "100000000"))
+    assert not run_dir.exists()  # a run refused while it loads leaves no empty folder behind
+    run_dir.mkdir()
     parent = os.getppid()  # a live process, in the lock's format
     (run_dir / runfolder.LOCK_FILE).write_text(f"{socket.gethostname()} {parent} {runfolder.process_start(parent)}\n")
     with pytest.raises(ValueError, match=f"{run_dir} is in use by another train.py run"):

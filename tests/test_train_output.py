@@ -29,7 +29,10 @@ def test_a_run_prints_what_it_does_and_where_its_results_are_and_nothing_else(ti
     run_dir = tmp_path / "run"
     done = run_train(tiny_argv(tiny_model_dir, run_dir, "--eval-interval", "1"))
     assert done.returncode == 0, done.stderr
-    assert done.stderr == ""  # --no-progress: not one line from a library (bars, warnings, log messages)
+    # --no-progress: not one line from a library (bars, warnings, log messages); the random model's 8-token gibberish
+    # is cut and scores 0, which its first step says, and the second as it persists (report.learning_signal)
+    assert [line.split(": cannot learn: ")[0] for line in done.stderr.splitlines()] == ["step 1", "step 2"]
+    assert done.stderr.splitlines()[1].endswith("(2 steps in a row)")
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"PODS max_variance 4/2: {tiny_model_dir} on arithmetic, 2 steps; "
                                "held-out evaluation of 2 prompts at step 0, every 1 steps")

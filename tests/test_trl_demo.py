@@ -168,7 +168,7 @@ def test_the_rewards_get_the_reward_options_and_the_completion_token_ids(monkeyp
     values = trl_demo.reward_function(args)(prompts=["p"], completions=["<answer>3</answer>"], answer=["3"],
                                             messages=[[{"role": "user", "content": "1+2"}]],
                                             completion_ids=[[7, 8, 2]], trainer_state=None)
-    assert values == [0.0] and seen["options"] == {"accuracy": {"timeout_s": 3.0}}
+    assert values == [0.0] and seen["options"] == {"accuracy": {"timeout_s": 3.0, "answer_kind": "number"}}
     assert seen["completion_ids"] == [[7, 8, 2]] and seen["weights"] == args.reward_weights
 
 
