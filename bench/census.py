@@ -541,21 +541,21 @@ def narrow_policy(args, layers, narrow):
 REPLAYS = {"plain": (0, 0), "mlp": (0, 1), "checkpointed": (1, 0)}
 
 
-@contextlib.contextmanager
-def lora_as_on_a_gpu():
-    """A bf16 base's LoRA adapter computed in bf16 on this CPU too (models.BF16_LORA_DEVICES), as on CUDA: the census
-    counts what a GPU runs."""
-    import models
+def as_on_a_gpu(function):
+    """`function` run with the GPU's code paths taken on this CPU (engine.gpu_paths.emulated): the bf16 LoRA product,
+    the update's replay plan (update.checkpoint_plan, which the census plants per kind), TF32, the fused kernels' check
+    and patching (the plain path's functions stand in for Liger's: the census counts the plain path's kernels) and the
+    decode engine's fused operations; the census counts what a GPU runs."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        from engine import gpu_paths
 
-    devices = models.BF16_LORA_DEVICES
-    models.BF16_LORA_DEVICES = (*devices, "cpu")
-    try:
-        yield
-    finally:
-        models.BF16_LORA_DEVICES = devices
+        with gpu_paths.emulated("cpu"):
+            return function(*args, **kwargs)
+    return run
 
 
-@lora_as_on_a_gpu()
+@as_on_a_gpu
 def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
     policy, its layers replaying what `kind` says (REPLAYS; update.checkpoint_plan decides it on a GPU)."""
@@ -673,7 +673,7 @@ def decode_run(args, layers, narrow, mapping, rows):
     return dict(ops=ops, syncs=syncs)
 
 
-@lora_as_on_a_gpu()
+@as_on_a_gpu
 def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, tokens, cache):
     """{card: {"layers": replayed whole, "mlps": replayed MLPs}} as update.checkpoint_plan decides on each card, for a
     micro-batch of `rows` rows and `tokens` positions: its activations (kernels.saved_bytes_per_token at the real

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import engine.gpu_paths as gpu_paths
 import engine.graphs as graphs
 import engine.ops as ops
 import engine.prefix as prefix
@@ -188,7 +189,8 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
-        kernels = decode_step.PLAIN if KERNELS is None and device.type != "cuda" else ops.kernels_for(device, KERNELS)
+        kernels = decode_step.PLAIN if KERNELS is None and not gpu_paths.taken(device) else \
+            ops.kernels_for(device, KERNELS)
         config, copies = hf.config, []
         attention = hf.model.layers[0].self_attn
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attention.head_dim

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+import engine.gpu_paths as gpu_paths
 from engine.step import Bounds, Kernels, add_rms_norm, decode_attention, finish_step, rotary_cache_write
 
 OPS = ("add_rms_norm", "rotary_cache_write", "decode_attention", "act_mul", "finish_step")
@@ -185,14 +186,15 @@ def with_fused(names):
 
 
 def kernels_for(device, mode=None):
-    """mode None: on CUDA with triton importable every op fused but those DISABLED, else the reference ops (with
-    stacked projections); "reference": REFERENCE; "fused": every op fused but those DISABLED, on any device."""
+    """mode None: on CUDA (or an emulated GPU: engine/gpu_paths.py) with triton importable every op fused but those
+    DISABLED, else the reference ops (with stacked projections); "reference": REFERENCE; "fused": every op fused but
+    those DISABLED, on any device."""
     if mode not in (None, "reference", "fused"):
         raise ValueError(f"PODS_DECODE_KERNELS (engine.decode.KERNELS) must be unset, 'reference' or 'fused', "
                          f"got {mode!r}")
     if mode == "reference":
         return REFERENCE
-    if mode is None and not (device.type == "cuda" and triton_available()):
+    if mode is None and not (gpu_paths.taken(device) and triton_available()):
         return Kernels()   # the plain step, projections stacked (a CPU; a GPU without triton)
     return with_fused(set(OPS) - set(DISABLED))
 

@@ -11,14 +11,16 @@ import torch
 import grpo_loss
 import models
 from bench import census
+from engine import gpu_paths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "bf16_lora_on_cpu")
 
 
 @pytest.fixture
-def bf16_lora_on_cpu(monkeypatch):
-    """The bf16 adapter product runs on CUDA only (models.BF16_LORA_DEVICES); here it is tested on the CPU."""
-    monkeypatch.setattr(models, "BF16_LORA_DEVICES", ("cuda", "cpu"))
+def bf16_lora_on_cpu():
+    """The bf16 adapter product runs where the GPU paths do (engine/gpu_paths.py); here it is tested on the CPU."""
+    with gpu_paths.emulated("cpu"):
+        yield
 VOCAB = 97
 # bf16 keeps 8 bits of mantissa: log-probs of this random model move by ~0.06 nats from the bf16 base alone.
 LOGPROB_TOLERANCE = 0.12
