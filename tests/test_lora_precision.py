@@ -111,3 +111,35 @@ def test_float32_and_the_adapter_off_run_pefts_forward_and_copies_follow_the_wei
         y = torch.randn(2, 5, 64)
         type(layer).forward(layer, y)
         assert torch.equal(layer(y), type(layer).forward(layer, y))
+
+
+def torch_adamw(params, fused):
+    return torch.optim.AdamW(params, lr=1e-2, fused=fused, foreach=None if fused else True)
+
+
+OPTIMIZERS = {"adamw (foreach)": lambda params: torch_adamw(params, False),
+              "adamw (fused)": lambda params: torch_adamw(params, True),
+              "adamw8bit": lambda params: __import__("bitsandbytes").optim.AdamW8bit(params, lr=1e-2)}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_bf16_copies_follow_every_optimizer_step(name):
+    """Fused AdamW and bitsandbytes' 8-bit AdamW write the fp32 masters without bumping their version counters: the
+    bf16 copies the product computes with are refreshed by the step itself (models.OPTIMIZER_STEPS), so after each
+    step the layer computes what peft computes over the moved masters, not what it computed at the start."""
+    model = policy(torch.bfloat16)
+    projection = models.hf_model(model).model.layers[0].self_attn.q_proj
+    optimizer = OPTIMIZERS[name]([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        start = projection(x)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(input_ids=ids).logits.float()[:, -1, :5].sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            ours, peft = projection(x), type(projection).forward(projection, x)   # peft: from the fp32 masters
+        assert float((ours - peft).abs().max()) < 0.05   # bf16 rounding of the copies
+        assert float((ours - start).abs().max()) > 0.1   # the step moved what the update computes
+        start = ours
