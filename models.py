@@ -439,11 +439,14 @@ def _lora_product():
 
         @staticmethod
         def backward(ctx, grad):
+            # The scaling rides on the matrix products (addmm's alpha; beta = 0: its first argument, of the right
+            # shape, is not read): one kernel each, not a product and then a multiplication.
             x, xa, weight, a_low, b_low = ctx.saved_tensors
-            scaled = (grad @ b_low) * ctx.scaling                       # dL/d(xA^T), [N, r]
+            scaled = torch.addmm(xa, grad, b_low, beta=0, alpha=ctx.scaling)   # dL/d(xA^T), [N, r]
             grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
             grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
-            grad_b = (grad.t() @ xa).to(ctx.adapter_dtype).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
+            grad_b = torch.addmm(b_low, grad.t(), xa, beta=0, alpha=ctx.scaling).to(ctx.adapter_dtype) \
+                if ctx.needs_input_grad[4] else None
             return grad_x, None, None, grad_a, grad_b, None, None, None
 
     return LoRAProduct

@@ -93,6 +93,22 @@ def test_three_matrix_products_where_peft_runs_seven_kernels():
     assert sum(peft.values()) == 7 and peft[("mm", "float32")] == 2
 
 
+def test_its_backward_runs_seven_kernels():
+    """dL/dx (2 products), dL/dA (the scaled dL/d(xA^T): 1 product, its scaling as the product's alpha; 1 product and
+    the cast to the fp32 master's dtype) and dL/dB (1 product, scaled the same way, and the cast)."""
+    projection = models.hf_model(policy(torch.bfloat16)).model.layers[0].self_attn.q_proj
+    x = torch.randn(10, 64, dtype=torch.bfloat16, requires_grad=True)
+    out = projection(x)
+    recorder = census.Census({}, every_tensor_on_device=True)
+    with recorder:
+        out.backward(torch.ones_like(out))
+    kernels = collections.Counter()
+    for (phase, op, dtype, nbytes, flops), count in recorder.ops.items():
+        if op not in ("ones_like", "add_"):   # the gradient given, and its accumulation into the fp32 masters
+            kernels[op, dtype] += count
+    assert dict(kernels) == {("mm", "bfloat16"): 2, ("addmm", "bfloat16"): 3, ("_to_copy", "float32"): 2}
+
+
 def test_float32_and_the_adapter_off_run_pefts_forward_and_copies_follow_the_weights():
     model = policy(torch.bfloat16)
     projection = models.hf_model(model).model.layers[0].self_attn.q_proj
