@@ -313,13 +313,22 @@ def micro_batch_loss(logprobs, micro, settings, entropies=None):
 
 
 def loss_denominator(batches, settings):
-    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask, less
-    the tokens --importance-sampling-correction token_reject rejects: grpo_loss.loss_tokens): kept rows
-    ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"). A sum over rows:
-    several processes sum their values."""
-    masks = [grpo_loss.loss_tokens(loss_mask(batch, settings.loss.mask_truncated), batch.old_logprobs,
-                                   batch.sampler_logprobs, settings.loss) for batch in batches]
-    return grpo_loss.loss_denominator(masks, settings.loss.aggregation, settings.loss.max_completion_tokens)
+    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask):
+    kept rows ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"), a number
+    known on the host. With --importance-sampling-correction token_reject, "token" counts the tokens it accepts
+    (grpo_loss.loss_tokens), which pi_old decides on the device: a 0-dim tensor there, read with the loss (no sync of
+    its own). A sum over rows: several processes sum their values."""
+    loss = settings.loss
+    masks = [loss_mask(batch, loss.mask_truncated) for batch in batches]
+    if loss.importance_sampling_correction != "token_reject" or loss.aggregation != "token":
+        return grpo_loss.loss_denominator(masks, loss.aggregation, loss.max_completion_tokens)
+    kept = []
+    for batch, mask in zip(batches, masks):
+        device = mask.device if batch.old_logprobs is None else batch.old_logprobs.device
+        sampler = None if batch.sampler_logprobs is None else batch.sampler_logprobs.to(device, non_blocking=True)
+        kept.append(grpo_loss.loss_tokens(mask.to(device, non_blocking=True), batch.old_logprobs, sampler, loss)
+                    .bool().sum())
+    return sum(kept)
 
 
 def _accumulate(model, optimizer, batches, settings, device, normaliser, ratios=None):
@@ -380,7 +389,8 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     device = next(model.parameters()).device
     gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan, device=device)
                                                for batch in batches]
-    normaliser = max(denominator, 1)  # no kept token: the numerators are 0 too
+    # no kept token: the numerators are 0 too
+    normaliser = denominator.clamp(min=1) if torch.is_tensor(denominator) else max(denominator, 1)
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False

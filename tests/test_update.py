@@ -291,6 +291,31 @@ def test_token_reject_takes_the_rejected_tokens_out_of_the_step_denominator(aggr
     assert two.loss == pytest.approx(expected_loss.item(), rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.parametrize("correction", ["tis", "token_mask", "token_reject"])
+def test_the_step_denominator_stays_on_the_device_where_pi_old_is(correction):
+    """On a GPU the batch (and the sampler's log-probs) wait on the host while fill_logprobs leaves pi_old on the
+    device: the denominator moves what it needs there, and token_reject's count of accepted tokens stays there (a
+    0-dim tensor read with the loss: no sync of its own). `meta` stands for the GPU here."""
+    model = lora_model()
+    batch = varied_batch(6, seed=1)
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    with torch.no_grad():
+        current = grpo_loss.token_logprobs(model, ids, torch.cat([torch.ones_like(batch.prompt_ids),
+                                                                  batch.completion_mask], 1), 6)
+    batch.sampler_logprobs = current + torch.randn(current.shape, generator=torch.Generator().manual_seed(3))
+    settings = update.UpdateSettings(micro_batch_size=2, loss=LossSettings(
+        aggregation="token", importance_sampling_correction=correction))
+    update.fill_logprobs(model, [batch], settings)
+    host = update.loss_denominator([batch], settings)
+    if correction != "token_reject":
+        assert batch.old_logprobs is None and host == int(batch.completion_mask.sum())
+        return
+    batch.old_logprobs = batch.old_logprobs.to("meta")
+    on_device = update.loss_denominator([batch], settings)
+    assert torch.is_tensor(on_device) and on_device.device.type == "meta" and on_device.dim() == 0
+    assert torch.is_tensor(host) and 0 < int(host) <= int(batch.completion_mask.sum())
+
+
 def test_kept_batch_takes_indices_a_mask_or_rows_alike():
     P, n = 2, 3
     rollouts = sampling.Rollouts(
