@@ -42,6 +42,7 @@ from lazy import lazy_module
 torch = lazy_module("torch", globals())
 transformers = lazy_module("transformers", globals())
 gpu_paths = lazy_module("engine.gpu_paths", globals())   # where the GPU's paths run (the bf16 LoRA product here)
+update = lazy_module("update", globals())   # its count of optimizer steps: when the bf16 LoRA copies are stale
 
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -245,7 +246,7 @@ def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=
 def available_memory_bytes(device):
     """Free memory of a CUDA device (or of the card engine/gpu_paths.py emulates), or the machine's available RAM
     (Linux); None where it cannot be told."""
-    if gpu_paths.taken(device):
+    if torch.device(device).type in gpu_paths.DEVICE_TYPES:
         return gpu_paths.memory(device)[0]
     try:
         with open("/proc/meminfo") as meminfo:
@@ -333,7 +334,8 @@ def load_policy(name_or_path, *, dtype=None, device="cpu", load_in_4bit=False, l
     """The trainable policy: base weights (optionally NF4) plus a LoRA adapter when lora_rank > 0."""
     source, kwargs = _pretrained_source(name_or_path)
     if load_in_4bit:
-        if not gpu_paths.taken(device):   # (bitsandbytes runs NF4 on a CPU too: tests emulate a GPU there)
+        # (bitsandbytes runs NF4 on a CPU too: tests emulate a GPU there)
+        if torch.device(device).type not in gpu_paths.DEVICE_TYPES:
             raise ValueError("--load-in-4bit needs a CUDA device (bitsandbytes NF4 kernels)")
         if lora_rank <= 0:
             raise ValueError("--load-in-4bit trains through a LoRA adapter: set --lora-rank > 0")
@@ -452,26 +454,12 @@ def _lora_product():
     return LoRAProduct
 
 
-OPTIMIZER_STEPS = [0]   # optimizer steps taken in this process, by any torch optimizer (`_count_optimizer_steps`)
-
-
-@functools.cache
-def _count_optimizer_steps():
-    """After every step of any torch optimizer (torch's own, fused or foreach, bitsandbytes' 8-bit AdamW, ...),
-    OPTIMIZER_STEPS goes up: the step itself says the weights changed. Version counters do not: fused AdamW and
-    bitsandbytes write the weights without bumping them."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    def counted(optimizer, args, kwargs):
-        OPTIMIZER_STEPS[0] += 1
-    register_optimizer_step_post_hook(counted)
-
-
 def _low_precision_copies(module, adapter, dtype):
     """The adapter's A and B weights in `dtype`, cast once per change of the weights and reused by every forward until
-    then: an optimizer step (OPTIMIZER_STEPS) or an in-place write that bumps their version (a checkpoint loaded)."""
+    then: an optimizer step (update.OPTIMIZER_STEPS: fused AdamW and bitsandbytes' 8-bit AdamW write the weights
+    without bumping their versions) or an in-place write that bumps their version (a checkpoint loaded)."""
     a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-    key = (OPTIMIZER_STEPS[0], a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
+    key = (update.OPTIMIZER_STEPS[0], a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
     cached = module.__dict__.get("_low_precision_lora")
     if cached is None or cached[0] != key:
         with torch.no_grad():
@@ -488,7 +476,7 @@ def _lora_forward(module, peft_forward):
         adapters = module.active_adapters
         adapter = adapters[0] if len(adapters) == 1 else None
         base = module.base_layer
-        if (args or kwargs or not gpu_paths.taken(x.device) or adapter not in module.lora_A
+        if (args or kwargs or x.device.type not in gpu_paths.DEVICE_TYPES or adapter not in module.lora_A
                 or module.disable_adapters or module.merged
                 or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
                 or x.dtype == module.lora_A[adapter].weight.dtype
@@ -510,7 +498,6 @@ def lora_in_base_dtype(model):
     CUDA cores. The adapter's weights, gradients and optimizer state stay fp32 (master weights)."""
     from peft.tuners.lora.layer import Linear
 
-    _count_optimizer_steps()
     for module in model.modules():  # only where it can act: a base in another dtype than its adapter
         if type(module) is Linear and "forward" not in module.__dict__ and any(
                 module.base_layer.weight.dtype != a.weight.dtype for a in module.lora_A.values()):

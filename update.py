@@ -34,6 +34,7 @@ import resource
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import grpo_loss
 from engine import gpu_paths
@@ -43,6 +44,17 @@ from engine import rollout_check
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
+# Optimizer steps taken in this process, by any torch optimizer (a hook after every step): what tells the bf16 copies
+# of a LoRA adapter (models.lora_in_base_dtype) that the fp32 masters moved, since fused AdamW and bitsandbytes' 8-bit
+# AdamW write them without bumping their version counters.
+OPTIMIZER_STEPS = [0]
+
+
+def _count_step(optimizer, args, kwargs):
+    OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 class TrainingError(RuntimeError):
@@ -185,7 +197,7 @@ def activation_budget(device):
     """Bytes the update's saved activations and logits may take on `device`: the least of its free memory (with what
     torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None where the GPU
     paths do not run (nothing is decided from memory there; gpu_paths: an emulated card's memory)."""
-    if not gpu_paths.taken(device):
+    if torch.device(device).type not in gpu_paths.DEVICE_TYPES:
         return None
     free, total, allocated, reserved = gpu_paths.memory(device)
     unused = reserved - allocated   # held by torch's allocator, free to reuse
@@ -213,20 +225,21 @@ def checkpoint_plan(model, batches, settings, device):
 def on_gpu(device):
     """Whether the update's GPU fast paths act on `device` (engine/kernels.py): CUDA, or the device engine/gpu_paths.py
     emulates one on."""
-    return gpu_paths.taken(device)
+    return torch.device(device).type in gpu_paths.DEVICE_TYPES
 
 
 @contextlib.contextmanager
 def _gpu_paths(model, device, settings, plan=(None, 0)):
     """For the block, on a GPU: the fused kernels and the activation checkpointing plan (engine/kernels.py);
     elsewhere the model as built (off CUDA the plan is (None, 0): every checkpointed layer whole, as built). Yields
-    kernels.fused_kernels' fall_back (elsewhere one that never falls back), for kernels.with_fallback."""
+    how to run the block's work: once (on a GPU, again on the plain path if a fused kernel fails in it:
+    kernels.with_fallback)."""
     if not on_gpu(device):
-        yield lambda error: False
+        yield lambda work: work()
         return
     with kernels.fused_kernels(model, device, settings.autocast_dtype) as fall_back, \
             kernels.checkpointing(model, *plan):
-        yield fall_back
+        yield functools.partial(kernels.with_fallback, fall_back)
 
 
 @contextlib.contextmanager
@@ -300,8 +313,8 @@ def fill_logprobs(model, batches, settings):
                         getattr(batch, name)[micro.rows, :micro.width] = _logprobs(model, micro, settings, device, step)
 
     with torch.no_grad(), grpo_loss.dropout_off(model, keep_checkpointing=True), \
-            _gpu_paths(model, device, settings) as fall_back:
-        kernels.with_fallback(fall_back, fill)
+            _gpu_paths(model, device, settings) as run:
+        run(fill)
 
 
 def micro_batch_loss(logprobs, micro, settings, entropies=None):
@@ -395,10 +408,10 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
     plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
-    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as fall_back:
+    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as run:
         for _ in range(settings.updates_per_batch):
             first_pass = not losses  # the policy before its first optimizer step: the one that sampled
-            loss, metric_sums, gap_sums, tokens = kernels.with_fallback(fall_back, functools.partial(
+            loss, metric_sums, gap_sums, tokens = run(functools.partial(
                 _accumulate, model, optimizer, batches, settings, device, normaliser,
                 ratios if checked and first_pass else None))
             token_count += tokens

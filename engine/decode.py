@@ -189,7 +189,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
-        kernels = decode_step.PLAIN if KERNELS is None and not gpu_paths.taken(device) else \
+        kernels = decode_step.PLAIN if KERNELS is None and device.type not in gpu_paths.DEVICE_TYPES else \
             ops.kernels_for(device, KERNELS)
         config, copies = hf.config, []
         attention = hf.model.layers[0].self_attn

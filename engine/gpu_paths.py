@@ -1,10 +1,11 @@
 """Where the GPU's code paths run: on CUDA devices, and on whatever device tests and benchmarks name with `emulated`.
 
 The GPU paths (the update's fast paths: fused kernels, replay plan, TF32; the bf16 LoRA product; the decode
-engine's fused operations) are chosen per device by `taken`. `emulated("cpu")` takes them on CPU tensors too, so
-each CUDA-gated branch runs and is compared with the plain path on a machine without a GPU (the decode engine's
-Triton kernels run under TRITON_INTERPRET=1); `emulated("meta")` takes them on the meta device, a stand-in for a
-GPU's memory that holds shapes and no values: a tensor left on the host next to it fails (tests/stand_in_device.py).
+engine's fused operations) run on the devices whose type is in DEVICE_TYPES. `emulated("cpu")` takes them on CPU
+tensors too, so each CUDA-gated branch runs and is compared with the plain path on a machine without a GPU (the
+decode engine's Triton kernels run under TRITON_INTERPRET=1); `emulated("meta")` takes them on the meta device, a
+stand-in for a GPU's memory that holds shapes and no values: a tensor left on the host next to it fails
+(tests/stand_in_device.py).
 An emulated device has the card `Card` describes: its memory (the update's replay plan is made for it) and its
 multiprocessors (the decode attention's splits). Not emulated, because no CPU can run it: recording CUDA graphs
 (engine/graphs.py) and reading a real card's properties and memory statistics.
@@ -27,13 +28,10 @@ class Card:
     multiprocessors: int | None = None
 
 
+# The device types the GPU paths run on: CUDA, and the one `emulated` adds for its block. Callers test
+# `torch.device(device).type in gpu_paths.DEVICE_TYPES` (a lookup: nothing of this module runs on a CPU's step).
+DEVICE_TYPES = ("cuda",)
 EMULATED = None   # the Card of the device `emulated` takes the GPU paths on, or None
-
-
-def taken(device):
-    """Whether the GPU paths run on `device` (a torch.device or its name): CUDA, or the emulated device type."""
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    return kind == "cuda" or (EMULATED is not None and kind == EMULATED.device_type)
 
 
 def memory(device):
@@ -55,11 +53,12 @@ def multiprocessors(device):
 @contextlib.contextmanager
 def emulated(device_type="cpu", **card):
     """For the block, the GPU paths run on `device_type` tensors too ("cpu" or "meta"), on a Card(**card)."""
-    global EMULATED
+    global DEVICE_TYPES, EMULATED
     if device_type == "cuda":
         raise ValueError("CUDA takes the GPU paths already: emulate 'cpu' or 'meta'")
-    previous, EMULATED = EMULATED, Card(device_type, **card)
+    previous = DEVICE_TYPES, EMULATED
+    DEVICE_TYPES, EMULATED = ("cuda", device_type), Card(device_type, **card)
     try:
         yield EMULATED
     finally:
-        EMULATED = previous
+        DEVICE_TYPES, EMULATED = previous

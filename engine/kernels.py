@@ -147,7 +147,7 @@ def liger_kernels(device):
     emulates a GPU on, the plain path's functions stand in for them (so the check, the patching and the fallback
     run); {} elsewhere."""
     if torch.device(device).type != "cuda":
-        return plain_kernels() if gpu_paths.taken(device) else {}
+        return plain_kernels() if torch.device(device).type in gpu_paths.DEVICE_TYPES else {}
     if importlib.util.find_spec("liger_kernel") is None:
         return {}
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -307,7 +307,7 @@ def tf32_matmuls(device):
     """On CUDA, float32 matrix products of the block may use TF32 (a 10-bit mantissa; the update's bf16 products have
     7): what is left in float32 (full fine-tuning without --bf16) runs on tensor cores. Elsewhere nothing changes (an
     emulated GPU sets the switch too, which only CUDA reads)."""
-    if not gpu_paths.taken(device):
+    if torch.device(device).type not in gpu_paths.DEVICE_TYPES:
         yield
         return
     previous = torch.backends.cuda.matmul.allow_tf32

@@ -194,7 +194,7 @@ def kernels_for(device, mode=None):
                          f"got {mode!r}")
     if mode == "reference":
         return REFERENCE
-    if mode is None and not (gpu_paths.taken(device) and triton_available()):
+    if mode is None and not (device.type in gpu_paths.DEVICE_TYPES and triton_available()):
         return Kernels()   # the plain step, projections stacked (a CPU; a GPU without triton)
     return with_fused(set(OPS) - set(DISABLED))
 

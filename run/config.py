@@ -506,7 +506,8 @@ def _check_device_flags(args):
                          "disabled state is the reference policy; without LoRA there is no reference model")
     from engine import gpu_paths
 
-    gpu = cuda or gpu_paths.taken(args.device)   # (or the GPU a test emulates: bitsandbytes runs on a CPU too)
+    # CUDA, or the GPU a test emulates (engine/gpu_paths.py: bitsandbytes runs on a CPU too)
+    gpu = str(args.device).split(":")[0] in gpu_paths.DEVICE_TYPES
     if args.load_in_4bit and (not gpu or args.lora_rank <= 0):
         raise ValueError("incompatible flags: --load-in-4bit needs a CUDA device and --lora-rank > 0")
     if args.optimizer == "adamw8bit" and (not gpu or importlib.util.find_spec("bitsandbytes") is None):

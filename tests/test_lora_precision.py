@@ -141,7 +141,7 @@ OPTIMIZERS = {"adamw (foreach)": lambda params: torch_adamw(params, False),
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_the_bf16_copies_follow_every_optimizer_step(name):
     """Fused AdamW and bitsandbytes' 8-bit AdamW write the fp32 masters without bumping their version counters: the
-    bf16 copies the product computes with are refreshed by the step itself (models.OPTIMIZER_STEPS), so after each
+    bf16 copies the product computes with are refreshed by the step itself (update.OPTIMIZER_STEPS), so after each
     step the layer computes what peft computes over the moved masters, not what it computed at the start."""
     model = policy(torch.bfloat16)
     projection = models.hf_model(model).model.layers[0].self_attn.q_proj
