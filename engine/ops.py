@@ -220,8 +220,10 @@ def check(dec, state, seed=0):
 
 
 def random(generator, shape, dtype, device, scale=1.0):
-    """Normal noise drawn on `device` (a GPU draws a bucket's caches and logits in no time), seeded from `generator`."""
-    on_device = torch.Generator(device=device).manual_seed(int(torch.randint(2 ** 62, (), generator=generator)))
+    """Normal noise drawn on `device` (a GPU draws a bucket's caches and logits in no time), seeded from `generator`
+    (a device without generators, such as a stand-in's, draws unseeded)."""
+    seed = int(torch.randint(2 ** 62, (), generator=generator))
+    on_device = torch.Generator(device=device).manual_seed(seed) if device.type in ("cpu", "cuda") else None
     return (torch.randn(shape, generator=on_device, device=device) * scale).to(dtype)
 
 
