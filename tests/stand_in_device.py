@@ -19,6 +19,7 @@ import torch.utils._foreach_utils as foreach_utils
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bench import census
 from engine import gpu_paths
 
 
@@ -38,21 +39,11 @@ class StandIn(TorchDispatchMode):
         self.reads = collections.Counter()   # (phase, kind) -> reads
         self.phase = "other"
 
-    @contextlib.contextmanager
-    def labelled(self, phase):
-        previous, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = previous
+    labelled = census.Census.labelled   # a phase for the block, as bench census labels its records
 
     def label(self, phase, function):
         """`function` with its reads counted under `phase`."""
-        @functools.wraps(function)
-        def run(*args, **kwargs):
-            with self.labelled(phase):
-                return function(*args, **kwargs)
-        return run
+        return functools.wraps(function)(census.label(self, phase, function))
 
     def read(self, kind):
         self.reads[self.phase, kind] += 1

@@ -132,6 +132,17 @@ def test_a_kernel_failing_later_in_the_step_is_one_line_and_the_plain_path(monke
     assert calls["rms_norm"] == 2   # the check, then the failure
 
 
+def test_a_failure_with_no_fused_kernel_on_is_raised_as_it_is():
+    """with_fallback runs the work again only where fused kernels were on: elsewhere the error is the work's own."""
+    model = lora_model()
+
+    def fails():
+        raise RuntimeError("the model's own error")
+
+    with engine_kernels.fused_kernels(model, "cpu") as fall_back, pytest.raises(RuntimeError, match="own error"):
+        engine_kernels.with_fallback(fall_back, fails)
+
+
 def test_no_fused_kernels_off_cuda_unless_a_gpu_is_emulated():
     assert engine_kernels.liger_kernels("cpu") == {}
     with gpu_paths.emulated("cpu"):

@@ -10,6 +10,7 @@ import torch
 
 import grpo_loss
 import models
+from engine import gpu_paths
 from engine import kernels
 import sampling
 import update
@@ -408,12 +409,12 @@ def test_whatever_replays_the_gradient_is_the_same(plan, monkeypatch):
     move_lora_b(model)
     batch = random_batch(4, 5, 6, VOCAB)
     monkeypatch.setattr(update, "checkpoint_plan", lambda *args: plan)
-    monkeypatch.setattr(update, "on_gpu", lambda device: True)  # the plan acts where the GPU paths do: here, planted
     runs = []
     for layer in kernels.checkpointable_layers(model):
         layer.mlp.gate_proj.register_forward_pre_hook(lambda module, args: runs.append(1))  # a replay may stop early
-    update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0), [batch],
-                         update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
+    with gpu_paths.emulated("cpu"):   # the plan acts where the GPU paths run
+        update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                             [batch], update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
     replayed = 2 if plan[0] is None else plan[0] + plan[1]
     assert len(runs) == 2 * (2 + replayed)   # 2 micro-batches: every MLP once, each replayed once more
     assert all(layer.gradient_checkpointing for layer in kernels.checkpointable_layers(model))   # as built again
@@ -423,3 +424,20 @@ def test_whatever_replays_the_gradient_is_the_same(plan, monkeypatch):
     update.update_policy(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
                          [batch], update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
     torch.testing.assert_close(grads(model), grads(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_what_the_update_cannot_train_on_is_refused_in_one_line():
+    """The KL reference needs a LoRA adapter; an importance-sampling correction needs the sampler's log-probs; a
+    non-finite advantage is refused before any forward pass (it is checked on the host)."""
+    batch = random_batch(2, 3, 4, VOCAB)
+    with pytest.raises(ValueError, match="kl_coef > 0 needs a LoRA model"):
+        update.fill_logprobs(models.tiny_random_model("llama", vocab_size=VOCAB), [batch],
+                             update.UpdateSettings(loss=LossSettings(kl_coef=0.1)))
+    model = lora_model()
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(ValueError, match="needs the sampler's log-probs"):
+        update.update_policy(model, frozen, [batch], update.UpdateSettings(
+            loss=LossSettings(importance_sampling_correction="tis")))
+    batch.advantages[1] = math.nan
+    with pytest.raises(ValueError, match="non-finite values"):
+        update.update_policy(model, frozen, [batch], update.UpdateSettings())
