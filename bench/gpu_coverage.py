@@ -35,10 +35,13 @@ EXCLUDED = (
      "a real card's memory and multiprocessors (torch.cuda)"),
     ("update.py", r'if torch\.device\(device\)\.type == "cuda":', "a real card's memory statistics (torch.cuda)"),
     ("models.py", r'if str\(device\)\.startswith\("cuda"\):', "a real card's compute capability (torch.cuda)"),
-    ("engine/kernels.py", r'find_spec\("liger_kernel"\)|from liger_kernel|=lambda .*: Liger',
-     "Liger-Kernel's kernels: CUDA only, not installed here"),
-    ("engine/triton_kernels.py", r"tl\.dot\(q, tl\.trans\(keys\)\)|tl\.dot\(probs\.to\(values\.dtype\)",
-     "bf16 operands to the tensor cores: the compiled kernel's (the interpreter's bf16 dot is wrong: it takes float32)"),
+    ("engine/kernels.py", r'find_spec\("liger_kernel"\) is None', "Liger-Kernel absent on CUDA (not installed here)"),
+    ("engine/kernels.py", r"from liger_kernel", "Liger-Kernel's kernels: CUDA only, not installed here"),
+    ("engine/kernels.py", r"return dict\(rms_norm=lambda .*Liger", "Liger-Kernel's kernels: CUDA only, not installed here"),
+    ("engine/triton_kernels.py", r"tl\.dot\(q, tl\.trans\(keys\)\)", "bf16 operands to the tensor cores: the "
+     "compiled kernel's (the interpreter's bf16 dot is wrong: it takes float32)"),
+    ("engine/triton_kernels.py", r"tl\.dot\(probs\.to\(values\.dtype\)", "bf16 operands to the tensor cores: the "
+     "compiled kernel's (the interpreter's bf16 dot is wrong: it takes float32)"),
     ("engine/triton_kernels.py", r"for first in range\(low, high, BLOCK_N\):",
      "the compiled kernel's loop over columns (the interpreter's range() cannot take bounds loaded from memory: it "
      "runs the while loop)"),
@@ -124,8 +127,11 @@ def measured(rcfile):
 
 
 def bench_coverage(argv):
+    """`python -m bench coverage`: run the default suite under coverage, print the table (or, with --json, one JSON
+    object), save the figures (`python -m bench show` prints them again)."""
     parser = argparse.ArgumentParser(prog="python -m bench coverage", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object (per file and the total)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the total and whether the suite "
+                        "passed)")
     parser.add_argument("--out", default="bench_out/bench_coverage.json", help="where the figures go (JSON)")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments instead of the default "
                         "suite's none (a file or -k, to look at a part)")
@@ -135,24 +141,30 @@ def bench_coverage(argv):
         files = measured(rcfile)
     statements = sum(entry["statements"] for entry in files.values())
     executed = sum(entry["executed"] for entry in files.values())
+    rows = [{"file": file, "lines": entry["statements"], "executed": entry["executed"],
+             "%": round(100 * entry["executed"] / max(entry["statements"], 1), 1), "not executed": entry["missing"]}
+            for file, entry in files.items()]
+    rows.append({"file": "total", "lines": statements, "executed": executed,
+                 "%": round(100 * executed / max(statements, 1), 1), "not executed": ""})
+    excluded = [dict(file=file, what=what, lines=files[file]["excluded"].get(reason, 0), reason=reason)
+                for file, what, reason in EXCLUDED]
     saved = dict(benchmark="coverage", date=datetime.date.today().isoformat(),
-                 device=f"CPU ({platform.machine()}, no GPU)", pytest_args=args.pytest_args,
-                 suite_passed=returncode == 0, files=files, statements=statements, executed=executed,
-                 percent=round(100 * executed / max(statements, 1), 1),
-                 excluded=[dict(file=file, what=what, reason=reason) for file, what, reason in EXCLUDED])
+                 device=f"CPU ({platform.machine()}, {os.cpu_count()} cores, no GPU)",
+                 command=" ".join(["python -m bench coverage", *(["--", *args.pytest_args] if args.pytest_args
+                                                                  else [])]),
+                 suite_passed=returncode == 0, percent=rows[-1]["%"], rows=rows, excluded=excluded)
     path = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=1) + "\n")
     if args.json:
-        print(json.dumps({key: saved[key] for key in ("percent", "executed", "statements", "suite_passed")}))
+        print(json.dumps({key: saved[key] for key in ("percent", "suite_passed")}))
         return saved
-    print("| file | lines | executed | % | not executed |\n|---|---:|---:|---:|---|")
-    for file, entry in files.items():
-        print(f"| {file} | {entry['statements']} | {entry['executed']} | "
-              f"{100 * entry['executed'] / max(entry['statements'], 1):.1f} | {entry['missing']} |")
-    print(f"| total | {statements} | {executed} | {saved['percent']} | |\n\nleft out (no CPU runs them):")
-    for file, what, reason in EXCLUDED:
-        lines = files[file]["excluded"].get(reason, 0)
-        print(f"- {file}: {what} ({lines} lines): {reason}")
-    print(f"\nthe suite {'passed' if returncode == 0 else 'FAILED'}; records: {path}")
+    from bench.common import print_header, print_row
+
+    for table in (rows, excluded):
+        print_header(list(table[0]))
+        for row in table:
+            print_row(row, list(table[0]))
+        print()
+    print(f"the suite {'passed' if returncode == 0 else 'FAILED'}; records: {path}")
     return saved
