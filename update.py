@@ -21,8 +21,10 @@ The GPU's pace: every decision about the batch's layout is made on the host (mic
 prefix.completion_logprobs' layout), the batch goes to the device without waiting, and the device is read once per
 optimizer step (loss, gradient norm, metrics, the sampler check: one copy). AdamW runs over all tensors at once
 (foreach); on CUDA, TF32 float32 products, Liger-Kernel's fused RMSNorm, rotary and SiLU x up (checked against the
-plain path first), and as little checkpoint replay as the memory needs (`checkpoint_plan`: MLPs first, then whole
-layers, to fit MEMORY_CEILING): engine/kernels.py. Elsewhere the model runs as built.
+plain path first; one failing later in the step turns them off and the step runs again on the plain path), and as
+little checkpoint replay as the memory needs (`checkpoint_plan`: MLPs first, then whole layers, to fit
+MEMORY_CEILING): engine/kernels.py. Elsewhere the model runs as built (tests and benchmarks take the GPU paths on a
+CPU: engine/gpu_paths.py). Every optimizer step is counted (OPTIMIZER_STEPS): a bf16 base's LoRA copies follow it.
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
