@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -300,7 +301,7 @@ def loss_tokens(completion_mask: Tensor, old_logprobs: Tensor | None, sampler_lo
         raise ValueError("importance_sampling_correction 'token_reject' needs pi_old's and the sampler's log-probs to "
                          "know which tokens count in the loss")
     accepted = importance_weights(old_logprobs, sampler_logprobs, "token_reject", settings.is_clip).bool()
-    return completion_mask * accepted.to(completion_mask.device).to(completion_mask.dtype)
+    return completion_mask * accepted.to(completion_mask.dtype)   # all three on one device (no copy, no sync)
 
 
 def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: float) -> Tensor:
@@ -313,11 +314,11 @@ def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: floa
     if entropies.shape != completion_mask.shape:
         raise ValueError(f"entropies shape {tuple(entropies.shape)} != mask shape {tuple(completion_mask.shape)}")
     keep = completion_mask.bool()
-    values = entropies.detach().float()[keep]
-    if not values.numel():
-        return torch.zeros_like(keep)
-    threshold = torch.quantile(values, 1.0 - quantile)
-    return (entropies.detach().float() >= threshold) & keep
+    values = entropies.detach().float()
+    # The masked tokens' quantile without selecting them (a boolean index is a host sync): the others are NaN, which
+    # nanquantile leaves out; no token at all gives NaN, and no entropy is >= NaN.
+    threshold = torch.nanquantile(values.masked_fill(~keep, math.nan).flatten(), 1.0 - quantile)
+    return (values >= threshold) & keep
 
 
 def _check_aggregation(aggregation: str) -> None:

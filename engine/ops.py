@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+import engine.gpu_paths as gpu_paths
 from engine.step import Bounds, Kernels, add_rms_norm, decode_attention, finish_step, rotary_cache_write
 
 OPS = ("add_rms_norm", "rotary_cache_write", "decode_attention", "act_mul", "finish_step")
@@ -185,14 +186,15 @@ def with_fused(names):
 
 
 def kernels_for(device, mode=None):
-    """mode None: on CUDA with triton importable every op fused but those DISABLED, else the reference ops (with
-    stacked projections); "reference": REFERENCE; "fused": every op fused but those DISABLED, on any device."""
+    """mode None: on CUDA (or an emulated GPU: engine/gpu_paths.py) with triton importable every op fused but those
+    DISABLED, else the reference ops (with stacked projections); "reference": REFERENCE; "fused": every op fused but
+    those DISABLED, on any device."""
     if mode not in (None, "reference", "fused"):
         raise ValueError(f"PODS_DECODE_KERNELS (engine.decode.KERNELS) must be unset, 'reference' or 'fused', "
                          f"got {mode!r}")
     if mode == "reference":
         return REFERENCE
-    if mode is None and not (device.type == "cuda" and triton_available()):
+    if mode is None and not (device.type in gpu_paths.DEVICE_TYPES and triton_available()):
         return Kernels()   # the plain step, projections stacked (a CPU; a GPU without triton)
     return with_fused(set(OPS) - set(DISABLED))
 
@@ -218,8 +220,10 @@ def check(dec, state, seed=0):
 
 
 def random(generator, shape, dtype, device, scale=1.0):
-    """Normal noise drawn on `device` (a GPU draws a bucket's caches and logits in no time), seeded from `generator`."""
-    on_device = torch.Generator(device=device).manual_seed(int(torch.randint(2 ** 62, (), generator=generator)))
+    """Normal noise drawn on `device` (a GPU draws a bucket's caches and logits in no time), seeded from `generator`
+    (a device without generators, such as a stand-in's, draws unseeded)."""
+    seed = int(torch.randint(2 ** 62, (), generator=generator))
+    on_device = torch.Generator(device=device).manual_seed(seed) if device.type in ("cpu", "cuda") else None
     return (torch.randn(shape, generator=on_device, device=device) * scale).to(dtype)
 
 

@@ -234,11 +234,12 @@ def decode_step(dec, state):
 
 def prefill(dec, prompt_ids, prompt_mask, shared=0):
     """K/V of every prompt but its last token (the first decode step consumes it), [D, kv_heads, W - 1, hd].
-    shared: the first `shared` columns hold the same tokens in every row, unpadded (prefix.shared_prefix_layout):
-    they run once, as one row, and every prompt's suffix attends to that row's K/V. Plain PyTorch (PLAIN)."""
+    shared: the first `shared` columns hold the same tokens in every row, unpadded (prefix.shared_prefix_layout, on
+    the host: nothing is read back here): they run once, as one row, and every prompt's suffix attends to that row's
+    K/V. Plain PyTorch (PLAIN)."""
     distinct, length, device = prompt_ids.shape[0], prompt_ids.shape[1] - 1, prompt_ids.device
-    if not 0 <= shared <= length or (shared and not bool(prompt_mask[:, :shared].all())):
-        raise ValueError(f"a shared prefix of {shared} tokens needs {shared} unpadded columns before the last")
+    if not 0 <= shared <= length:
+        raise ValueError(f"a shared prefix of {shared} tokens needs {shared} columns before the last")
     keys = [torch.zeros(distinct, dec.num_kv_heads, length, dec.head_dim, dtype=dec.embed.weight.dtype,
                         device=device) for _ in range(2 * len(dec.layers))]
     if shared > 0:   # the prefix once, then its K/V broadcast into every prompt's row

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+import engine.gpu_paths as gpu_paths
+
 
 def interpreting():
     """Triton's interpreter is on (TRITON_INTERPRET=1): the kernels run on CPU tensors (engine/ops.py's check)."""
@@ -235,12 +237,10 @@ def _attention_combine(out_ptr, part_ptr, max_ptr, sum_ptr, HEAD_DIM: tl.constex
     tl.store(out_ptr + index * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def attention_splits(rows, kv_heads, columns, device):
-    """Splits per (row, KV head): enough programs for every SM at small batches, each split >= one block."""
-    if device.type == "cuda":
-        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        programs = 2 * rows * kv_heads   # the interpreter: two splits, so the tests run the combining kernel
+def attention_splits(rows, kv_heads, columns, multiprocessors):
+    """Splits per (row, KV head): enough programs for every SM (`multiprocessors` of them) at small batches, each
+    split >= one block; multiprocessors None (the interpreter on a CPU): two, so the combining kernel runs too."""
+    programs = 2 * rows * kv_heads if multiprocessors is None else PROGRAMS_PER_SM * multiprocessors
     most = max(columns // BLOCK_N, 1)
     return min(pow2(max(programs // (rows * kv_heads), 1)), pow2(most) // 2 if most > 1 else 1, 16)
 
@@ -251,7 +251,7 @@ def decode_attention(q, key_cache, value_cache, start, shared, slot, scaling, sp
     if q.shape[2] != 1 or not all(t.stride(-1) == 1 for t in (q, key_cache, value_cache)):
         raise ValueError("decode_attention takes one query per row and contiguous last dimensions")
     block = BLOCK_N if q.element_size() < 4 else BLOCK_N // 2
-    splits = splits or attention_splits(batch, kv_heads, columns, q.device)
+    splits = splits or attention_splits(batch, kv_heads, columns, gpu_paths.multiprocessors(q.device))
     out = torch.empty(batch, 1, q_heads * head_dim, dtype=q.dtype, device=q.device)
     partial = torch.empty(batch * q_heads * splits, head_dim if splits > 1 else 1, dtype=torch.float32,
                           device=q.device)

@@ -202,9 +202,14 @@ def rank_slice(indices, rank, world_size, *, even=True):
 
 
 def global_count(local_count):
-    """Sum of a count over ranks: the loss normaliser that makes the update the global-batch update."""
+    """Sum of a count over ranks: the loss normaliser that makes the update the global-batch update. A tensor (a count
+    on the device: update.loss_denominator) is summed there, with no host sync."""
     if not dist.is_initialized():
         return local_count
+    if isinstance(local_count, torch.Tensor):
+        summed = local_count.clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed
     return type(local_count)(_all_reduce([local_count], dist.ReduceOp.SUM)[0])
 
 

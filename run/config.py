@@ -569,9 +569,13 @@ def _check_device_flags(args):
     if args.kl_coef > 0 and args.lora_rank <= 0:
         raise ValueError("incompatible flags: --kl-coef > 0 needs a LoRA adapter (--lora-rank > 0), whose "
                          "disabled state is the reference policy; without LoRA there is no reference model")
-    if args.load_in_4bit and (not cuda or args.lora_rank <= 0):
+    from engine import gpu_paths
+
+    # CUDA, or the GPU a test emulates (engine/gpu_paths.py: bitsandbytes runs on a CPU too)
+    gpu = str(args.device).split(":")[0] in gpu_paths.DEVICE_TYPES
+    if args.load_in_4bit and (not gpu or args.lora_rank <= 0):
         raise ValueError("incompatible flags: --load-in-4bit needs a CUDA device and --lora-rank > 0")
-    if args.optimizer == "adamw8bit" and (not cuda or importlib.util.find_spec("bitsandbytes") is None):
+    if args.optimizer == "adamw8bit" and (not gpu or importlib.util.find_spec("bitsandbytes") is None):
         raise ValueError("--optimizer adamw8bit needs bitsandbytes and a CUDA device; use --optimizer adamw")
 
 

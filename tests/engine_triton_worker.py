@@ -40,15 +40,15 @@ def each_kernel_equals_its_reference(dtype):
         return (torch.randn(shape, generator=generator) * scale).to(dtype)
 
     x, residual, weight = random(3, 1, 96), random(3, 1, 96, scale=4.0), random(96).abs() + 0.5
-    for added in (None, x):
+    for added, eps in ((None, 1e-6), (x, 1e-6), (x, 0.5)):   # an eps as large as the values: dropping it shows
         mine, theirs = residual.clone(), residual.clone()
-        torch.testing.assert_close(triton_kernels.add_rms_norm(added, mine, weight, 1e-6),
-                                   R["add_rms_norm"](added, theirs, weight, 1e-6), **tolerance)
+        torch.testing.assert_close(triton_kernels.add_rms_norm(added, mine, weight, eps),
+                                   R["add_rms_norm"](added, theirs, weight, eps), **tolerance)
         torch.testing.assert_close(mine, theirs, **tolerance)
     rows, heads, kv_heads, head_dim, length = 3, 4, 2, 16, 192
     q, k, v = random(rows, 1, (heads + 2 * kv_heads) * head_dim).split([heads * head_dim, kv_heads * head_dim,
                                                                          kv_heads * head_dim], -1)
-    for rotary in (head_dim, head_dim // 2):
+    for rotary in (head_dim, head_dim // 2):   # each row at its own position: reading another row's shows
         angles = torch.rand(rows, 1, rotary // 2, generator=generator) * 20
         cos, sin = (torch.cat([f(angles), f(angles)], -1).to(dtype) for f in (torch.cos, torch.sin))
         caches = [random(rows, kv_heads, length, head_dim) for _ in range(2)]
@@ -96,17 +96,27 @@ def the_sampler_equals_the_reference(sample):
 
 
 def the_engine_decodes_generates_tokens():
-    """Every fused op a Triton kernel: the run-time check passes (no warning), greedy tokens equal HF generate's and
-    sampled tokens the plain step's, with its log-probs (float32)."""
+    """The decode engine as a GPU runs it (engine/gpu_paths.py emulating one on the CPU: the kernels chosen as on
+    CUDA), every fused op its Triton kernel, the attention split over the columns and combined: the run-time check
+    passes (no warning), greedy tokens equal HF generate's and sampled tokens the plain step's, with its log-probs
+    (float32)."""
+    from engine import gpu_paths
+
     model = eos_model("qwen2", seed=1, num_hidden_layers=1)
     ids, mask = left_padded_prompts([3, 5])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        engine.decode.KERNELS = "fused"
-        greedy = run(model, ids, mask, 1, 4, temperature=0.0)
-        sampled = engine.generate(model, ids, mask, torch.arange(2), 4, [EOS], EOS, temperature=1.0, seed=3,
-                                  return_logprobs=True)
-    assert engine.decode.engine_for(model).kernels.fused == frozenset(ops.OPS)
+    engine.decode.KERNELS = None
+    splits, attention_splits = [], triton_kernels.attention_splits
+    triton_kernels.attention_splits = lambda *args: splits.append(attention_splits(*args)) or splits[-1]
+    try:
+        with warnings.catch_warnings(), gpu_paths.emulated("cpu"):
+            warnings.simplefilter("error")
+            greedy = run(model, ids, mask, 1, 4, temperature=0.0)
+            sampled = engine.generate(model, ids, mask, torch.arange(2), 4, [EOS], EOS, temperature=1.0, seed=3,
+                                      return_logprobs=True)
+            assert engine.decode.engine_for(model).kernels.fused == frozenset(ops.OPS)
+    finally:
+        triton_kernels.attention_splits = attention_splits
+    assert splits and set(splits) == {2}, splits   # every decode step: the split kernel, then the combining one
     reference = run(model, ids, mask, 1, 4, temperature=0.0, backend="hf")
     assert all(torch.equal(a, b) for a, b in zip(greedy, reference)), "greedy tokens differ from generate()'s"
     engine.decode.KERNELS = "reference"

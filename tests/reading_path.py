@@ -66,13 +66,14 @@ def traced_step_files(backend, tokenizer=None):
     settings = train.step_settings(args)  # built once per run, before the step (the loop does so too)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    before = sys.gettrace(), threading.gettrace()   # a coverage run's tracer: put back afterwards
     threading.settrace(trace)
     sys.settrace(trace)
     try:
         train.train_step(model, tokenizer, optimizer, [examples], settings, step=1)
     finally:
-        sys.settrace(None)
-        threading.settrace(None)
+        sys.settrace(before[0])
+        threading.settrace(before[1])
         torch.set_num_threads(threads)
     return [path.relative_to(ROOT).as_posix() for path in entered]
 

@@ -338,3 +338,32 @@ def test_the_committed_gpu_figures_are_recomputed_from_their_runs(capsys):
     assert [row for row in rows if row not in text] == []
     with pytest.raises(SystemExit, match="no file"):
         cli.main(["show", str(root / "results/gpu-h200/absent.json")])
+
+
+def test_the_coverage_command_measures_what_a_part_of_the_suite_runs(tmp_path, capsys):
+    """`python -m bench coverage -- ARGS` runs those tests under coverage.py (in a fresh process) and counts the GPU
+    paths' files: the lines the part ran, each exclusion naming lines that exist; a passing suite says so."""
+    from bench import gpu_coverage
+
+    out = tmp_path / "coverage.json"
+    saved = cli.main(["coverage", "--json", "--out", str(out), "--", "tests/test_gpu_paths.py", "-k", "tf32", "-n",
+                      "0"])
+    rows = {row["file"]: row for row in saved["rows"]}
+    assert saved["suite_passed"] and json.loads(out.read_text())["rows"] == saved["rows"]
+    assert set(rows) == {*gpu_coverage.FILES, "total"} and 0 < rows["total"]["executed"] < rows["total"]["lines"]
+    assert rows["engine/gpu_paths.py"]["executed"] > 0 and all(entry["lines"] > 0 for entry in saved["excluded"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"percent": saved["percent"],
+                                                                    "suite_passed": True}
+
+
+def test_the_coverage_in_benchmarks_is_the_committed_record(capsys):
+    """BENCHMARKS.md's coverage table is what `python -m bench show` prints of results/coverage (a passing default
+    suite, >= 95 % of the lines)."""
+    root = Path(__file__).resolve().parents[1]
+    record = root / "results" / "coverage" / "bench_coverage.json"
+    saved = json.loads(record.read_text())
+    assert saved["suite_passed"] and saved["percent"] >= 95 and saved["command"] == "python -m bench coverage"
+    cli.main(["show", str(record)])
+    printed = capsys.readouterr().out.split("## rows\n")[1].split("\n\n")[0].strip()
+    section = (root / "BENCHMARKS.md").read_text().split("(`python -m bench coverage`)")[1].split("\n## ")[0]
+    assert printed in section

@@ -3,9 +3,10 @@ decode step (custom ops; a CPU runs each op's reference behind it) gives the pla
 step of it runs 9 operations a layer and builds no mask (counted by bench census); a fused op that disagrees with its
 reference (a planted fault in each) or raises is replaced by it with one warning line, before anything runs it, so
 the tokens stay the reference's; q|k|v and gate|up come from one merged copy each; Mistral and Phi-3 (fused
-projections, partial rotary) decode as generate() does; with triton installed, every Triton kernel compiles to sm_90
-machine code, and (`-m slow`) the Triton kernels themselves, under its interpreter on CPU tensors, equal their
-references, pass the run-time check and decode generate()'s tokens."""
+projections, partial rotary) decode as generate() does; every Triton kernel compiles to sm_90 machine code, and the
+Triton kernels themselves, under its interpreter on CPU tensors (a fresh process, ~10 s), equal their references (at
+shapes where a dropped RMSNorm eps or rotary read at another row's position shows), pass the run-time check and,
+with the engine taking the GPU paths (engine/gpu_paths.py), decode generate()'s tokens through the split attention."""
 
 import collections
 import json
@@ -24,7 +25,7 @@ import engine.decode
 import engine.graphs
 import engine.ops as ops
 import models
-from test_engine import EOS, VOCAB, eos_model, left_padded_prompts, lora_model
+from test_engine import EOS, VOCAB, eos_model, left_padded_prompts, lora_model, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 R = ops.TENSOR_REFERENCE
@@ -254,6 +255,76 @@ def test_prompts_padded_inside_are_refused():
         engine.generate(model, ids, mask, torch.arange(2), 4, [EOS], EOS, prefix_sharing=False)
 
 
+def test_an_adapter_that_is_not_additive_runs_unmerged():
+    """DoRA rescales the merged weight: it is not merged into the engine's copy; the module itself runs (as in
+    training), and the engine decodes generate()'s greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    base = eos_model("llama")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    ids, mask = left_padded_prompts([4, 7])
+    fast = run(model, ids, mask, 1, 8, temperature=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(fast, run(model, ids, mask, 1, 8, temperature=0.0, backend="hf")))
+    assert not engine.decode.engine_for(model).copies   # nothing merged: q and v run their adapters unmerged
+
+
+def test_what_the_engine_cannot_decode_is_said_in_one_line_and_refused():
+    """A sliding window shorter than the cache, RoPE frequencies that change with the length, a prompt-learning
+    adapter: each a reason (sampling.py then uses HF generate); engine.generate refuses such a model."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    window = models.tiny_random_model("mistral", vocab_size=VOCAB, sliding_window=16)
+    assert "sliding-window attention (16)" in engine.unsupported_reason(window, 256)
+    assert engine.unsupported_reason(window, 8) is None
+    dynamic = models.tiny_random_model("llama", vocab_size=VOCAB, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert "RoPE frequencies" in engine.unsupported_reason(dynamic)
+    prompted = get_peft_model(models.tiny_random_model("llama", vocab_size=VOCAB),
+                              PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert "prompt learning" in engine.unsupported_reason(prompted)
+    ids, mask = left_padded_prompts([4, 6])
+    with pytest.raises(ValueError, match="cannot run this model: RoPE"):
+        engine.generate(dynamic, ids, mask, torch.arange(2), 4, [EOS], EOS)
+
+
+def test_the_ops_refuse_what_they_cannot_run_and_the_checks_name_a_shape(monkeypatch):
+    """The kernel set's name is checked; a CPU with no set forced takes the plain step; a fused op giving a wrong
+    shape is named; the top-p nucleus runs the reference sampler (a sort); the Triton launchers refuse a
+    non-contiguous last dimension before launching anything; a shared prefix longer than the prompts is refused."""
+    import engine.step as step
+    import engine.triton_kernels as triton_kernels
+
+    with pytest.raises(ValueError, match="PODS_DECODE_KERNELS"):
+        ops.kernels_for(torch.device("cpu"), "triton")
+    assert not ops.kernels_for(torch.device("cpu")).fused and ops.kernels_for(torch.device("cpu")).stacked
+    assert "of shape (2,), not (3,)" in ops.differs("x", torch.zeros(2), torch.zeros(3), torch.float32)
+    model = eos_model("llama")
+    monkeypatch.setattr(engine.decode, "KERNELS", "fused")
+    dec = engine.decode.engine_for(model)
+    state = engine.decode.state_for(dec, 2, 256, 2, True, True)[0]
+    assert ops.check_finish_step(dec, state, torch.Generator().manual_seed(0)) is None   # top-p: the reference's
+    ids, mask = left_padded_prompts([4, 7, 2])
+    nucleus = engine.generate(model, ids, mask, torch.arange(3), 6, [EOS], EOS, temperature=1.0, top_p=0.9, seed=1)
+    monkeypatch.setattr(engine.decode, "KERNELS", "reference")
+    engine.release()
+    assert torch.equal(nucleus, engine.generate(model, ids, mask, torch.arange(3), 6, [EOS], EOS, temperature=1.0,
+                                                top_p=0.9, seed=1))
+    wide = torch.zeros(2, 1, 32).transpose(0, 2)   # last dimension not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_kernels.rotary_cache_write(wide, wide, wide, wide, wide, wide, wide, torch.tensor([0]))
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_kernels.decode_attention(torch.zeros(2, 4, 1, 8).transpose(-1, -2), *[torch.zeros(2, 2, 8, 8)] * 2,
+                                        torch.zeros(2), torch.zeros(1), torch.zeros(1), 1.0)
+    with pytest.raises(ValueError, match="contiguous over the vocabulary"):
+        triton_kernels.finish_step(torch.zeros(16, 2).t(), *[None] * 11, sample=False)
+    with pytest.raises(ValueError, match="a shared prefix of 9 tokens"):
+        step.prefill(dec, ids, mask, shared=9)
+
+
 # ------------------------------------------------------------------------- the Triton kernels (interpreter)
 
 @pytest.fixture(scope="module")
@@ -269,7 +340,6 @@ def interpreted():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow   # ~20-30 s: a fresh process and the interpreter (the default run compiles the kernels instead)
 @pytest.mark.parametrize("check", ["each kernel equals its reference (float32)", "each kernel equals its reference "
                                    "(bfloat16)", "the sampler equals the reference (greedy)",
                                    "the sampler equals the reference (sampled)",

@@ -11,14 +11,16 @@ import torch
 import grpo_loss
 import models
 from bench import census
+from engine import gpu_paths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "bf16_lora_on_cpu")
 
 
 @pytest.fixture
-def bf16_lora_on_cpu(monkeypatch):
-    """The bf16 adapter product runs on CUDA only (models.BF16_LORA_DEVICES); here it is tested on the CPU."""
-    monkeypatch.setattr(models, "BF16_LORA_DEVICES", ("cuda", "cpu"))
+def bf16_lora_on_cpu():
+    """The bf16 adapter product runs where the GPU paths do (engine/gpu_paths.py); here it is tested on the CPU."""
+    with gpu_paths.emulated("cpu"):
+        yield
 VOCAB = 97
 # bf16 keeps 8 bits of mantissa: log-probs of this random model move by ~0.06 nats from the bf16 base alone.
 LOGPROB_TOLERANCE = 0.12
@@ -91,6 +93,22 @@ def test_three_matrix_products_where_peft_runs_seven_kernels():
     assert sum(peft.values()) == 7 and peft[("mm", "float32")] == 2
 
 
+def test_its_backward_runs_seven_kernels():
+    """dL/dx (2 products), dL/dA (the scaled dL/d(xA^T): 1 product, its scaling as the product's alpha; 1 product and
+    the cast to the fp32 master's dtype) and dL/dB (1 product, scaled the same way, and the cast)."""
+    projection = models.hf_model(policy(torch.bfloat16)).model.layers[0].self_attn.q_proj
+    x = torch.randn(10, 64, dtype=torch.bfloat16, requires_grad=True)
+    out = projection(x)
+    recorder = census.Census({}, every_tensor_on_device=True)
+    with recorder:
+        out.backward(torch.ones_like(out))
+    kernels = collections.Counter()
+    for (phase, op, dtype, nbytes, flops), count in recorder.ops.items():
+        if op not in ("ones_like", "add_"):   # the gradient given, and its accumulation into the fp32 masters
+            kernels[op, dtype] += count
+    assert dict(kernels) == {("mm", "bfloat16"): 2, ("addmm", "bfloat16"): 3, ("_to_copy", "float32"): 2}
+
+
 def test_float32_and_the_adapter_off_run_pefts_forward_and_copies_follow_the_weights():
     model = policy(torch.bfloat16)
     projection = models.hf_model(model).model.layers[0].self_attn.q_proj
@@ -109,3 +127,35 @@ def test_float32_and_the_adapter_off_run_pefts_forward_and_copies_follow_the_wei
         y = torch.randn(2, 5, 64)
         type(layer).forward(layer, y)
         assert torch.equal(layer(y), type(layer).forward(layer, y))
+
+
+def torch_adamw(params, fused):
+    return torch.optim.AdamW(params, lr=1e-2, fused=fused, foreach=None if fused else True)
+
+
+OPTIMIZERS = {"adamw (foreach)": lambda params: torch_adamw(params, False),
+              "adamw (fused)": lambda params: torch_adamw(params, True),
+              "adamw8bit": lambda params: __import__("bitsandbytes").optim.AdamW8bit(params, lr=1e-2)}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_bf16_copies_follow_every_optimizer_step(name):
+    """Fused AdamW and bitsandbytes' 8-bit AdamW write the fp32 masters without bumping their version counters: the
+    bf16 copies the product computes with are refreshed by the step itself (update.OPTIMIZER_STEPS), so after each
+    step the layer computes what peft computes over the moved masters, not what it computed at the start."""
+    model = policy(torch.bfloat16)
+    projection = models.hf_model(model).model.layers[0].self_attn.q_proj
+    optimizer = OPTIMIZERS[name]([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        start = projection(x)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(input_ids=ids).logits.float()[:, -1, :5].sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            ours, peft = projection(x), type(projection).forward(projection, x)   # peft: from the fp32 masters
+        assert float((ours - peft).abs().max()) < 0.05   # bf16 rounding of the copies
+        assert float((ours - start).abs().max()) > 0.1   # the step moved what the update computes
+        start = ours

@@ -54,8 +54,10 @@ def test_gguf_quantizer_marker_is_dropped():
     model = models.tiny_random_model("llama")
     model.hf_quantizer = object()
     model.config.quantization_config = {"quant_method": "gguf"}
+    model.is_quantized = True
     models._drop_gguf_quantizer(model)
     assert model.hf_quantizer is None and getattr(model.config, "quantization_config", None) is None
+    assert not getattr(model, "is_quantized", False)
 
 
 @pytest.mark.slow
@@ -137,3 +139,58 @@ def test_gradient_checkpointing_is_switched_on_without_a_deprecation_warning(lor
                                             gradient_checkpointing=True)
     assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
     assert sum(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()) >= 1
+
+
+def test_the_demo_models_conversion_is_made_once_and_leaves_nothing_half_written(tmp_path, tiny_model_dir,
+                                                                                 monkeypatch, capsys):
+    """smollm2_cached_folder converts the GGUF file into $PODS_CACHE_DIR once, through a staging folder renamed when
+    complete (the tiny model folder stands for the GGUF reader's output here); a second call converts nothing; a
+    conversion that fails leaves no staging folder and shows what it held back of stderr."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    monkeypatch.setenv("PODS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "smollm2_gguf_location", lambda: (str(tiny_model_dir), "model.gguf"))
+    monkeypatch.setattr(models.os.path, "getsize", lambda path: 123)
+    calls = []
+
+    def loader(auto, fail=False):
+        def from_pretrained(folder, gguf_file):
+            calls.append(gguf_file)
+            if fail:
+                print("reading the GGUF file", file=models.sys.stderr)
+                raise RuntimeError("a truncated GGUF file")
+            return auto.from_pretrained(folder)
+        return SimpleNamespace(from_pretrained=from_pretrained)
+
+    monkeypatch.setattr(models, "transformers", SimpleNamespace(
+        AutoTokenizer=loader(transformers.AutoTokenizer),
+        AutoModelForCausalLM=loader(transformers.AutoModelForCausalLM, fail=True)))
+    with pytest.raises(RuntimeError, match="truncated"):
+        models.smollm2_cached_folder()
+    assert "reading the GGUF file" in capsys.readouterr().err and not list((tmp_path / "cache").glob(".tmp-*"))
+    assert models._light_source(models.SMOLLM2_ALIAS)[1] == {"gguf_file": models.SMOLLM2_GGUF_FILE}
+    assert models.max_positions(models.SMOLLM2_ALIAS) is None   # a GGUF header is not read for it
+    monkeypatch.setattr(models.transformers, "AutoModelForCausalLM", loader(transformers.AutoModelForCausalLM))
+    target = models.smollm2_cached_folder()
+    assert (target / "config.json").is_file() and "converting the demo model's GGUF file once" in \
+        capsys.readouterr().out
+    calls.clear()
+    assert models.smollm2_cached_folder() == target and calls == []   # made once
+
+
+def test_a_gguf_file_loads_from_its_folder_and_odd_inputs_are_one_line(tmp_path, monkeypatch):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert models._pretrained_source(str(tmp_path / "model.gguf")) == (str(tmp_path), {"gguf_file": "model.gguf"})
+    with pytest.raises(ValueError, match="no list of decoder blocks"):
+        models.decoder_blocks(torch.nn.Linear(2, 2))
+    full = models.tiny_random_model("llama", vocab_size=64)
+    assert models.trainable_line(full).startswith("full fine-tuning: ")
+    monkeypatch.setattr(models, "open", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no /proc")),
+                        raising=False)
+    assert models.available_memory_bytes("cpu") is None
+    from engine import gpu_paths
+
+    with gpu_paths.emulated("cpu"), pytest.raises(ValueError, match="--lora-rank > 0"):
+        models.load_policy(str(tmp_path), load_in_4bit=True, lora_rank=0)

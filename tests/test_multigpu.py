@@ -195,6 +195,21 @@ def test_single_process_context_and_collectives_are_identities(monkeypatch):
         assert inside is model
 
 
+def test_a_count_on_the_device_is_summed_there(tmp_path):
+    """update.loss_denominator's count of the tokens token_reject accepts is a tensor on the device: global_count
+    sums it with an all-reduce there (no host read), a number as before (a one-process group here)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        count = torch.tensor(7)
+        summed = distributed.global_count(count)
+        assert torch.is_tensor(summed) and summed is not count and int(summed) == 7
+        assert distributed.global_count(3) == 3
+    finally:
+        dist.destroy_process_group()
+
+
 def test_rank_slices_are_disjoint_cover_the_step_and_must_be_even():
     indices = [9, 4, 7, 1, 3, 8]
     slices = [distributed.rank_slice(indices, rank, 3) for rank in range(3)]

@@ -218,6 +218,24 @@ def test_high_entropy_mask_is_trls(quantile):
         gl.high_entropy_mask(entropies, mask, 1.5)
 
 
+def test_the_entropy_mask_reads_nothing_back_from_the_device():
+    """The quantile over the masked tokens is taken without selecting them (a boolean index makes the host wait for
+    the device): no host sync in bench census's count, and on the meta device (shapes, no values: any read fails) it
+    runs as it does on the host."""
+    from bench import census
+
+    entropies, mask = torch.rand(4, 9, generator=torch.Generator().manual_seed(0)), torch.ones(4, 9, dtype=torch.long)
+    mask[1, 4:] = 0
+    recorder = census.Census({})
+    for tensor in (entropies, mask):
+        recorder.device.add(tensor)
+    with census.host_boundary(recorder, torch.device("cpu")), recorder:
+        gl.high_entropy_mask(entropies, mask, 0.2)
+    assert not recorder.syncs and sum(recorder.ops.values()) > 0
+    on_meta = gl.high_entropy_mask(entropies.to("meta"), mask.to("meta"), 0.2)
+    assert on_meta.device.type == "meta" and on_meta.shape == (4, 9) and on_meta.dtype == torch.bool
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_entropies_come_with_the_log_probs_at_no_gradient(temperature):
     """picked_logprobs(..., with_entropies=True): the same log-probs, and TRL's entropy_from_logits of the logits at

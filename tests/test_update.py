@@ -10,6 +10,7 @@ import torch
 
 import grpo_loss
 import models
+from engine import gpu_paths
 from engine import kernels
 import sampling
 import update
@@ -291,6 +292,31 @@ def test_token_reject_takes_the_rejected_tokens_out_of_the_step_denominator(aggr
     assert two.loss == pytest.approx(expected_loss.item(), rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.parametrize("correction", ["tis", "token_mask", "token_reject"])
+def test_the_step_denominator_stays_on_the_device_where_pi_old_is(correction):
+    """On a GPU the batch (and the sampler's log-probs) wait on the host while fill_logprobs leaves pi_old on the
+    device: the denominator moves what it needs there, and token_reject's count of accepted tokens stays there (a
+    0-dim tensor read with the loss: no sync of its own). `meta` stands for the GPU here."""
+    model = lora_model()
+    batch = varied_batch(6, seed=1)
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    with torch.no_grad():
+        current = grpo_loss.token_logprobs(model, ids, torch.cat([torch.ones_like(batch.prompt_ids),
+                                                                  batch.completion_mask], 1), 6)
+    batch.sampler_logprobs = current + torch.randn(current.shape, generator=torch.Generator().manual_seed(3))
+    settings = update.UpdateSettings(micro_batch_size=2, loss=LossSettings(
+        aggregation="token", importance_sampling_correction=correction))
+    update.fill_logprobs(model, [batch], settings)
+    host = update.loss_denominator([batch], settings)
+    if correction != "token_reject":
+        assert batch.old_logprobs is None and host == int(batch.completion_mask.sum())
+        return
+    batch.old_logprobs = batch.old_logprobs.to("meta")
+    on_device = update.loss_denominator([batch], settings)
+    assert torch.is_tensor(on_device) and on_device.device.type == "meta" and on_device.dim() == 0
+    assert torch.is_tensor(host) and 0 < int(host) <= int(batch.completion_mask.sum())
+
+
 def test_kept_batch_takes_indices_a_mask_or_rows_alike():
     P, n = 2, 3
     rollouts = sampling.Rollouts(
@@ -383,12 +409,12 @@ def test_whatever_replays_the_gradient_is_the_same(plan, monkeypatch):
     move_lora_b(model)
     batch = random_batch(4, 5, 6, VOCAB)
     monkeypatch.setattr(update, "checkpoint_plan", lambda *args: plan)
-    monkeypatch.setattr(update, "on_gpu", lambda device: True)  # the plan acts where the GPU paths do: here, planted
     runs = []
     for layer in kernels.checkpointable_layers(model):
         layer.mlp.gate_proj.register_forward_pre_hook(lambda module, args: runs.append(1))  # a replay may stop early
-    update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0), [batch],
-                         update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
+    with gpu_paths.emulated("cpu"):   # the plan acts where the GPU paths run
+        update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                             [batch], update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
     replayed = 2 if plan[0] is None else plan[0] + plan[1]
     assert len(runs) == 2 * (2 + replayed)   # 2 micro-batches: every MLP once, each replayed once more
     assert all(layer.gradient_checkpointing for layer in kernels.checkpointable_layers(model))   # as built again
@@ -398,3 +424,20 @@ def test_whatever_replays_the_gradient_is_the_same(plan, monkeypatch):
     update.update_policy(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
                          [batch], update.UpdateSettings(micro_batch_size=2, prefix_sharing=False))
     torch.testing.assert_close(grads(model), grads(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_what_the_update_cannot_train_on_is_refused_in_one_line():
+    """The KL reference needs a LoRA adapter; an importance-sampling correction needs the sampler's log-probs; a
+    non-finite advantage is refused before any forward pass (it is checked on the host)."""
+    batch = random_batch(2, 3, 4, VOCAB)
+    with pytest.raises(ValueError, match="kl_coef > 0 needs a LoRA model"):
+        update.fill_logprobs(models.tiny_random_model("llama", vocab_size=VOCAB), [batch],
+                             update.UpdateSettings(loss=LossSettings(kl_coef=0.1)))
+    model = lora_model()
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(ValueError, match="needs the sampler's log-probs"):
+        update.update_policy(model, frozen, [batch], update.UpdateSettings(
+            loss=LossSettings(importance_sampling_correction="tis")))
+    batch.advantages[1] = math.nan
+    with pytest.raises(ValueError, match="non-finite values"):
+        update.update_policy(model, frozen, [batch], update.UpdateSettings())
