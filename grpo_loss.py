@@ -182,6 +182,13 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def kept_positions(length: int, count: int, device=None):
+    """transformers' `logits_to_keep` for the last `count` of `length` positions: an index tensor when fewer than all
+    are kept. (An int makes the model slice its hidden states, a strided view whose LM-head product on a CPU copies
+    the whole [vocabulary, hidden] weight once per row, forward and backward: 36x slower at the demo's sizes.)"""
+    return count if count >= length else torch.arange(length - count, length, device=device)
+
+
 def check_logprob_inputs(input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
                          temperature: float) -> None:
     """The checks of `token_logprobs`' arguments (ValueError naming the bad one)."""
@@ -245,7 +252,7 @@ def token_logprobs(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=c + 1,
+        logits_to_keep=kept_positions(input_ids.shape[1], c + 1, input_ids.device),
         use_cache=False,
     ).logits
     # Drop the last position (it predicts past the row); slicing from -(c+1) also covers a model that

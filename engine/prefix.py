@@ -199,7 +199,8 @@ def _forward(model, ids, mask, positions, cache, logits_to_keep):
         # The layers read and write `cache` whenever one is passed; use_cache=True under checkpointing would only
         # make transformers warn that it turns use_cache off.
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=not checkpointing,
-                    logits_to_keep=logits_to_keep, **{cache_argument(model): cache})
+                    logits_to_keep=grpo_loss.kept_positions(ids.shape[1], logits_to_keep, ids.device),
+                    **{cache_argument(model): cache})
     length = ids.shape[1] if mask is None else mask.shape[1]
     if cache.get_seq_length() != length:
         raise RuntimeError(f"the model left a KV cache of {cache.get_seq_length()} positions, not {length} "

@@ -90,7 +90,9 @@ def test_token_logprobs_gradient_matches_naive_and_requests_only_completion_logi
 
     small_model.forward = recording_forward
     gl.token_logprobs(small_model, ids, mask, 5).sum().backward()
-    assert seen == {"logits_to_keep": 6, "logits_positions": 6}
+    # The last C + 1 positions by index (a slice would be a strided view: kept_positions)
+    assert seen["logits_to_keep"].tolist() == list(range(ids.shape[1] - 6, ids.shape[1]))
+    assert seen["logits_positions"] == 6
     got = {name: p.grad.clone() for name, p in small_model.named_parameters()}
     small_model.zero_grad()
     small_model.forward = original_forward
@@ -118,3 +120,36 @@ def test_token_logprobs_rejects_bad_sizes(small_model):
         gl.token_logprobs(small_model, ids, mask[:, 1:], 2)
     with pytest.raises(ValueError, match="temperature"):
         gl.token_logprobs(small_model, ids, mask, 2, temperature=0.0)
+
+
+def test_the_lm_head_reads_the_kept_positions_without_copying_its_weight():
+    """Fewer positions than the row kept (a prompt's last position, a completion after its prompt): by index, so the
+    LM head is one matrix product on [rows, hidden]; a slice is a strided view whose product copied the whole
+    [vocabulary, hidden] weight once per row on a CPU (36x slower at the demo's sizes), forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine import prefix
+
+    assert gl.kept_positions(6, 6) == 6 and gl.kept_positions(6, 9) == 9
+    assert gl.kept_positions(10, 3).tolist() == [7, 8, 9]
+    vocab, hidden = 49152, 64
+    model = models.prepare_for_training(models.tiny_random_model("llama", vocab_size=vocab, hidden_size=hidden),
+                                        lora_rank=4, lora_alpha=8)  # the LM head frozen, as in the update
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (4, 12), generator=gen).repeat_interleave(2, 0)  # 4 prompts, 2 rows each
+    ids = torch.cat([prompts, torch.randint(3, vocab, (8, 4), generator=gen)], 1)
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                Largest.numel = max(Largest.numel, out.numel())
+            return out
+
+    for logprobs in (gl.token_logprobs, prefix.completion_logprobs):
+        Largest.numel = 0
+        with Largest():
+            logprobs(model, ids, torch.ones_like(ids), 4).sum().backward()
+        assert Largest.numel < 2 * vocab * hidden, logprobs.__name__  # the logits [8, 4, V], no weight copies
