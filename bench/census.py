@@ -646,8 +646,10 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     if hasattr(update, "checkpoint_plan"):  # (older code: every layer as built)
         whole, mlps = REPLAYS[kind]
         phases.append((update, "checkpoint_plan", lambda *a: (whole * layers, mlps * layers)))
-    calls, hf = [], models.hf_model(model)
-    hf_forward = hf.forward
+    # The decoder's calls: every model call runs it, whether the model's forward or the update's fused LM head
+    # (grpo_loss.kept_outputs) calls it.
+    calls, decoder = [], models.hf_model(model).model
+    hf_forward = decoder.forward
 
     def forward(*args, **kwargs):  # each model call of the forward phase on its own line: [rows x tokens]
         ids = kwargs.get("input_ids")
@@ -662,7 +664,7 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
         finally:
             census.factories_on_device = False
 
-    hf.forward = functools.wraps(hf_forward)(forward)  # its signature too: prefix.py reads it
+    decoder.forward = functools.wraps(hf_forward)(forward)  # its signature too
     saved = [(owner, name, owner.__dict__[name] if name in vars(owner) else None) for owner, name, _ in phases]
     try:
         for owner, name, phase in phases:
@@ -670,7 +672,7 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
         with host_boundary(census, torch.device("cpu")), census, census.labelled("batching and bookkeeping"):
             metrics = run(batches)
     finally:
-        del hf.forward
+        del decoder.forward
         for owner, name, value in saved:
             if value is None:
                 delattr(owner, name)
