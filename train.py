@@ -365,9 +365,12 @@ def run(args, run_dir, processes):
                                              make_round, processes)
             if args.dynamic_sampling:
                 metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
-            step_start, before_s, cpu_at_step = time.perf_counter(), state.elapsed_s, threads.sample()
-            trl_call.advance(settings.rewards.trainer_state, state.step, state.position, len(train_set))  # TRL's view
-                    if processes.is_main else []:
+            metrics.update(report.learning_signal(metrics))  # "cannot_learn": nothing to learn from, and why
+            stuck = stuck + 1 if "cannot_learn" in metrics else 0
+            metrics["num_threads"] = cpu_threads.count  # what the step ran with; the next may run with other
+            changed = threads.adjust(cpu_threads, cpu_at_step, "the step")  # a line when the count changes
+            notes = report.step_notes(metrics, args, stuck, first=state.step == start_step) + [changed] * bool(changed)
+            for line in notes if processes.is_main else []:
                 tqdm.write(f"step {state.step + 1}: {line}", file=sys.stderr)  # above the progress bar
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))
