@@ -106,7 +106,7 @@ def cache_argument(model):
 def _checkpointed_layers(model):
     """The modules of `model` that gradient checkpointing replays in the backward (transformers' flag, in training
     mode: grpo_loss.dropout_off keeps them so in the update)."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
+    return [m for m in grpo_loss.checkpointing_modules(model) if m.gradient_checkpointing is True and m.training]
 
 
 def unsupported_reason(model) -> str | None:
