@@ -536,6 +536,13 @@ def print_report(saved):
     print()
     for key in HEADLINES:
         print(f"{key}: {result[key]}")
+    for record in ("host", "host_compiled"):   # timed, not counted: this CPU's at its load, one thread
+        if record in saved:
+            host = saved[record]
+            compiled = f", decoder layers compiled ({host['backend']})" if "backend" in host else ""
+            for key in HOST_FIGURES:
+                print(f"{key}{compiled}: {host[key]} (one thread, median of {host['repeats']}, load average "
+                      f"{host['load_average']})")
     return result
 
 
@@ -862,11 +869,13 @@ def host_timing():
         torch.set_num_threads(threads)
 
 
-def host_times(args, layers, plan, repeats=5):
+def host_times(args, layers, plan, repeats=5, compile_backend=None):
     """{update_host_s, decode_host_ms_per_step, load_average}: the wall time of one update of `args`' preset (its
     layers, micro-batch, LoRA, checkpointing; the GPU paths taken on the CPU, `plan` = (layers, MLPs) replayed) and
     of one eager decode step, at HOST_NARROW widths on one thread (`host_timing`), the median of `repeats`
-    interleaved runs after a warm-up; the load average over them (a busy machine's figure is not the host's)."""
+    interleaved runs after a warm-up; the load average over them (a busy machine's figure is not the host's).
+    compile_backend: each decoder layer compiled by torch.compile with it (regional compilation, forward and
+    backward; the warm-up compiles), for the host's time of a compiled update beside the eager one."""
     import os
     import statistics
     import time
@@ -887,6 +896,12 @@ def host_times(args, layers, plan, repeats=5):
     with host_timing():
         model = narrow_policy(args, layers, HOST_NARROW).train()
         grpo_loss.hf_model(model).set_attn_implementation("pods_host_stand_in")
+        if compile_backend:
+            from torch import _dynamo
+
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 2 * layers)
+            for layer in grpo_loss.hf_model(model).model.layers:
+                layer.compile(backend=compile_backend, dynamic=False)
         optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
 
         def update_seconds():
@@ -930,6 +945,8 @@ def host_times(args, layers, plan, repeats=5):
         finally:
             update.checkpoint_plan = planted
             engine.release(model)
+    if compile_backend:
+        _dynamo.reset()
     return dict(update_host_s=round(statistics.median(updates), 3),
                 decode_host_ms_per_step=round(1e3 * statistics.median(steps), 3),
                 load_average=[round(load, 2) for load in loads], repeats=repeats)
@@ -955,6 +972,8 @@ def bench_census(argv):
                         "checkpointed layers of the kernel count and tables (default H200; the roofline: every card)")
     parser.add_argument("--host-repeats", type=int, default=5, help="timed repeats of the host's time (the update "
                         "and a decode step at the narrowest widths on one thread: `host_times`); 0: not timed")
+    parser.add_argument("--host-compile", metavar="BACKEND", help="also time the update with each decoder layer "
+                        "compiled by torch.compile(backend=BACKEND) (inductor, aot_eager): host_compiled in the record")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the headline figures, and the "
                         "host's times: update_host_s, decode_host_ms_per_step)")
     parser.add_argument("--out", default="bench_out/bench_census.json", help="where the records go (JSON)")
@@ -972,8 +991,11 @@ def bench_census(argv):
     if args.host_repeats:  # timed, not counted: beside the headlines, never compared with a record's
         checkpointed, host_args = saved["update_checkpointed_layers"][args.card], trainer_args(args.preset, flags)
         host_args.census_model = saved["model"]
-        saved["host"] = host_times(host_args, saved["shapes"]["layers"], (checkpointed["layers"],
-                                                                           checkpointed["mlps"]), args.host_repeats)
+        plan = (checkpointed["layers"], checkpointed["mlps"])
+        saved["host"] = host_times(host_args, saved["shapes"]["layers"], plan, args.host_repeats)
+        if args.host_compile:
+            saved["host_compiled"] = {"backend": args.host_compile, **host_times(
+                host_args, saved["shapes"]["layers"], plan, args.host_repeats, compile_backend=args.host_compile)}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=None, separators=(",", ":")) + "\n")
@@ -982,7 +1004,5 @@ def bench_census(argv):
         print(json.dumps({**{key: saved[key] for key in HEADLINES}, **host}))
     else:
         print_report(saved)
-        for key, value in host.items():
-            print(f"{key}: {value} (this CPU, one thread, load average {saved['host']['load_average']})")
         print(f"records: {path}")
     return saved

@@ -214,11 +214,20 @@ def test_the_census_times_the_hosts_work_beside_its_counts(fresh, monkeypatch):
 
 
 def test_benchmarks_quotes_the_committed_host_times():
-    """BENCHMARKS.md's host times of today's update and decode step are the committed census record's."""
+    """BENCHMARKS.md's host times are the committed records': the census record's update and decode step, and the
+    before/after of the update (results/host/host_before_after.json: each run's median of its updates after the
+    first, the median of the runs)."""
+    import statistics
+
     host = json.loads(COMMITTED.read_text())["host"]
     benchmarks = " ".join((ROOT / "BENCHMARKS.md").read_text().split())
     assert f"update_host_s {host['update_host_s']}" in benchmarks
     assert f"decode_host_ms_per_step {host['decode_host_ms_per_step']}" in benchmarks
+    record = json.loads((ROOT / "results" / "host" / "host_before_after.json").read_text())
+    for arm in ("before", "after"):
+        medians = [round(statistics.median(run[1:]), 3) for run in record[f"{arm}_runs_s"]]
+        assert medians == record[f"{arm}_medians_s"] and statistics.median(medians) == record[f"{arm}_s"]
+        assert f"{record[f'{arm}_s']:.3f} s ({', '.join(f'{m:.3f}' for m in medians)})" in benchmarks, arm
 
 
 def test_a_census_that_does_not_enter_the_plan_differs_from_the_record(monkeypatch):

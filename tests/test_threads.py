@@ -2,9 +2,11 @@
 over each step, with hysteresis), a crowded machine gets one thread, --num-threads fixes the count, and the count
 changes no result (an update and a generation on 1 and 2 threads give the same numbers)."""
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import models
 import update
 from engine import decode
 from run import threads
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -121,3 +125,16 @@ def test_a_step_beside_16_busy_processes_stays_within_a_few_times_its_quiet_time
     assert result["busy_over_quiet"]["auto"] <= 5.0
     busy = next(row for row in result["rows"] if row["busy"])
     assert busy["threads_per_step"][-1] == 1
+
+
+def test_benchmarks_quotes_the_committed_load_run():
+    """BENCHMARKS.md's table of `python -m bench load` is the committed record's (results/load/bench_load.json): each
+    thread count's quiet and busy median step and their ratio; the default stays within 3x of its quiet step."""
+    record = json.loads((ROOT / "results" / "load" / "bench_load.json").read_text())
+    rows = {(row["threads"], row["busy"]): row for row in record["rows"]}
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    for threads, ratio in record["busy_over_quiet"].items():
+        quiet, busy = rows[(threads, 0)], rows[(threads, record["busy"])]
+        assert ratio == pytest.approx(busy["step_s"] / quiet["step_s"])
+        assert f"| {quiet['step_s']:.2f} | {busy['step_s']:.2f} | **{ratio:.2f}x** |" in benchmarks, threads
+    assert record["busy_over_quiet"]["auto"] <= 3
