@@ -38,6 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lazy import lazy_module
+from run import threads
+
+CPU_AT_START = threads.sample()  # the other work the imports run beside: the thread count is chosen from it
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): --help and the flags need none
 
@@ -299,7 +302,7 @@ def build_parser():
     parser.add_argument("--out", help="results JSON (default: <run>/eval_<split>.json for the run's held-out rows, "
                         "eval_<dataset>[-<template>]_<split>.json for others; without --checkpoint in this folder)")
     parser.add_argument("--num-threads", type=int, default=0,
-                        help="torch CPU threads (0 = torch's default, one per physical core)")
+                        help="torch CPU threads; 0 = as many as other work leaves free at the start, at most one per core")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -336,7 +339,7 @@ def flag_problem(args):
         if value is not None and value < 1:
             return f"{flag} must be >= 1, got {value}"
     if args.num_threads < 0:
-        return f"--num-threads must be >= 0 (0 = torch's default), got {args.num_threads}"
+        return f"--num-threads must be >= 0 (0 = what the machine has free), got {args.num_threads}"
     if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
         return f"--temperature must be >= 0 (0 = greedy), got {args.temperature}"
     if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
@@ -623,8 +626,7 @@ def main(argv=None, load_sharded=None):
         print(f"all {len(checkpoints)} checkpoints already in {out_path}")
         return saved
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
+    threads.choose(args.num_threads, args.device, since=CPU_AT_START)  # 0: what the machine has free (run/threads.py)
     tokenizer = models.load_tokenizer(settings["model"])
     try:
         # seed 0: the fixed held-out sample train.py evaluates on (the sampling seed is separate).

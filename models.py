@@ -345,6 +345,11 @@ def load_policy(name_or_path, *, dtype=None, device="cpu", load_in_4bit=False, l
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype or torch.bfloat16)
         kwargs["device_map"] = {"": device}
+    if torch.device(device).type == "cpu":
+        # The short rows of a CPU run: transformers' eager attention (two matrix products, a float32 softmax) takes
+        # less time than torch's CPU flash attention, whose backward runs at a few GFLOP/s at the demo's shapes
+        # (BENCHMARKS.md, "The demo's step on a CPU"), and rounds alike on any thread count (run/threads.py).
+        kwargs["attn_implementation"] = "eager"
     model = _from_pretrained(transformers.AutoModelForCausalLM, source, name_or_path, dtype=dtype or "auto", **kwargs)
     if "gguf_file" in kwargs:
         model = _drop_gguf_quantizer(model).to(dtype or torch.float32)
@@ -454,6 +459,14 @@ def _lora_product():
     return LoRAProduct
 
 
+def computes_in_bf16(device) -> bool:
+    """Whether a bf16 base's LoRA adapter is computed in bf16 on `device` (`lora_in_base_dtype`): where the GPU paths
+    run (engine/gpu_paths.py), and on a CPU with bf16 instructions of its own (`native_bf16`), whose bf16 products
+    are its fastest; elsewhere peft's float32 adapter."""
+    device = torch.device(device)
+    return device.type in gpu_paths.DEVICE_TYPES or (device.type == "cpu" and native_bf16(device))
+
+
 def _low_precision_copies(module, adapter, dtype):
     """The adapter's A and B weights in `dtype`, cast once per change of the weights and reused by every forward until
     then: an optimizer step (update.OPTIMIZER_STEPS: fused AdamW and bitsandbytes' 8-bit AdamW write the weights
@@ -476,7 +489,7 @@ def _lora_forward(module, peft_forward):
         adapters = module.active_adapters
         adapter = adapters[0] if len(adapters) == 1 else None
         base = module.base_layer
-        if (args or kwargs or x.device.type not in gpu_paths.DEVICE_TYPES or adapter not in module.lora_A
+        if (args or kwargs or not computes_in_bf16(x.device) or adapter not in module.lora_A
                 or module.disable_adapters or module.merged
                 or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
                 or x.dtype == module.lora_A[adapter].weight.dtype

@@ -15,6 +15,9 @@ import os
 import sys
 
 from run import config  # the flags; importing it loads no torch
+from run import threads
+
+CPU_AT_START = threads.sample()  # the other work the imports below run beside: the thread count is chosen from it
 
 if __name__ == "__main__":  # the flags parsed and checked before the imports below, which take seconds
     if "RANK" in os.environ:  # started by torchrun
@@ -295,12 +298,11 @@ def train(args, processes=OneProcess()):
 def run(args, run_dir, processes):
     """The run in its folder: load, resume or start, then step, log, evaluate and checkpoint until the budget ends."""
     label = config.method_label(args)
+    cpu_threads = threads.choose(args.num_threads, args.device, since=CPU_AT_START)
     if processes.is_main:
-        print(report.start_line(label, args, run_dir), flush=True)
+        print(report.start_line(label, args, run_dir, cpu_threads), flush=True)
         if report.own_rows_line(args):
             print(report.own_rows_line(args), flush=True)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
     if processes.is_main:
         print(models.trainable_line(model), flush=True)
@@ -355,7 +357,7 @@ def run(args, run_dir, processes):
             stop = signalled_stop()
             if stop is not None:
                 break
-            step_start, before_s = time.perf_counter(), state.elapsed_s
+            step_start, before_s, cpu_at_step = time.perf_counter(), state.elapsed_s, threads.sample()
             trl_call.advance(settings.rewards.trainer_state, state.step, state.position, len(train_set))  # TRL's view
             rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
             with signals.cuda_oom_hint(args, "the training step"), report.peak_memory_measured(args.device):
@@ -365,8 +367,10 @@ def run(args, run_dir, processes):
                 metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
             metrics.update(report.learning_signal(metrics))  # "cannot_learn": nothing to learn from, and why
             stuck = stuck + 1 if "cannot_learn" in metrics else 0
-            for line in report.step_notes(metrics, args, stuck, first=state.step == start_step) \
-                    if processes.is_main else []:
+            metrics["num_threads"] = cpu_threads.count  # what the step ran with; the next may run with other
+            changed = threads.adjust(cpu_threads, cpu_at_step, "the step")  # a line when the count changes
+            notes = report.step_notes(metrics, args, stuck, first=state.step == start_step) + [changed] * bool(changed)
+            for line in notes if processes.is_main else []:
                 tqdm.write(f"step {state.step + 1}: {line}", file=sys.stderr)  # above the progress bar
             step_s = processes.agree(time.perf_counter() - step_start)
             write(report.record_step(state, metrics, step_s))

@@ -209,7 +209,8 @@ def activation_budget(device):
 def checkpoint_plan(model, batches, settings, device):
     """(layers replayed whole, layers whose MLP alone replays) in this update's backward (kernels.checkpointing), for
     a model built with gradient checkpointing: as little replay as the largest micro-batch's saved activations
-    (kernels.saved_bytes_per_token) and logits need to fit `activation_budget` (kernels.checkpoint_plan); (None, 0):
+    (kernels.saved_bytes_per_token) and logits (with a fused head, one chunk of them) need to fit `activation_budget`
+    (kernels.checkpoint_plan); (None, 0):
     every layer whole, as built, where no budget is known (off CUDA) or with several processes (they would have to
     measure together)."""
     budget = activation_budget(device)  # first: off CUDA nothing is planned (engine/kernels.py not entered)
@@ -219,8 +220,10 @@ def checkpoint_plan(model, batches, settings, device):
     parts = [(min(rows.stop, len(batch.advantages)) - rows.start, prompt, completion) for batch in batches
              for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size)]
     tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
-    logits = max(rows * completion for rows, _, completion in parts) * grpo_loss.hf_model(model).config.vocab_size * \
-        2 * next(model.parameters()).element_size() + 4 * 4 * grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
+    logits = 4 * 4 * grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS  # the log-softmax's float32 chunks
+    if grpo_loss.fused_head(model) is None:  # the model's own logits, and their gradient, whole
+        logits += max(rows * completion for rows, _, completion in parts) * \
+            grpo_loss.hf_model(model).config.vocab_size * 2 * next(model.parameters()).element_size()
     return kernels.checkpoint_plan(layers, kernels.saved_bytes_per_token(model), tokens, budget - logits)
 
 

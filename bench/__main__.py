@@ -15,6 +15,8 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   census     kernels, host syncs, bytes, FLOPs and a GPU roofline of the update and a decode step   bench/census.py
   update     setting (a)'s update, its speed changes switched on in turn: time, GPU busy         bench/update_speed.py
   coverage   the lines of the files a GPU runs that the default test suite executes (no GPU)      bench/gpu_coverage.py
+  load       a demo step beside 16 busy processes against the quiet machine, per --num-threads   bench/load.py
+  products   a demo decode step's matrix products on a CPU: F.linear vs oneDNN's weight layout  bench/products.py
   save-tokenizer DIR   the offline SmolLM2 tokenizer, for `step --tokenizer DIR` on a GPU machine  bench/step.py
   show FILE.json ...   a saved run's tables as it printed them (the GPU figures, from results/)     bench/show.py
 
@@ -46,6 +48,7 @@ COMMANDS = {"selector": ("selector", "bench_selector"), "rewards": ("grading", "
             "sampler": ("sampler", "bench_sampler"), "prefix": ("prefix", "bench_prefix"),
             "evalprefix": ("eval_prefix", "bench_evalprefix"), "census": ("census", "bench_census"),
             "update": ("update_speed", "bench_update"), "coverage": ("gpu_coverage", "bench_coverage"),
+            "load": ("load", "bench_load"), "products": ("products", "bench_products"),
             "save-tokenizer": ("step", "save_tokenizer"), "show": ("show", "bench_show")}
 USAGE = f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]   (python -m bench --help: the list)"
 

@@ -113,6 +113,7 @@ class Engine:
     copies: list
     step: object
     capture: bool             # record / replay CUDA graphs
+    layouts: list | None      # on a CPU: (weight, slot of its weights.cpu_layout) of every copy and the LM head
     kernels: object = decode_step.PLAIN
     buffers: dict = field(default_factory=dict)
     states: dict = field(default_factory=dict)
@@ -192,29 +193,34 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
         kernels = decode_step.PLAIN if KERNELS is None and device.type not in gpu_paths.DEVICE_TYPES else \
             ops.kernels_for(device, KERNELS)
         config, copies = hf.config, []
+        # A CPU's products over weights laid out for it (weights.cpu_layout): the plain step of a CPU only, not a
+        # GPU's step emulated there nor the kernels a benchmark asks for
+        layouts = [] if kernels is decode_step.PLAIN and KERNELS is None and device.type == "cpu" else None
         attention = hf.model.layers[0].self_attn
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attention.head_dim
         layers = [build_layer(FAMILIES[config.model_type](layer), copy, copies, kernels.stacked,
-                              (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), config.intermediate_size)
-                  for layer in hf.model.layers]
+                              (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), config.intermediate_size,
+                              layouts) for layer in hf.model.layers]
         engine = _ENGINES[model][key] = Engine(
-            hf.model.embed_tokens, layers, hf.model.norm, hf.lm_head, hf.model.rotary_emb, heads, kv_heads, head_dim,
-            config.intermediate_size, attention.scaling, signature, copies,
+            hf.model.embed_tokens, layers, hf.model.norm, weights.head(hf.lm_head, layouts), hf.model.rotary_emb,
+            heads, kv_heads, head_dim, config.intermediate_size, attention.scaling, signature, copies,
             graphs.compiled(decode_step.decode_step, backend, STATS) if backend else decode_step.decode_step,
-            bool(capture), kernels)
+            bool(capture), layouts, kernels)
     if refresh_weights or fresh:
         weights.refresh_copies(engine.copies)
+        weights.lay_out(engine.layouts or [])
     return engine
 
 
-def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size):
+def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size, layouts=None):
     """The Layer the engine calls over one decoder layer's modules (a family's Layer); merged copies appended to
-    `copies`."""
+    `copies` (on a CPU, their layout slots to `layouts`)."""
     return dataclasses.replace(
-        modules, qkv=weights.projections(modules.qkv, qkv_sizes, copy, copies, stacked),
-        o=weights.projection(modules.o, copy, copies),
-        gate_up=weights.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked),
-        down=weights.projection(modules.down, copy, copies))
+        modules, qkv=weights.projections(modules.qkv, qkv_sizes, copy, copies, stacked, layouts),
+        o=weights.projection(modules.o, copy, copies, layouts),
+        gate_up=weights.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked,
+                                    layouts),
+        down=weights.projection(modules.down, copy, copies, layouts))
 
 
 def records_graphs(model, copy, quantized):

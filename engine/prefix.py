@@ -106,7 +106,7 @@ def cache_argument(model):
 def _checkpointed_layers(model):
     """The modules of `model` that gradient checkpointing replays in the backward (transformers' flag, in training
     mode: grpo_loss.dropout_off keeps them so in the update)."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training]
+    return [m for m in grpo_loss.checkpointing_modules(model) if m.gradient_checkpointing is True and m.training]
 
 
 def unsupported_reason(model) -> str | None:
@@ -193,18 +193,20 @@ def _cache_under_checkpointing(model):
 
 
 def _forward(model, ids, mask, positions, cache, logits_to_keep):
-    """(logits [b, logits_to_keep, V], `cache` holding its past and ids' keys and values) of one forward pass. mask
-    None: no padding and no past (the model's causal mask alone: no mask tensor, nothing for the host to check)."""
+    """(values at the last logits_to_keep positions, head: grpo_loss.kept_outputs, then `cache` holding its past and
+    ids' keys and values) of one forward pass. mask None: no padding and no past (the model's causal mask alone: no
+    mask tensor, nothing for the host to check)."""
     with _cache_under_checkpointing(model) as checkpointing:
         # The layers read and write `cache` whenever one is passed; use_cache=True under checkpointing would only
         # make transformers warn that it turns use_cache off.
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=not checkpointing,
-                    logits_to_keep=logits_to_keep, **{cache_argument(model): cache})
+        values, head = grpo_loss.kept_outputs(model, logits_to_keep, input_ids=ids, attention_mask=mask,
+                                              position_ids=positions, use_cache=not checkpointing,
+                                              **{cache_argument(model): cache})
     length = ids.shape[1] if mask is None else mask.shape[1]
     if cache.get_seq_length() != length:
         raise RuntimeError(f"the model left a KV cache of {cache.get_seq_length()} positions, not {length} "
                            "(prefix sharing needs the cache in the update: --prefix-sharing off)")
-    return out.logits[:, -logits_to_keep:], cache
+    return values, head, cache
 
 
 def repeat_cache(model, cache, index: Tensor):
@@ -257,7 +259,7 @@ def step_prefix(model, ids: Tensor) -> StepPrefix:
     step then reads (completion_logprobs(..., step=...)); `backward_step_prefix` after the last micro-batch's
     backward."""
     on_device = ids.to(next(model.parameters()).device, non_blocking=True)[None]
-    _, cache = _forward(model, on_device, None, None, _cache(model), 1)
+    _, _, cache = _forward(model, on_device, None, None, _cache(model), 1)
     outputs = [(layer.keys, layer.values) for layer in cache.layers]
     inputs = [tuple(t.detach().requires_grad_(t.requires_grad) for t in kv) for kv in outputs]
     return StepPrefix(ids, outputs, inputs)
@@ -332,7 +334,8 @@ def _own_tokens(model, ids, mask, own, suffix, prefix_length, cache, logits_to_k
     """The forward of rows [n, W] after a prefix of prefix_length tokens whose keys and values `cache` holds (one row;
     None: no prefix): each row's last `own` [n] prompt tokens, right-aligned in its first `suffix` columns (the
     columns before them hold prefix tokens or padding: masked), then whatever follows (a completion, masked where the
-    mask says). -> (logits [n, logits_to_keep, V], the cache with every row's keys and values, its mask)."""
+    mask says). -> (values [n, logits_to_keep, ...] and head (`_forward`), the cache with every row's keys and values,
+    its mask)."""
     width = ids.shape[1]
     run_mask = mask.masked_fill(torch.arange(width, device=mask.device) < suffix - own[:, None], 0)
     full_mask = torch.cat([mask.new_ones(len(ids), prefix_length), run_mask], 1)
@@ -365,27 +368,27 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     elif plan.prefix > 0:
         first = int(plan.first[0])
         ids = prompt_ids[first:first + 1, plan.prefix_start:plan.prefix_start + plan.prefix]
-        _, cache = _forward(model, ids, None, None, _cache(model), 1)
+        _, _, cache = _forward(model, ids, None, None, _cache(model), 1)
     own = prompt_mask.sum(1) - plan.prefix
     if plan.folded:  # [own prompt tokens | completion but its last token]: the last prompt position scores the first
         ids = torch.cat([prompt_ids[:, -plan.suffix:], completion_ids[:, :c - 1]], 1)
         mask = torch.cat([prompt_mask[:, -plan.suffix:], completion_mask[:, :c - 1]], 1)
-        logits, _, _ = _own_tokens(model, ids, mask, own, plan.suffix, plan.prefix, cache, c)
-        return grpo_loss.picked_logprobs(logits, completion_ids, temperature, with_entropies)
+        values, head, _, _ = _own_tokens(model, ids, mask, own, plan.suffix, plan.prefix, cache, c)
+        return grpo_loss.picked_logprobs(values, completion_ids, temperature, with_entropies, head)
     first, group = (index.to(input_ids.device, non_blocking=True) for index in (plan.first, plan.group))
-    last_logits, cache, cache_mask = _own_tokens(model, prompt_ids[first, -plan.suffix:],
-                                                 prompt_mask[first, -plan.suffix:], own[first], plan.suffix,
-                                                 plan.prefix, cache, 1)
+    last, head, cache, cache_mask = _own_tokens(model, prompt_ids[first, -plan.suffix:],
+                                                prompt_mask[first, -plan.suffix:], own[first], plan.suffix,
+                                                plan.prefix, cache, 1)
     # The last completion token only predicts past the row: the first C - 1 go in (1 when C = 1, its logits unused,
     # so that the calls never depend on C).
     inputs = max(c - 1, 1)
     mask = torch.cat([cache_mask.index_select(0, group), completion_mask[:, :inputs]], 1)
     positions = grpo_loss.position_ids_from_mask(mask)[:, -inputs:]
-    logits, _ = _forward(model, completion_ids[:, :inputs], mask, positions, repeat_cache(model, cache, group),
-                         inputs)
-    first = grpo_loss.picked_logprobs(last_logits.index_select(0, group), completion_ids[:, :1], temperature,
-                                      with_entropies)
-    rest = grpo_loss.picked_logprobs(logits[:, :c - 1], completion_ids[:, 1:], temperature, with_entropies)
+    values, _, _ = _forward(model, completion_ids[:, :inputs], mask, positions, repeat_cache(model, cache, group),
+                            inputs)
+    first = grpo_loss.picked_logprobs(last.index_select(0, group), completion_ids[:, :1], temperature, with_entropies,
+                                      head)
+    rest = grpo_loss.picked_logprobs(values[:, :c - 1], completion_ids[:, 1:], temperature, with_entropies, head)
     if with_entropies:  # (logprobs, entropies), each in two parts
         return tuple(torch.cat(parts, 1) for parts in zip(first, rest))
     return torch.cat([first, rest], 1)

@@ -76,11 +76,14 @@ def rotary_cache_write(q, k, v, cos, sin, key_cache, value_cache, slots):
 def attend(q, keys, values, mask, scaling):
     """q [B, heads, T, hd] over the cache [B, kv_heads, L, hd] where mask [B, 1, T, L] -> [B, T, heads * hd].
     The query heads sharing a KV head (transformers' repeat_kv) act as that head's group * T queries, so the
-    cache is read once per KV head and never copied."""
+    cache is read once per KV head and never copied. Two matrix products and a float32 softmax, not torch's CPU
+    flash attention, whose rounding depends on the thread count (run/threads.py changes it with the machine's load)."""
     batch, heads, length, head_dim = q.shape
+    grouped = q.reshape(batch, keys.shape[1], -1, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
     grouped_mask = mask.repeat(1, 1, heads // keys.shape[1], 1)   # row g * T + t is query t of head g
-    out = F.scaled_dot_product_attention(q.reshape(batch, keys.shape[1], -1, head_dim), keys, values,
-                                         attn_mask=grouped_mask, scale=scaling)
+    probs = scores.masked_fill(~grouped_mask, float("-inf")).softmax(-1).to(values.dtype)
+    out = torch.matmul(probs, values)
     return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, heads * head_dim)
 
 

@@ -218,7 +218,8 @@ def build_parser():
     add("--seed", type=int, default=0, help="seeds LoRA's initialisation, the prompt order, sampling and the random "
         "rule: a run is reproducible, and resumes exactly")
     add("--num-threads", type=int, default=0,
-        help="CPU threads for torch (0 = torch's default, one per physical core; give 1 to runs that share a machine)")
+        help="CPU threads for torch; 0 = as many as other work leaves free, at most one per core, measured at the start "
+             "and over every step (run/threads.py); on CUDA 0 is torch's default")
     add("--max-steps", type=int, default=0, help="training steps at most; 0 = no step limit")
     add("--max-time-s", type=float, default=0.0,
         help="training wall-clock budget (evaluation excluded): no step starts that would likely end past it; "

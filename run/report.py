@@ -234,8 +234,9 @@ def open_metrics(run_dir, report_to="none", *, keep_bytes=0, first_step=0, run_c
 
 # ------------------------------------------------------------------ what a run prints (train.py, main process)
 
-def start_line(label, args, run_dir):
-    """The run's first line: the method, the model, the dataset, the budget and the run folder."""
+def start_line(label, args, run_dir, cpu_threads=None):
+    """The run's first line: the method, the model, the dataset, the budget, the run folder (and the CPU threads, a
+    run.threads.Threads)."""
     budget = " or ".join(text for text in (f"{args.max_time_s:g} s of training" if args.max_time_s else "",
                                            f"{args.max_steps} steps" if args.max_steps else "") if text)
     every = [f"every {args.eval_interval} steps" if args.eval_interval else "",
@@ -244,7 +245,9 @@ def start_line(label, args, run_dir):
         "step 0 and the end"
     evaluation = (f"held-out evaluation of {args.eval_samples} prompts at {schedule} (not counted in the budget)"
                   if args.eval_samples else "no held-out evaluation")
-    return f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation} -> {run_dir}"
+    threads = f"; {cpu_threads.describe()}" if cpu_threads is not None else ""
+    return (f"{label}: {args.model} on {args.dataset}, {budget or 'no time or step limit'}; {evaluation}{threads} -> "
+            f"{run_dir}")
 
 
 def own_rows_line(args):

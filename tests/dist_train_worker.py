@@ -10,9 +10,12 @@ SIGKILLs itself when step 3 starts, after the step-2 checkpoint). The launcher r
 "killed" again with the same argv, which resumes from its latest checkpoint (restart count > 0), then "preempted"
 (as "lora"; rank 1 alone gets SIGTERM in step 2: both ranks stop after it with a checkpoint), then "fail", where
 rank 1 raises in step 1 while rank 0 waits in a collective, which ends the launch. Each rank writes how many of its
-update passes ran each distinct prompt once (prefix.completion_logprobs) to OUT_DIR/prefix_calls_<run>_rank<r>.txt.
+update passes ran each distinct prompt once (prefix.completion_logprobs) to OUT_DIR/prefix_calls_<run>_rank<r>.txt,
+and per step the FSDP all-gathers its rounds issued (from the step's start to its update) beside the model's FSDP units
+and the step's generation rounds to OUT_DIR/gathers_<run>_rank<r>.json.
 """
 
+import json
 import os
 import signal
 import sys
@@ -29,10 +32,12 @@ from engine import prefix  # noqa: E402
 import rewards  # noqa: E402
 from run_helpers import every_third_constant, fake_compute_rewards  # noqa: E402
 import train  # noqa: E402
+import update  # noqa: E402
 from run.signals import Stopped  # noqa: E402
 
 CURRENT = {}  # the run this rank is in
 PREFIX_CALLS = []  # this rank's update passes that ran each distinct prompt once (prefix.completion_logprobs)
+GATHERS = []  # per step: {"rounds_all_gathers", "fsdp_units", "generation_rounds"}
 
 
 def run_argv(model_dir, out_dir, name):
@@ -66,8 +71,29 @@ def faulty_step(real_step):
         if processes.rank == 1 and CURRENT["name"] == "fail":
             (Path(CURRENT["out"]) / "raised_at.txt").write_text(repr(time.time()))
             raise RuntimeError("boom on purpose")
-        return real_step(model, tokenizer, optimizer, rounds, settings, step, make_round, processes)
+        GATHERS.append(dict(rounds_all_gathers=0, fsdp_units=len(distributed._fsdp_modules(model)), counting=True))
+        metrics, scored = real_step(model, tokenizer, optimizer, rounds, settings, step, make_round, processes)
+        GATHERS[-1].update(counting=False, generation_rounds=len(scored))   # every generation round's part
+        return metrics, scored
     return step
+
+
+def count_all_gathers():
+    """FSDP's all-gathers from a step's start until its update fills the old log-probs: the rounds' share."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    real_gather, real_fill = _fsdp_param_group.foreach_all_gather, update.fill_logprobs
+
+    def gather(*args, **kwargs):
+        if GATHERS and GATHERS[-1]["counting"]:
+            GATHERS[-1]["rounds_all_gathers"] += 1
+        return real_gather(*args, **kwargs)
+
+    def fill_logprobs(*args, **kwargs):
+        GATHERS[-1]["counting"] = False
+        return real_fill(*args, **kwargs)
+
+    _fsdp_param_group.foreach_all_gather, update.fill_logprobs = gather, fill_logprobs
 
 
 def counted(real):
@@ -88,7 +114,9 @@ def scenario(out, model_dir):
             pass
         rank = os.environ["RANK"]
         (Path(out) / f"prefix_calls_{name}_rank{rank}.txt").write_text(str(len(PREFIX_CALLS)))
+        (Path(out) / f"gathers_{name}_rank{rank}.json").write_text(json.dumps(GATHERS))
         PREFIX_CALLS.clear()
+        GATHERS.clear()
     distributed.shutdown()
 
 
@@ -107,6 +135,7 @@ def launch(out, model_dir):
     rewards.compute_rewards = worker_rewards
     train.train_step = faulty_step(train.train_step)
     prefix.completion_logprobs = counted(prefix.completion_logprobs)
+    count_all_gathers()
     import peft  # noqa: F401 (the imports a rank needs, done once before forking)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=1, start_method="fork")

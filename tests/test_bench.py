@@ -367,3 +367,20 @@ def test_the_coverage_in_benchmarks_is_the_committed_record(capsys):
     printed = capsys.readouterr().out.split("## rows\n")[1].split("\n\n")[0].strip()
     section = (root / "BENCHMARKS.md").read_text().split("(`python -m bench coverage`)")[1].split("\n## ")[0]
     assert printed in section
+
+
+def test_products_tiny_compares_the_engines_laid_out_products_with_f_linear(tmp_path, capsys):
+    """`python -m bench products`: each shape's F.linear and laid-out product timed for both dtypes; the bf16 numbers
+    are F.linear's bit for bit (the engine's bf16 decode is unchanged by the layout), float32 ones within rounding."""
+    from engine import weights
+
+    result = cli.main(["products", "--tiny", "--threads", "1", "--repeats", "2", "--out-dir", str(tmp_path)])
+    rows = result["results"]
+    assert [(row["dtype"], tuple(row["shape"])) for row in rows] == [
+        (dtype, shape) for dtype in ("float32", "bfloat16") for shape in ((8, 32, 48), (8, 48, 32))]
+    assert all(row["linear_ms"] > 0 for row in rows)
+    if weights.CPU_LAYOUT["usable"]:
+        assert all(row["laid_out_ms"] > 0 and row["ratio"] > 0 for row in rows)
+        assert all(row["equal"] for row in rows if row["dtype"] == "bfloat16")
+    assert json.loads((tmp_path / "bench_products.json").read_text()) == result
+    assert "F.linear ms" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import io
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -154,7 +155,7 @@ def fresh(tmp_path_factory):
     out = tmp_path_factory.mktemp("census") / "census.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        saved = cli.main(["census", "--json", "--out", str(out)])
+        saved = cli.main(["census", "--json", "--host-repeats", "1", "--out", str(out)])
     assert json.loads(out.read_text())["update_kernels"] == saved["update_kernels"]
     return json.loads(printed.getvalue()), saved
 
@@ -171,7 +172,8 @@ def test_a_fresh_census_gives_the_committed_figures(fresh):
     update or a decode step runs fails here until the record is made again with the command)."""
     printed, saved = fresh
     committed = json.loads(COMMITTED.read_text())
-    assert printed == {key: saved[key] for key in census.HEADLINES}
+    assert printed == {**{key: saved[key] for key in census.HEADLINES},
+                       **{key: saved["host"][key] for key in census.HOST_FIGURES}}
     for key in census.HEADLINES:
         assert saved[key] == committed[key], key
     assert kernels_by_kind(saved["raw"]) == kernels_by_kind(committed["raw"])
@@ -191,6 +193,41 @@ def test_the_census_counts_the_replay_plan_and_the_decode_launches(fresh):
         ops[op] += count
     assert ops["decode_attention_combine"] == ops["decode_attention"] == 2
     assert saved["decode_kernels_per_layer"] == 10 and saved["decode_kernels_per_step"] == 36 * 10 + 14
+
+
+def test_the_census_times_the_hosts_work_beside_its_counts(fresh, monkeypatch):
+    """`--json` adds the host's time of setting (a)'s update and of a decode step (one thread, narrowest widths, the
+    load average beside them): positive wall times of the update it counts, which a planted 0.5 s of host work in the
+    update shows in full (a lower bound, whatever the machine's load)."""
+    import update
+
+    printed, saved = fresh
+    assert printed["update_host_s"] > 0 and printed["decode_host_ms_per_step"] > 0
+    assert saved["host"]["repeats"] == 1 and len(saved["host"]["load_average"]) == 2
+    args = census.trainer_args("a", [])
+    args.census_model = saved["model"]
+    quick = census.host_times(args, 2, (0, 1), repeats=1)
+    real = update.update_policy
+    monkeypatch.setattr(update, "update_policy", lambda *a, **k: time.sleep(0.5) or real(*a, **k))
+    slowed = census.host_times(args, 2, (0, 1), repeats=1)
+    assert slowed["update_host_s"] >= 0.5 > quick["update_host_s"]
+
+
+def test_benchmarks_quotes_the_committed_host_times():
+    """BENCHMARKS.md's host times are the committed records': the census record's update and decode step, and the
+    before/after of the update (results/host/host_before_after.json: each run's median of its updates after the
+    first, the median of the runs)."""
+    import statistics
+
+    host = json.loads(COMMITTED.read_text())["host"]
+    benchmarks = " ".join((ROOT / "BENCHMARKS.md").read_text().split())
+    assert f"update_host_s {host['update_host_s']}" in benchmarks
+    assert f"decode_host_ms_per_step {host['decode_host_ms_per_step']}" in benchmarks
+    record = json.loads((ROOT / "results" / "host" / "host_before_after.json").read_text())
+    for arm in ("before", "after"):
+        medians = [round(statistics.median(run[1:]), 3) for run in record[f"{arm}_runs_s"]]
+        assert medians == record[f"{arm}_medians_s"] and statistics.median(medians) == record[f"{arm}_s"]
+        assert f"{record[f'{arm}_s']:.3f} s ({', '.join(f'{m:.3f}' for m in medians)})" in benchmarks, arm
 
 
 def test_a_census_that_does_not_enter_the_plan_differs_from_the_record(monkeypatch):
@@ -237,8 +274,8 @@ def test_the_command_passes_train_flags_to_the_census(monkeypatch, capsys):
     seen = {}
     monkeypatch.setattr(census, "census_of", lambda preset, flags, **options: seen.update(flags=flags) or
                         {key: 0 for key in census.HEADLINES})
-    cli.main(["census", "--json", "--top-entropy-quantile", "0.2", "--micro-batch-size", "4", "--out",
-              "/dev/null"])
+    cli.main(["census", "--json", "--top-entropy-quantile", "0.2", "--micro-batch-size", "4", "--host-repeats", "0",
+              "--out", "/dev/null"])
     assert seen["flags"] == ["--top-entropy-quantile", "0.2", "--micro-batch-size", "4"]
     assert json.loads(capsys.readouterr().out)["update_kernels"] == 0
 

@@ -462,3 +462,41 @@ def test_greedy_engine_equals_hf_generate_on_the_real_demo_model(smollm2_tokeniz
         max_new_tokens=32, temperature=0.0, backend=backend)) for backend in ("engine", "hf")]
     assert runs[0].texts == runs[1].texts and torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert len(set(runs[0].texts)) == 3  # three different answers, not one degenerate string
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpus_weight_layout_follows_every_refresh_and_agrees_with_f_linear(dtype, monkeypatch):
+    """On a CPU the merged copies and the LM head are laid out for oneDNN's products (engine/weights.cpu_layout),
+    refreshed with the copies after an optimizer step: the sampler's log-probs equal the F.linear engine's (bf16:
+    the same numbers; float32: within rounding) before and after the adapter moves. A layout that fails its check
+    is one warning line and F.linear."""
+    model = models.prepare_for_training(models.tiny_random_model("llama", vocab_size=VOCAB, seed=4), lora_rank=4,
+                                        lora_alpha=8).to(dtype).eval()
+    ids, mask = left_padded_prompts([5, 3, 4])
+
+    def logprobs():
+        return engine.decode.generate(model, ids, mask, torch.arange(3).repeat(2), 6, [EOS], EOS, seed=1,
+                                      return_logprobs=True)
+
+    tolerance = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    laid_out = [logprobs()]   # the engine made, its weights laid out
+    with torch.no_grad():     # an optimizer step's change: the same engine refreshes copies and layouts
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5), dtype=dtype), alpha=0.3)
+    laid_out.append(logprobs())
+    runtime = engine.decode.engine_for(model, refresh_weights=False)
+    assert len(runtime.layouts) == 4 * 2 + 1 and all(slot[0] is not None for _, slot in runtime.layouts)
+    engine.decode.release(model)
+    with monkeypatch.context() as plain_products:
+        plain_products.setitem(engine.weights.CPU_LAYOUT, "usable", False)   # every product through F.linear
+        plain = logprobs()
+        assert all(slot[0] is None for _, slot in engine.decode.engine_for(model, refresh_weights=False).layouts)
+    engine.decode.release(model)
+    assert torch.equal(laid_out[1][0], plain[0]) and torch.allclose(laid_out[1][1], plain[1], **tolerance)
+    assert not torch.equal(laid_out[0][1], laid_out[1][1])   # the adapter moved the sampler
+    monkeypatch.setitem(engine.weights.CPU_LAYOUT, "usable", None)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, w, b, *rest: torch.zeros(()))  # planted
+    with pytest.warns(UserWarning, match="oneDNN's weight layout is not used"):
+        assert engine.weights.cpu_layout(torch.ones(8, 4)) is None
+    assert engine.weights.CPU_LAYOUT["usable"] is False and engine.weights.cpu_layout(torch.ones(8, 4)) is None

@@ -81,14 +81,14 @@ def test_one_fused_step_runs_nine_operations_a_layer_and_builds_no_mask(monkeypa
     """Per layer: the stacked q|k|v GEMM (Qwen2's bias: addmm), o, gate|up and down GEMMs, the residual add fused
     with each norm, rotary with the cache write, the attention over the written columns, SiLU x up. No mask is built
     (no where / repeat / comparison anywhere in the step); the sampler is one op. The plain step on a CPU stacks the
-    projections too (4 GEMMs) but runs each norm, rotary and the masked SDPA in several kernels."""
+    projections too (4 GEMMs) but runs each norm, rotary and the masked attention in several kernels."""
     step, layer = census_of_a_step("fused", monkeypatch)
     assert layer == {"addmm": 1, "mm": 3, "add_rms_norm": 2, "rotary_cache_write": 1, "decode_attention": 1,
                      "silu_mul": 1}
     assert step["finish_step"] == 1 and not {"where", "repeat", "ge", "le", "lt", "index_fill_"} & set(step)
     assert sum(step.values()) - sum(layer.values()) <= 16   # embedding, rotary angles, final norm, LM head, counters
     plain_step, plain_layer = census_of_a_step("reference", monkeypatch)
-    assert plain_layer["addmm"] + plain_layer["mm"] == 7 and sum(plain_layer.values()) > 30 and "where" in plain_layer
+    assert plain_layer["addmm"] + plain_layer["mm"] == 7 and sum(plain_layer.values()) > 30 and "masked_fill" in plain_layer
 
 
 def test_q_k_v_and_gate_up_come_from_one_merged_copy_each(monkeypatch):

@@ -90,7 +90,9 @@ def test_token_logprobs_gradient_matches_naive_and_requests_only_completion_logi
 
     small_model.forward = recording_forward
     gl.token_logprobs(small_model, ids, mask, 5).sum().backward()
-    assert seen == {"logits_to_keep": 6, "logits_positions": 6}
+    # The last C + 1 positions by index (a slice would be a strided view: kept_positions)
+    assert seen["logits_to_keep"].tolist() == list(range(ids.shape[1] - 6, ids.shape[1]))
+    assert seen["logits_positions"] == 6
     got = {name: p.grad.clone() for name, p in small_model.named_parameters()}
     small_model.zero_grad()
     small_model.forward = original_forward
@@ -118,3 +120,118 @@ def test_token_logprobs_rejects_bad_sizes(small_model):
         gl.token_logprobs(small_model, ids, mask[:, 1:], 2)
     with pytest.raises(ValueError, match="temperature"):
         gl.token_logprobs(small_model, ids, mask, 2, temperature=0.0)
+
+
+def test_the_lm_head_reads_the_kept_positions_without_copying_its_weight():
+    """Fewer positions than the row kept (a prompt's last position, a completion after its prompt): by index, so the
+    LM head is one matrix product on [rows, hidden]; a slice is a strided view whose product copied the whole
+    [vocabulary, hidden] weight once per row on a CPU (36x slower at the demo's sizes), forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine import prefix
+
+    assert gl.kept_positions(6, 6) == 6 and gl.kept_positions(6, 9) == 9
+    assert gl.kept_positions(10, 3).tolist() == [7, 8, 9]
+    vocab, hidden = 49152, 64
+    model = models.prepare_for_training(models.tiny_random_model("llama", vocab_size=vocab, hidden_size=hidden),
+                                        lora_rank=4, lora_alpha=8)  # the LM head frozen, as in the update
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (4, 12), generator=gen).repeat_interleave(2, 0)  # 4 prompts, 2 rows each
+    ids = torch.cat([prompts, torch.randint(3, vocab, (8, 4), generator=gen)], 1)
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                Largest.numel = max(Largest.numel, out.numel())
+            return out
+
+    for logprobs in (gl.token_logprobs, prefix.completion_logprobs):
+        Largest.numel = 0
+        with Largest():
+            logprobs(model, ids, torch.ones_like(ids), 4).sum().backward()
+        assert Largest.numel < 2 * vocab * hidden, logprobs.__name__  # the logits [8, 4, V], no weight copies
+
+
+def lora_llama(vocab=VOCAB, hidden=64):
+    torch.manual_seed(0)
+    model = models.tiny_random_model("llama", vocab_size=vocab, hidden_size=hidden, initializer_range=0.5)
+    model = models.prepare_for_training(model, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():  # LoRA B starts at 0: move it so the adapter acts
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def test_the_fused_head_is_taken_only_where_the_logits_are_the_heads_product_and_it_does_not_train():
+    model = lora_llama()
+    assert gl.fused_head(model) is gl.hf_model(model).lm_head.weight
+    assert gl.fused_head(models.tiny_random_model("llama", vocab_size=VOCAB)) is None   # the head trains
+    assert gl.fused_head(tiny_gpt2().requires_grad_(False)) is None                     # not a PLAIN_HEAD_FAMILIES model
+    biased = models.tiny_random_model("qwen2", vocab_size=VOCAB).requires_grad_(False)
+    biased.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB), requires_grad=False)
+    assert gl.fused_head(biased) is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_head_gives_the_logits_paths_log_probs_entropies_and_gradients(monkeypatch, temperature):
+    """token_logprobs and prefix.completion_logprobs of a LoRA model, with the head fused (in chunks of 3 positions)
+    and through the model's logits: the same log-probs and entropies, and the same gradients of every adapter."""
+    from engine import prefix
+
+    ids, mask, _ = left_padded_batch(1, prompt_lengths=(5, 5, 7, 3), completion_len=6)
+    ids[1, -11:-6] = ids[0, -11:-6]  # rows 0 and 1 share a prompt
+    weights = torch.randn(ids.shape[0], 6)
+    results = {}
+    for fused in (True, False):
+        model = lora_llama()
+        if not fused:
+            monkeypatch.setattr(gl, "fused_head", lambda model: None)
+        monkeypatch.setattr(gl, "_LOGSUMEXP_CHUNK_ELEMENTS", 3 * VOCAB)
+        for logprobs in (gl.token_logprobs, prefix.completion_logprobs):
+            values, entropies = logprobs(model, ids, mask, 6, temperature, with_entropies=True)
+            model.zero_grad()
+            (values * weights).sum().backward()
+            results[fused, logprobs.__name__] = values.detach(), entropies, {
+                name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+        monkeypatch.undo()
+    for name in ("token_logprobs", "completion_logprobs"):
+        (fused_values, fused_entropies, fused_grads), (values, entropies, grads) = results[True, name], \
+            results[False, name]
+        # float32 rounding of log-probs of ~-20 and entropies of ~1 (other products, other orders)
+        assert torch.allclose(fused_values, values, rtol=1e-6, atol=2e-5)
+        assert torch.allclose(fused_entropies, entropies, rtol=1e-5, atol=5e-5)
+        for key in grads:
+            scale = float(grads[key].abs().max())  # gradients up to ~100 here: float32 rounding relative to that
+            assert torch.allclose(fused_grads[key], grads[key], rtol=1e-4, atol=1e-5 * scale), (name, key)
+        assert any(g.abs().sum() > 0 for g in fused_grads.values())
+
+
+def test_the_fused_head_never_holds_more_than_a_chunk_of_logits(monkeypatch):
+    """The update's log-probs of 8 rows x 6 tokens: with the head fused, no tensor of more than one chunk's rows of
+    [rows, vocabulary] exists (here 8 positions a chunk); through the model's logits, all 56 kept positions'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ids, mask, _ = left_padded_batch(2, prompt_lengths=(5, 5, 7, 3, 4, 4, 6, 2), completion_len=6)
+    monkeypatch.setattr(gl, "_LOGSUMEXP_CHUNK_ELEMENTS", 8 * VOCAB)
+
+    class MostRows(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dim() and out.shape[-1] == VOCAB:
+                MostRows.rows = max(MostRows.rows, out.numel() // VOCAB)
+            return out
+
+    model = lora_llama(hidden=8)   # the head's weight [V, 8]: 8 rows of V too
+    with MostRows():
+        gl.token_logprobs(model, ids, mask, 6).sum().backward()
+    assert MostRows.rows == 8
+    monkeypatch.setattr(gl, "fused_head", lambda model: None)
+    with MostRows():
+        gl.token_logprobs(model, ids, mask, 6).sum().backward()
+    assert MostRows.rows >= 8 * 7

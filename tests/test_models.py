@@ -194,3 +194,23 @@ def test_a_gguf_file_loads_from_its_folder_and_odd_inputs_are_one_line(tmp_path,
 
     with gpu_paths.emulated("cpu"), pytest.raises(ValueError, match="--lora-rank > 0"):
         models.load_policy(str(tmp_path), load_in_4bit=True, lora_rank=0)
+
+
+def test_a_cpu_policy_attends_eagerly_and_a_bf16_cpu_computes_its_adapter_in_bf16(tmp_path, monkeypatch):
+    """On a CPU: transformers' eager attention (faster than torch's CPU flash attention at a CPU run's shapes, and the
+    same numbers on any thread count); a bf16 base's adapter in bf16 where the CPU has bf16 instructions of its own,
+    peft's float32 adapter elsewhere."""
+    models.tiny_random_model("qwen2").save_pretrained(tmp_path)
+    policy = models.load_policy(str(tmp_path), dtype=torch.bfloat16, lora_rank=4)
+    assert models.hf_model(policy).config._attn_implementation == "eager"
+    monkeypatch.setattr(models, "native_bf16", lambda device: True)
+    assert models.computes_in_bf16("cpu") and models.computes_in_bf16(torch.device("cpu"))
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    projection = models.hf_model(policy).model.layers[0].self_attn.q_proj
+    projection(x)
+    assert "_low_precision_lora" in projection.__dict__   # the bf16 product ran
+    monkeypatch.setattr(models, "native_bf16", lambda device: False)
+    assert not models.computes_in_bf16("cpu")
+    del projection.__dict__["_low_precision_lora"]
+    projection(x)
+    assert "_low_precision_lora" not in projection.__dict__   # peft's float32 adapter

@@ -18,6 +18,7 @@ import torch
 
 from run import completions
 from run import config
+import grpo_loss
 import models
 from engine import prefix
 import rewards
@@ -69,10 +70,12 @@ def train_runs(tmp_path_factory, smollm2_tokenizer):
     launcher = next(runner)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rewards, "compute_rewards", fake_compute_rewards)
-        # The update runs the prefix every prompt shares once (per micro-batch and per optimizer step) only in one
-        # process (prefix.several_processes): equal up to float rounding, and in this tiny model a last-bit
-        # difference can flip a sampled token a step later. The reference computes as the processes do.
+        # The update runs the prefix every prompt shares once (per micro-batch and per optimizer step) and takes
+        # the LM head's product itself (grpo_loss.fused_head) only in one process (prefix.several_processes): equal
+        # up to float rounding, and in this tiny model a last-bit difference can flip a sampled token a step later.
+        # The reference computes as the processes do.
         patch.setattr(prefix, "several_processes", lambda: True)
+        patch.setattr(grpo_loss, "fused_head", lambda model: None)
         for name in ("full", "lora"):
             train.main(dist_train_worker.run_argv(model_dir, one, name))
         patch.setattr(rewards, "compute_rewards", every_third_constant)
@@ -83,6 +86,14 @@ def train_runs(tmp_path_factory, smollm2_tokenizer):
     assert (two / "raised_at.txt").is_file(), output[-6000:]
     return dict(two=two, one=one, output=output, returncode=launcher.returncode,
                 stop_s=ended_at - float((two / "raised_at.txt").read_text()))
+
+
+def ratios_rounded(logged):
+    """A completions log (step, rows) with each pi / pi_sampler to 4 places: equal up to rounding across 1 and 2
+    processes."""
+    step, rows = logged
+    return step, [{**row, **({"sampler_ratio": round(row["sampler_ratio"], 4)} if row.get("sampler_ratio") else {})}
+                  for row in rows]
 
 
 def metric_lines(run_dir):
@@ -147,13 +158,24 @@ def test_dynamic_sampling_on_two_processes_refills_and_trains_what_one_process_d
     assert all(line["dynamic_sampling/groups_missing"] == 0 and line["update_rows"] == 2 * 2 for line in steps)
     prompts_per_step = []
     for step in range(1, 4):
-        logged = completions.read_completions(train_runs["two"] / "dynamic", step)
-        assert logged == completions.read_completions(train_runs["one"] / "dynamic", step)
+        logged = ratios_rounded(completions.read_completions(train_runs["two"] / "dynamic", step))
+        assert logged == ratios_rounded(completions.read_completions(train_runs["one"] / "dynamic", step))
         prompts_per_step.append(sum(row["type"] == "prompt" for row in logged[1]))
     assert any(count % 2 for count in prompts_per_step)  # a refill that one rank alone needed (the other: no prompt)
     weights_two, weights_one = (final_weights(train_runs[count] / "dynamic", 3) for count in ("two", "one"))
     for key, value in weights_one.items():
         torch.testing.assert_close(weights_two[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@SLOW_TWO_PROCESS_RUNS
+def test_a_step_gathers_the_weights_once_however_many_rounds_it_generates(train_runs):
+    """On 2 gloo ranks, a step's generation rounds (--dynamic-sampling refills: up to several a step) issue one
+    all-gather per FSDP unit in all, when the step gathers the weights for its rounds, not one per round."""
+    for rank in (0, 1):
+        for name in ("lora", "dynamic"):
+            steps = json.loads((train_runs["two"] / f"gathers_{name}_rank{rank}.json").read_text())
+            assert steps and all(step["rounds_all_gathers"] == step["fsdp_units"] > 1 for step in steps), steps
+        assert any(step["generation_rounds"] > 1 for step in steps)   # "dynamic": refills happened on this rank
 
 
 @SLOW_TWO_PROCESS_RUNS

@@ -116,19 +116,22 @@ def test_the_committed_bf16_demo_runs_reproduce_their_comparison_with_float32(ca
 
 
 @pytest.mark.parametrize("folder, table, baseline", [
-    ("demo-16", "demo.md", "PODS max_variance 16/4"), ("demo-lr", "lr.md", "PODS max_variance 16/4, lr 5e-4")])
+    ("demo-16", "demo.md", "PODS max_variance 16/4"), ("demo-lr", "lr.md", "PODS max_variance 16/4, lr 5e-4"),
+    ("demo-16-bf16", "demo.md", "PODS max_variance 16/4, bf16, code of 2026-11-27")])
 def test_the_committed_runs_of_the_16_step_demo_reproduce_their_tables(capsys, folder, table, baseline):
     """results/demo-16: today's default demo, 3 seeds, natively and with torch held to AVX2 kernels; results/demo-lr:
-    the runs behind its learning rate. The tables recomputed from each are the committed ones, which BENCHMARKS.md
-    quotes with their commands; demo-16's runs trained with today's demo budget and evaluation."""
+    the runs behind its learning rate; results/demo-16-bf16: the bf16 demo on 3 seeds with today's code and the code
+    of 2026-11-27, interleaved. The tables recomputed from each are the committed ones, which BENCHMARKS.md quotes with
+    their commands; demo-16's runs trained with today's demo budget and evaluation."""
     bootstrap.main(["--from-data", str(ROOT / "results" / folder), "--baseline-label", baseline])
     printed = capsys.readouterr().out.strip()
     assert printed == (ROOT / "results" / folder / table).read_text().strip()
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     assert f'python study.py bootstrap --from-data results/{folder}' in " ".join(benchmarks.split())
-    if folder == "demo-16":
+    if folder in ("demo-16", "demo-16-bf16"):
         rows = [line for line in printed.splitlines() if line.startswith("| PODS")]
         assert len(rows) == 4 and all(row in benchmarks for row in rows)
+    if folder == "demo-16":
         runs, _ = studydata.read_study([ROOT / "results" / folder])
         from run.presets import PRESETS
         demo = PRESETS["demo"]

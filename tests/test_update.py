@@ -390,8 +390,12 @@ def test_the_update_replays_as_little_as_its_budget_needs(monkeypatch):
     assert update.checkpoint_plan(model, [batch], settings, "cuda") == (0, 0)
     layers, per_token, tokens, budget = seen[-1]
     assert (layers, tokens) == (2, 2 * (5 + 6)) and per_token == kernels.saved_bytes_per_token(model)
-    logits = 1e12 - budget   # 2 rows x 6 completion tokens x 256 x 2 (logits and gradient) x 4 bytes + chunks
-    assert logits == 2 * 6 * VOCAB * 2 * 4 + 4 * 4 * update.grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
+    logits = 1e12 - budget   # the LoRA model's head is fused (grpo_loss.fused_head): its float32 chunks alone
+    assert logits == 4 * 4 * update.grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
+    with monkeypatch.context() as unfused:   # the model's own logits: 2 rows x 6 tokens x 256 x 2 (and gradient) x 4 B
+        unfused.setattr(update.grpo_loss, "fused_head", lambda model: None)
+        update.checkpoint_plan(model, [batch], settings, "cuda")
+        assert 1e12 - seen[-1][3] == logits + 2 * 6 * VOCAB * 2 * 4
     plain, mlp, whole = per_token
     for planted, want in ((logits + 2 * plain * tokens, (0, 0)), (logits + (plain + mlp) * tokens, (0, 1)),
                           (logits + (mlp + whole) * tokens, (1, 1)), (0, (2, 0))):
