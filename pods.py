@@ -55,7 +55,7 @@ class SelectionRule:
     """A down-sampling rule: `indices(rewards (..., n), m)` -> LongTensor (..., m) of distinct positions."""
     name: str
     indices: Callable[..., Tensor]
-    summary: str                 # one line: --help and the docs table
+    summary: str                 # one line of markdown: the rules table of docs/method.md
     random: bool = False         # also takes generator= (seeded per round: a resumed step draws the same subset)
     batch_scope: bool = False    # fills each prompt's budget in the batch scope (select_across_prompts)
 
@@ -133,7 +133,7 @@ def random_indices(rewards: Tensor, m: int, generator: torch.Generator | None = 
     return keys.argsort(dim=-1)[..., :m].to(rewards.device)
 
 
-@register_rule("percentile", "the rewards at sorted positions floor((2j+1) n / (2m)), j = 0..m-1 (the (j+0.5)/m "
+@register_rule("percentile", "the rewards at sorted positions `floor((2j+1)·n / (2m))`, j = 0..m−1 (the (j+0.5)/m "
                "quantiles; always distinct)")
 def percentile_indices(rewards: Tensor, m: int) -> Tensor:
     """The rewards at the (j + 0.5)/m quantiles, j = 0..m-1, of each sorted row.
@@ -154,7 +154,7 @@ def max_reward_indices(rewards: Tensor, m: int) -> Tensor:
     return torch.sort(rewards, dim=-1, descending=True, stable=True).indices[..., :m]
 
 
-@register_rule("none", "every rollout (plain GRPO): needs m == n, returns arange(n)")
+@register_rule("none", "every rollout, `arange(n)`: plain GRPO (needs m == n)")
 def all_indices(rewards: Tensor, m: int) -> Tensor:
     """Every position of each row, arange(n): plain GRPO, so m must equal n."""
     n = check_rewards(rewards, m)

@@ -303,7 +303,7 @@ class RewardTerm:
     func: Callable
     weight: float = 1.0
     options: dict = field(default_factory=dict)
-    summary: str = ""
+    summary: str = ""  # one line of markdown: the table of terms in docs/rewards_and_data.md
 
 
 REWARD_TERMS: dict[str, RewardTerm] = {}  # name -> term, in registration order
@@ -343,12 +343,14 @@ def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None
                           answer_kind)
 
 
-@register_reward("format", 1.0, "1 if the completion is exactly <think>...</think><answer>...</answer>")
+@register_reward("format", 1.0,
+                 "1 if the completion is exactly `<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>`, else 0")
 def format_rewards(prompts, completions, answer=None, **kwargs) -> list[float]:
     return [format_reward(completion_text(c)) for c in completions]
 
 
-@register_reward("tag_count", 1.0, "0.25 per think/answer tag present exactly once")
+@register_reward("tag_count", 1.0, "0.25 for each of `<think>\\n`, `\\n</think>\\n`, `\\n<answer>\\n`, "
+                 "`\\n</answer>` occurring exactly once: 0, 0.25, 0.5, 0.75 or 1")
 def tag_count_rewards(prompts, completions, answer=None, **kwargs) -> list[float]:
     return [tag_count_reward(completion_text(c)) for c in completions]
 

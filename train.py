@@ -119,46 +119,31 @@ class StepSettings:
 class Round:
     """One generation round: P prompts x n rollouts, filled as the step goes (rewards, then the rows PODS kept and
     their advantages, then each kept row's sampler ratio from the update). The metrics line and the completions log
-    read it; several processes' rounds merge into one (multigpu/)."""
+    read it."""
     examples: list                  # [P] data.Example
-    rollouts: sampling.Rollouts | None  # None once merged over processes (only the update reads it)
-    rewards: torch.Tensor           # [P, n] weighted total
+    rollouts: sampling.Rollouts     # row i*n + j: rollout j of prompt i
+    rewards: torch.Tensor           # [P, n] weighted total: what the selection rule sees
     per_func: dict                  # reward term -> [P*n] (NaN: not applicable)
     grader_timeouts: torch.Tensor | None  # [P*n] bool: accuracy scored 0, its comparison timed out twice
     first_chunk: int = 0            # this process's first generation chunk (its rollouts' seeds)
-    filtered: torch.Tensor = None   # [P] bool: no reward spread, set aside by --dynamic-sampling
-    set_aside: torch.Tensor = None  # [P] bool: a spread, left out by --dynamic-sampling to even out the processes
-    kept_rows: torch.Tensor = None  # [R] rows trained on (row i*n + j: rollout j of prompt i)
+    kept_rows: torch.Tensor = None  # [R] rows trained on
     advantages: torch.Tensor = None  # [P*n] the advantage the loss used (NaN: not kept)
     zero_variance_dropped: int = 0  # prompts left out by --drop-zero-variance
     sampler_ratios: torch.Tensor = None  # [P*n] a kept row's mean pi / pi_sampler over its tokens (NaN: not kept)
-    lengths: torch.Tensor = None    # [P*n] completion tokens
-    truncated: torch.Tensor = None  # [P*n] bool: no EOS within the budget
-    texts: list = None              # [P*n] completions
     logged_columns: list = None     # [P*n] {column: value} the reward functions gave log_extra
     logged_metrics: list = None     # (function, name, value) the reward functions gave log_metric
-    prompt_tokens: int = 0          # tokens of the P prompts, x n (each rollout re-reads its prompt)
-    backends: list = None           # the backend that generated the rollouts (none: no prompt)
+    marks: dict = None              # name -> [P] bool, on each prompt's row of the completions log (--dynamic-sampling)
 
     def __post_init__(self):
         num_prompts, n = self.rewards.shape
-        none = torch.zeros(num_prompts, dtype=torch.bool)
-        self.filtered = none if self.filtered is None else self.filtered
-        self.set_aside = none.clone() if self.set_aside is None else self.set_aside
         self.kept_rows = torch.zeros(0, dtype=torch.long) if self.kept_rows is None else self.kept_rows
         if self.grader_timeouts is None:  # a reward function of no answer comparison
             self.grader_timeouts = torch.zeros(num_prompts * n, dtype=torch.bool)
-        self.logged_columns = [{} for _ in range(num_prompts * n)] if self.logged_columns is None \
-            else self.logged_columns
-        self.logged_metrics = [] if self.logged_metrics is None else self.logged_metrics
         for name in ("advantages", "sampler_ratios"):
             if getattr(self, name) is None:
                 setattr(self, name, torch.full((num_prompts * n,), math.nan))
-        if self.rollouts is not None and self.lengths is None:
-            self.lengths, self.truncated, self.texts = self.rollouts.lengths, self.rollouts.truncated, \
-                list(self.rollouts.texts)
-            self.prompt_tokens = int(self.rollouts.prompt_mask.sum()) * n
-            self.backends = [self.rollouts.backend] if self.examples else []
+        self.logged_columns = self.logged_columns or [{} for _ in range(num_prompts * n)]
+        self.logged_metrics, self.marks = self.logged_metrics or [], self.marks or {}
 
     @property
     def prompts(self):
@@ -169,26 +154,34 @@ class Round:
         return [e.answer for e in self.examples]
 
     @property
-    def entered(self):
-        """[P] bool: the groups the selection rule sees."""
-        return ~(self.filtered | self.set_aside)
+    def lengths(self):  # [P*n] completion tokens
+        return self.rollouts.lengths
+
+    @property
+    def truncated(self):  # [P*n] bool: no EOS within the budget
+        return self.rollouts.truncated
+
+    @property
+    def texts(self):  # [P*n] completions
+        return self.rollouts.texts
+
+    @property
+    def prompt_tokens(self):  # tokens of the P prompts, x n (each rollout re-reads its prompt)
+        return int(self.rollouts.prompt_mask.sum()) * self.rewards.shape[1]
+
+    @property
+    def backends(self):  # the backend that generated the rollouts (none: no prompt)
+        return [self.rollouts.backend] if self.examples else []
 
     @property
     def parts(self):
-        """The generation rounds this round is made of (a --dynamic-sampling refill: several)."""
+        """The generation rounds this round is made of: itself."""
         return [self]
 
-    def rewards_seen(self):
-        """[P', n]: the rewards of the groups that entered, what the selection rule sees."""
-        return self.rewards[self.entered]
-
     def keep(self, kept, advantages, zero_variance_dropped=0):
-        """Record pods.select's choice over `rewards_seen()`: kept [P', m] indices or a [P', n] mask, advantages
-        one per kept rollout ([P', m]), or [P', n] read at the mask."""
-        n = self.rewards.shape[1]
-        groups = self.entered.nonzero().squeeze(1)
-        rows = update.kept_rows(kept, n)  # rows of the entered groups: group g is groups[g] of this round
-        self.kept_rows = groups[rows // n] * n + rows % n
+        """Record pods.select's choice: kept [P, m] indices, a [P, n] mask or a row list [R], advantages one per kept
+        rollout ([P, m] or [R]), or [P, n] read at the mask."""
+        self.kept_rows = update.kept_rows(kept, self.rewards.shape[1])
         kept_advantages = advantages[kept] if kept.dtype == torch.bool else advantages
         self.advantages[self.kept_rows] = kept_advantages.flatten().float().cpu()
         self.zero_variance_dropped = zero_variance_dropped
@@ -236,7 +229,7 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
             round_ = make_round(model, tokenizer, examples, settings, seed, costs)  # n rollouts per prompt, scored
             with timed(costs, "select_s"):  # PODS: keep m of n, advantages over the kept subset (§3.2)
                 generator = torch.Generator().manual_seed(selection_seed(seed, round_.first_chunk))
-                round_.keep(*pods.select(round_.rewards_seen(), **vars(settings.select), generator=generator))
+                round_.keep(*pods.select(round_.rewards, **vars(settings.select), generator=generator))
             made.append(round_)
     with timed(costs, "update_s"):  # the clipped GRPO loss, mu optimizer steps
         batches = [round_.update_batch() for round_ in made]

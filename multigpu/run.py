@@ -117,12 +117,23 @@ def merge_ranks(gathered):
     return rounds, result, costs
 
 
+@dataclasses.dataclass
+class MergedRound(train.Round):
+    """Every rank's train.Round of one rollout batch as one. Its rollouts stay behind (the update has read them), so
+    what the metrics line, the completions log and the sampler check read of them are fields here, in place of
+    train.Round's properties."""
+    lengths: torch.Tensor = None    # [P*n] completion tokens
+    truncated: torch.Tensor = None  # [P*n] bool: no EOS within the budget
+    texts: list = None              # [P*n] completions
+    prompt_tokens: int = 0          # tokens of the P prompts, x n
+    backends: list = None           # each rank's backend (none for a rank without prompts)
+
+
 def merge_rounds(parts):
-    """Every rank's train.Round of one rollout batch as one, in rank order (its rollouts left out: the update has
-    read them)."""
+    """Every rank's train.Round of one rollout batch as one MergedRound, in rank order."""
     offsets = torch.tensor([0] + [int(p.rewards.numel()) for p in parts[:-1]]).cumsum(0).tolist()
     merged = {}
-    for field in dataclasses.fields(train.Round):
+    for field in dataclasses.fields(MergedRound):
         values = [getattr(p, field.name) for p in parts]
         if field.name == "rollouts":
             merged[field.name] = None
@@ -136,7 +147,7 @@ def merge_rounds(parts):
             merged[field.name] = {key: torch.cat([value[key] for value in values]) for key in values[0]}
         else:  # counts and lists
             merged[field.name] = sum(values[1:], values[0])
-    return train.Round(**merged)
+    return MergedRound(**merged)
 
 
 def check_args(args, world_size):

@@ -42,8 +42,8 @@ def completions_record(step, scored):
         for i in range(num_prompts):
             prompt_id += 1
             rows.append({"type": "prompt", "prompt_id": prompt_id, "prompt": scored_round.prompts[i],
-                         "answer": scored_round.answers[i], "filtered": bool(scored_round.filtered[i]),
-                         "set_aside": bool(scored_round.set_aside[i])})
+                         "answer": scored_round.answers[i],
+                         **{mark: bool(marked[i]) for mark, marked in scored_round.marks.items()}})
             for j in range(n):
                 r = i * n + j
                 rows.append({"type": "rollout", "prompt_id": prompt_id, "rollout": j,

@@ -1,7 +1,8 @@
-"""README and docs/ state what the code is, checked against the code: the reading path against a traced step,
-every list of names against its registry (rules, reward terms, loss options, flags and their choices, presets, the
-resume rules), every `module.name` they cite, every relative link, and README's set-up against CI. A new rule,
-reward term, loss option or flag fails here, naming the file to complete, until the docs name it."""
+"""README and docs/ state what the code is, checked against the code: the tables the code writes (tests/docs_tables.py:
+the rules, reward terms, loss options, datasets, presets, flags and the resume rules, and README's reading path, a
+traced step) against what it gives today, every `module.name` the docs cite, every relative link, and README's set-up
+against CI. A new rule, reward term, loss option, dataset, preset or flag fails here, naming the table, until
+`python -m tests.docs_tables --write` has written it."""
 
 import dataclasses
 import importlib
@@ -11,14 +12,17 @@ import re
 import pytest
 
 from run import config
+import data
 import grpo_loss
 import pods
 import rewards
 from run.presets import PRESETS
-from reading_path import README, current_block, written_block
+import docs_tables
+import reading_path
 from run_helpers import ROOT
 
-DOCS = {path.relative_to(ROOT).as_posix(): path.read_text() for path in [README, *sorted(ROOT.glob("docs/*.md"))]}
+DOCS = {path.relative_to(ROOT).as_posix(): path.read_text()
+        for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]}
 DOCS["BENCHMARKS.md"] = (ROOT / "BENCHMARKS.md").read_text()
 PARSER = config.build_parser()
 ACTIONS = {option: action for action in PARSER._actions for option in action.option_strings}
@@ -50,13 +54,21 @@ def dests(text):
 
 # ------------------------------------------------------------------------------------------ README
 
-def test_readme_reading_path_is_the_traced_step(smollm2_tokenizer):
-    """README's list of the files one step enters, with their lines, equals tests/reading_path.py's trace of a
-    default-flag step on each backend (regenerate: python -m tests.reading_path --write)."""
-    written = written_block()
+def test_readme_reading_path_is_the_traced_step_whatever_the_cpu(smollm2_tokenizer, monkeypatch):
+    """README's list of the files one step enters equals tests/reading_path.py's trace of a default-flag step (float32
+    on each backend, bf16 on the default one), with no line count a small edit could change; and it is the same
+    on a CPU with bf16 instructions (the demo's --bf16 auto would turn bf16 on there: the trace names its
+    precision)."""
+    written = docs_tables.written_block("reading-path")
     assert written is not None, "README lost its generated reading-path block"
-    assert written == current_block(smollm2_tokenizer), \
-        "README's reading path differs from the code: run python -m tests.reading_path --write"
+    engine, hf, bf16 = reading_path.paths(smollm2_tokenizer)
+    assert written == docs_tables.block("reading-path", reading_path.block_body(engine, hf, bf16)), \
+        f"README's reading path differs from the code: run {docs_tables.COMMAND}"
+    assert not re.search(r"\d+ lines|~\d", written), "README's reading path states line counts"
+    import models
+
+    monkeypatch.setattr(models, "native_bf16", lambda device: True)  # as on a CPU with AVX-512 BF16 or AMX
+    assert reading_path.traced_step_files("engine", smollm2_tokenizer) == engine
 
 
 def test_readme_states_train_steps_length_and_it_reads_top_to_bottom():
@@ -120,60 +132,63 @@ def test_readme_links_every_reference_page():
     assert pages - linked == set(), f"README's 'Where to go next' should link {sorted(pages - linked)}"
 
 
-def test_readmes_preset_table_is_the_presets():
-    rows = table_rows(section("README.md", "## 4. "))
-    named = {}
-    for row in rows:
-        for preset in re.findall(r"`(\w+)`", row[0]):
-            named[preset] = row
-    assert set(named) == set(PRESETS), "README's preset table: add or remove rows to match presets.PRESETS"
-    for preset, row in named.items():
-        if len(re.findall(r"`(\w+)`", row[0])) == 1:  # a row of its own: its model and n/m are the preset's
-            model = PRESETS[preset]["model"]
-            assert model in row[1] or preset == "demo", (preset, row[1])
-            assert f"{PRESETS[preset]['num_rollouts']}/{PRESETS[preset]['update_size']}" == row[3], (preset, row[3])
+# ------------------------------------------------------------------------------------------ generated tables
+
+@pytest.mark.parametrize("name", docs_tables.TABLES)
+def test_every_generated_table_is_what_the_code_gives_today(name):
+    """Each table the code writes (tests/docs_tables.py: the rules, the variant flags and loss options, the reward
+    terms, the datasets, the presets, every flag, the resume rules) stands in its file as the registries and the
+    parser give it now: a new entry fails here until `python -m tests.docs_tables --write`."""
+    file = docs_tables.BLOCKS[name][0]
+    written = docs_tables.written_block(name)
+    assert written is not None, f"{file} lost its generated {name} block"
+    assert written == docs_tables.block(name), \
+        f"{file}: the {name} table differs from the code: run {docs_tables.COMMAND}"
 
 
-# ------------------------------------------------------------------------------------------ registries
-
-def test_every_rule_is_listed_where_the_docs_list_rules():
-    rule_row = next(row for row in table_rows(DOCS["docs/method.md"]) if row[0] == "`RULES`")
-    listed = set(re.findall(r"`(\w+)`", rule_row[1].split(":", 1)[1].split(";")[0]))
-    assert listed == set(pods.RULES), "docs/method.md, the RULES row: list exactly pods.RULES"
-    functions = {re.match(r"`(\w+)\(", row[0]).group(1) for row in table_rows(DOCS["docs/method.md"])
-                 if re.match(r"`\w+\(", row[0])}
-    for name, rule in pods.RULES.items():
-        assert rule.indices.__name__ in functions, f"docs/method.md: no row for rule {name!r} ({rule.indices.__name__})"
-    trl_row = next(row for row in table_rows(DOCS["docs/trl.md"]) if row[0] == "`downsampling_rule`")
-    assert set(re.findall(r"`(\w+)`", trl_row[2])) - {"pods"} == set(pods.RULES), "docs/trl.md: downsampling_rule"
-
-
-def test_every_reward_term_has_a_row_in_the_rewards_table():
-    table = section("docs/rewards_and_data.md", "| name | value | definition |", "\n")
-    listed = {re.fullmatch(r"`(\w+)`", row[0]).group(1) for row in table_rows(table)}
-    assert listed == set(rewards.REWARD_TERMS), "docs/rewards_and_data.md's rewards table: one row per REWARD_TERMS"
-
-
-def literal(value):
-    return json.dumps(value) if isinstance(value, str) else repr(value)
+def test_the_generated_tables_name_everything_their_registries_hold():
+    blocks = {name: docs_tables.block(name) for name in docs_tables.TABLES}
+    for block, names in (("rules", pods.RULES), ("reward-terms", rewards.REWARD_TERMS),
+                         ("datasets", data.DATASET_READERS)):
+        assert [row[0] for row in table_rows(blocks[block])] == [f"`{name}`" for name in names], block
+    assert [row[0].split()[0] for row in table_rows(blocks["presets"])] == [f"`{name}`" for name in PRESETS]
+    assert f"| flag | {' | '.join(f'`{name}`' for name in PRESETS)} |" in blocks["preset-values"]
+    fields = {row[3].split()[0] for row in table_rows(blocks["variant-flags"]) if row[3]}
+    assert fields == {f"`{field.name}`" for field in dataclasses.fields(grpo_loss.LossSettings)}
+    for option in config.LOSS_FLAGS:  # each choice of a loss option is named
+        choices = (option.metadata["argparse"] or {}).get("choices") or ()
+        row = next(row for row in table_rows(blocks["variant-flags"]) if row[0] == f"`{grpo_loss.flag_name(option)}`")
+        assert set(re.findall(r"`(\w+)`", row[2])) == set(choices)
+    every = {action.dest for action in PARSER._actions if action.dest != "help"}
+    assert dests(" ".join(row[1] for row in table_rows(blocks["flags"]))) == every
+    rows = {row[0].split(" (")[0]: dests(row[1]) for row in table_rows(blocks["resume"])}
+    assert rows == {"refuses": set(config.RUN_IDENTITY), "allows and records": set(config.RECORDED_AT_RESUME),
+                    "allows": every - set(config.RUN_IDENTITY) - set(config.RECORDED_AT_RESUME)}
 
 
-def test_every_loss_option_is_in_the_docs():
-    """LossSettings' signature in method.md (every field, its default), each loss flag in method.md's variant table,
-    in training.md's flag table and in its resume table's refused row."""
-    fields = dataclasses.fields(grpo_loss.LossSettings)
-    signature = f"LossSettings({', '.join(f'{field.name}={literal(field.default)}' for field in fields)})"
-    assert f"`{signature}`" in DOCS["docs/method.md"], f"docs/method.md: the grpo_loss.py table should show {signature}"
-    glance = section("docs/method.md", "## The variant flags at a glance")
-    flags_table = section("docs/training.md", "## 3. ")
-    for option in config.LOSS_FLAGS:
-        flag = grpo_loss.flag_name(option)
-        assert f"`{flag}`" in glance, f"docs/method.md, The variant flags at a glance: no row for {flag}"
-        assert flag in flags_table, f"docs/training.md, section 3: no row for {flag}"
-        choices = (option.metadata["argparse"] or {}).get("choices")
-        if choices:  # each alternative is named
-            row = next(row for row in table_rows(glance) if row[0] == f"`{flag}`")
-            assert set(re.findall(r"`(\w+)`", row[1] + row[2])) >= set(choices), f"docs/method.md: {flag} choices"
+def test_a_new_rule_or_reward_term_is_its_registry_entry_and_the_write(monkeypatch):
+    """A rule and a reward term planted in their registries change their tables (and --rule's choices in the flag
+    table) and nothing else: `--write` puts the new rows in place, and the docs around the blocks stay as they are."""
+    before = {name: docs_tables.block(name) for name in docs_tables.TABLES}
+    monkeypatch.setitem(pods.RULES, "planted", pods.SelectionRule("planted", pods.max_reward_indices,
+                                                                  "the planted rule's line"))
+    monkeypatch.setitem(rewards.REWARD_TERMS, "planted_term", rewards.RewardTerm(
+        "planted_term", rewards.format_rewards, 0.5, {"tolerance": 0.1}, "the planted term's line"))
+    after = {name: docs_tables.block(name) for name in docs_tables.TABLES}
+    changed = {name for name in before if before[name] != after[name]}
+    assert changed == {"rules", "reward-terms", "flags"}
+    assert "| `planted` | `max_reward_indices(rewards, m)` | the planted rule's line |  |  |" in after["rules"]
+    assert "| `planted_term` | 0.5 | `tolerance=0.1` | `format_rewards` | the planted term's line |" in after["reward-terms"]
+    assert f"`--rule {{{','.join(pods.RULES)}}}`" in after["flags"] and ",planted}" in after["flags"]
+    for file in {docs_tables.BLOCKS[name][0] for name in changed}:
+        text = (ROOT / file).read_text()
+        names = [name for name in changed if docs_tables.BLOCKS[name][0] == file]
+        new = docs_tables.rewritten(text, {name: after[name] for name in names})
+        assert all(docs_tables.written_block(name, new) == after[name] for name in names)
+        for name in names:  # around the blocks: not a character changed
+            text = text.replace(docs_tables.written_block(name, text), "")
+            new = new.replace(docs_tables.written_block(name, new), "")
+        assert new == text, file
 
 
 def test_every_loss_option_value_has_an_update_flag_case():
@@ -192,33 +207,14 @@ def test_every_loss_option_value_has_an_update_flag_case():
                 f"tests/test_update_flags.py: UPDATE_FLAG_CASES has no case with {' '.join(words)}"
 
 
-def test_the_flag_table_of_training_md_names_every_train_flag_with_its_choices():
-    table = section("docs/training.md", "## 3. ", "**Refused before anything loads.**")
-    named = dests(table)
-    every = {action.dest for action in PARSER._actions if action.dest != "help"}
-    assert every - named == set(), f"docs/training.md, section 3: no row for {sorted(every - named)}"
+def test_every_choice_list_the_docs_give_is_the_parsers():
+    """A flag written with its choices (`--rule {max_variance,...}`), in a generated table or by hand, offers exactly
+    the parser's."""
     for name in ("docs/training.md", "docs/method.md", "README.md"):
         for flag, listed in re.findall(FLAG + r"`? `?\{([\w,-]+)\}", DOCS[name]):
             choices = ACTIONS[flag].choices
             assert choices is not None and set(listed.split(",")) == set(choices), \
                 f"{name}: {flag} {{{listed}}}, the parser offers {list(choices or [])}"
-
-
-def test_the_resume_table_is_configs_resume_rules():
-    rows = {row[0]: row[1] for row in table_rows(section("docs/training.md", "| a resume ... | flags |", "\n"))}
-    refused = next(flags for what, flags in rows.items() if what.startswith("refuses"))
-    recorded = next(flags for what, flags in rows.items() if what.startswith("allows and records"))
-    assert dests(refused) == set(config.RUN_IDENTITY), "docs/training.md, section 5: the refused row"
-    assert dests(recorded.split(": the new value")[0]) == set(config.RECORDED_AT_RESUME)
-
-
-def test_training_mds_preset_table_is_the_presets():
-    rows = table_rows(section("docs/training.md", "| preset | model |", "\n"))
-    assert [re.fullmatch(r"`(\w+)`.*", row[0]).group(1) for row in rows] == list(PRESETS)
-    for row in rows:
-        preset = PRESETS[re.fullmatch(r"`(\w+)`.*", row[0]).group(1)]
-        assert f"{preset['num_rollouts']}/{preset['update_size']}" == row[3] and preset["dataset"] in row[2]
-        assert preset["model"] in row[1] or preset["model"].startswith("smollm2"), row
 
 
 def test_where_things_are_names_every_file_and_every_benchmark():
@@ -391,12 +387,3 @@ def test_evaluation_md_documents_every_study_command():
     assert {"run", "variants", "ga", "pods", "objectives", "bootstrap", "compare"} <= commands
     documented = set(re.findall(r"study\.py (\w+)", DOCS["docs/evaluation.md"]))
     assert commands - documented == set(), f"docs/evaluation.md: no word of study.py {sorted(commands - documented)}"
-
-
-def test_training_mds_other_values_table_gives_each_presets_micro_batch():
-    row = next(row for row in table_rows(section("docs/training.md", "| other values | `demo` | `a`–`f` |", "\n"))
-               if row[0].startswith("rollout batch / micro-batch"))
-    for column, presets in ((1, ["demo"]), (2, ["a", "b", "c", "d"])):
-        shown = row[column].split(" (")[0]
-        assert {f"{PRESETS[p]['rollout_batch_size']} / {PRESETS[p]['micro_batch_size']}" for p in presets} == {shown}
-    assert all(f"{PRESETS[p]['rollout_batch_size']} / {PRESETS[p]['micro_batch_size']}" in row[2] for p in "ef")

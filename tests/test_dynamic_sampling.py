@@ -60,10 +60,10 @@ def test_refill_draws_what_is_missing_until_full_or_out_of_rounds(max_rounds, as
                                      max_rounds)
     assert [count for count, _ in calls] == asked and [index for _, index in calls] == list(range(1, len(asked) + 1))
     assert len(rounds) == len(asked) + 1 <= max_rounds
-    assert [part.filtered.tolist() for part in rounds] == [[True, True, False], [False, True], [True], [False]][
-        :len(rounds)]
+    assert [part.marks["filtered"].tolist() for part in rounds] == \
+        [[True, True, False], [False, True], [True], [False]][:len(rounds)]
     assert 3 - dynamic_sampling.entered(rounds) == missing
-    assert dynamic_sampling.Refilled(rounds).rewards_seen().tolist() == [[0.0, 1.0], [0.0, 1.0], [0.0, 0.25]][:3 - missing]
+    assert dynamic_sampling.Refilled(rounds).rewards.tolist() == [[0.0, 1.0], [0.0, 1.0], [0.0, 0.25]][:3 - missing]
 
 
 def test_with_several_processes_every_process_refills_its_own_share_and_all_stop_alike():
@@ -83,8 +83,8 @@ def test_with_several_processes_every_process_refills_its_own_share_and_all_stop
     other = iter([0, 0])
     rounds = dynamic_sampling.refill(fake_round([[0.0, 1.0], [0.0, 1.0]]), generate, 2, "total", 2, counts)
     # the other process has none: every group here is set aside to even out the rows, though each has a spread
-    assert [part.filtered.tolist() for part in rounds] == [[False, False], [False]]
-    assert [part.set_aside.tolist() for part in rounds] == [[True, True], [True]]
+    assert [part.marks["filtered"].tolist() for part in rounds] == [[False, False], [False]]
+    assert [part.marks["set_aside"].tolist() for part in rounds] == [[True, True], [True]]
     assert dynamic_sampling.entered(rounds) == 0
 
 
@@ -110,15 +110,15 @@ def test_groups_set_aside_to_even_out_the_processes_are_not_counted_as_filtered(
     log marks it set aside, not filtered, and the viewer says why."""
     rounds = dynamic_sampling.refill(fake_round([[0.0, 1.0], [1.0, 0.0]]), None, 2, "total", 1,
                                      counts=lambda value: [value, 1])
-    assert rounds[0].filtered.tolist() == [False, False] and rounds[0].set_aside.tolist() == [False, True]
-    assert dynamic_sampling.Refilled(rounds).rewards_seen().tolist() == [[0.0, 1.0]]
+    assert rounds[0].marks["filtered"].tolist() == [False, False]
+    assert rounds[0].marks["set_aside"].tolist() == [False, True]
+    assert dynamic_sampling.Refilled(rounds).rewards.tolist() == [[0.0, 1.0]]
     metrics = dynamic_sampling.step_metrics(rounds, 2)
     assert metrics["dynamic_sampling/frac_filtered"] == 0.0 and metrics["dynamic_sampling/frac_set_aside"] == 0.5
     assert metrics["dynamic_sampling/groups_missing"] == 1
     rollouts = rollouts_of(2, 2)
     examples = [data.Example(text=f"q{i}", prompt=[], answer=str(i)) for i in range(2)]
-    scored = train.Round(examples, rollouts, rounds[0].rewards, {}, None, filtered=rounds[0].filtered,
-                         set_aside=rounds[0].set_aside)
+    scored = train.Round(examples, rollouts, rounds[0].rewards, {}, None, marks=rounds[0].marks)
     scored.keep(torch.tensor([[0]]), torch.tensor([[0.5]]))  # the one group that entered: its first rollout
     prompts = [row for row in completions.completions_record(1, [scored])["rows"] if row["type"] == "prompt"]
     assert [(row["filtered"], row["set_aside"]) for row in prompts] == [(False, False), (False, True)]
@@ -154,9 +154,9 @@ def test_refilled_rounds_train_on_the_entered_groups_rows_only(scope):
     first, second = fake_round([[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]]), fake_round([[3.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
     for part in (first, second):
         part.rollouts = rollouts_of(2, 3)
-        part.filtered = pods.zero_variance_prompts(part.rewards)
+        dynamic_sampling.mark(part, "total")  # the groups without a spread: filtered
     refilled = dynamic_sampling.Refilled([first, second])
-    refilled.keep(*pods.select(refilled.rewards_seen(), 2, "max_variance", scope=scope)[:2])
+    refilled.keep(*pods.select(refilled.rewards, 2, "max_variance", scope=scope)[:2])
     (batch_one, rows_one), (batch_two, rows_two) = [(part.update_batch(), part.kept_rows) for part in refilled.parts]
     assert rows_one.tolist() == batch_one.completion_ids.flatten().tolist() and set(rows_one.tolist()) <= {0, 1, 2}
     assert rows_two.tolist() == batch_two.completion_ids.flatten().tolist() and set(rows_two.tolist()) <= {0, 1, 2}
@@ -269,16 +269,17 @@ def test_the_flags_arrive_at_the_update_and_no_kept_group_lacks_a_spread(argv, t
     assert trained == [row for completions, _, _ in expected for row in completions]
     torch.testing.assert_close(batch.advantages, torch.tensor([a for _, advantages, _ in expected for a in advantages]))
     for (_, _, spread), part in zip(expected, scored):
-        assert torch.equal(part.filtered, ~spread)  # logged as set aside: exactly the groups without a spread
-    entered = sum(int((~part.filtered).sum()) for part in scored)
+        assert torch.equal(part.marks["filtered"], ~spread)  # logged as set aside: exactly the groups without a spread
+    entered = sum(int((~part.marks["filtered"]).sum()) for part in scored)
     assert entered == 3 and metrics["dynamic_sampling/groups_missing"] == 0  # refilled to --prompts-per-step
-    assert [len(d) for d in seen["drawn"]] == [3 - sum(int((~p.filtered).sum()) for p in scored[:i + 1])
+    assert [len(d) for d in seen["drawn"]] == [3 - sum(int((~p.marks["filtered"]).sum()) for p in scored[:i + 1])
                                               for i in range(len(seen["drawn"]))]  # only what is missing
-    generated = sum(len(part.filtered) for part in scored)
+    generated = sum(len(part.marks["filtered"]) for part in scored)
     assert metrics["dynamic_sampling/groups_generated"] == generated
     assert metrics["dynamic_sampling/frac_filtered"] == pytest.approx(1 - entered / generated)
     assert metrics["update_rows"] == 3 * 2 and metrics["grad_norm"] > 0
-    filtered_answers = {part.answers[i] for part in scored for i in part.filtered.nonzero().squeeze(1).tolist()}
+    filtered_answers = {part.answers[i] for part in scored
+                        for i in part.marks["filtered"].nonzero().squeeze(1).tolist()}
     assert "0" in filtered_answers and ("17" in filtered_answers) == (args.dynamic_sampling_metric == "accuracy")
 
 
@@ -289,10 +290,10 @@ def test_the_round_bound_is_honoured_and_logged_and_grad_accum_refills_each_batc
     args, metrics, scored, seen = run_step(tiny_model, smollm2_tokenizer, ["--max-generation-rounds", "3",
                                                                           "--grad-accum-steps", "2"],
                                            monkeypatch, rounds=[nothing, EXAMPLES[:2]], pool=nothing)
-    assert [len(part.filtered) for part in scored[:3]] == [2, 2, 2]  # batch 1: 3 rounds, nothing entered
-    assert scored[0].filtered.all() and scored[1].filtered.all() and scored[2].filtered.all()
+    assert [len(part.marks["filtered"]) for part in scored[:3]] == [2, 2, 2]  # batch 1: 3 rounds, nothing entered
+    assert scored[0].marks["filtered"].all() and scored[1].marks["filtered"].all() and scored[2].marks["filtered"].all()
     assert len(seen["rollouts"]) == metrics["dynamic_sampling/generation_rounds"] == len(scored)
-    missing_second = 2 - sum(int((~part.filtered).sum()) for part in scored[3:])
+    missing_second = 2 - sum(int((~part.marks["filtered"]).sum()) for part in scored[3:])
     assert metrics["dynamic_sampling/groups_missing"] == 2 + missing_second
     assert metrics["update_rows"] == 2 * (2 - missing_second) > 0  # trains on what there is
 

@@ -11,12 +11,13 @@ has. The rule keeps m rollouts of each group that entered: pods.select runs once
 --selection-scope batch and --scale-rewards batch see exactly the groups that entered.
 
 train.py plugs it in once, as its round strategy (`refilling`, chosen by train.round_strategy): the step then gets a
-`Refilled` rollout batch where it would get one train.Round, with the same four calls (rewards_seen, keep,
-update_batch, record_sampler_ratios), so the step itself has no --dynamic-sampling branch.
+`Refilled` rollout batch where it would get one train.Round, read the same way (rewards, keep, update_batch,
+record_sampler_ratios, parts, first_chunk), so the step itself has no --dynamic-sampling branch.
 - `without_spread`: the groups whose metric is equal for all n rollouts (the weighted total by default, or accuracy).
-- `refill`: the generation rounds of one rollout batch, each a train.Round whose `filtered` and `set_aside` it marks;
-  with several processes each refills its own share and every process decides from every process's count
-  (train.OneProcess.counts), so all agree on the rounds.
+- `refill`: the generation rounds of one rollout batch, each a train.Round whose `marks` it sets (`filtered`,
+  `set_aside`: this module's own, written on each prompt's row of the completions log); with several processes each
+  refills its own share and every process decides from every process's count (train.OneProcess.counts), so all
+  agree on the rounds.
 - `Refilled`: what the selection sees (the groups that entered, in draw order), its result mapped back onto each
   round's rows, and those rows as one update batch (`join`).
 - `step_metrics`: groups generated, fraction without a spread, fraction set aside to even out the processes'
@@ -53,9 +54,14 @@ def without_spread(rewards, per_func, metric="total"):
     return pods.zero_variance_prompts(values)
 
 
+def groups_entered(part):
+    """[P] bool: the groups of `part` (a marked train.Round) that enter the selection: with a spread, not set aside."""
+    return ~(part.marks["filtered"] | part.marks["set_aside"])
+
+
 def entered(rounds):
-    """The number of groups of `rounds` that entered the selection: with a spread, and not set aside."""
-    return sum(int(part.entered.sum()) for part in rounds)
+    """The number of groups of `rounds` that entered the selection."""
+    return sum(int(groups_entered(part).sum()) for part in rounds)
 
 
 def refill(first, generate, wanted, metric="total", max_rounds=1, counts=lambda value: [value], say=None):
@@ -82,9 +88,10 @@ def refill(first, generate, wanted, metric="total", max_rounds=1, counts=lambda 
 
 
 def mark(part, metric):
-    """`part` (a train.Round) with its groups without a spread marked `filtered`, none yet `set_aside`."""
-    part.filtered = without_spread(part.rewards, part.per_func, metric)
-    part.set_aside = torch.zeros_like(part.filtered)
+    """`part` (a train.Round) with its groups without a spread marked `filtered`, none yet `set_aside` (its `marks`:
+    what the completions log writes on each prompt's row)."""
+    filtered = without_spread(part.rewards, part.per_func, metric)
+    part.marks = {"filtered": filtered, "set_aside": torch.zeros_like(filtered)}
     return part
 
 
@@ -93,8 +100,8 @@ def even_out(rounds, limit):
     on as many rows each (their updates run the same collectives); one process: limit = what it has, nothing changes.
     They have a spread: they are not `filtered`, and are counted apart (`step_metrics`)."""
     for part in rounds:
-        groups = part.entered.nonzero().squeeze(1)
-        part.set_aside[groups[limit:]] = True
+        groups = groups_entered(part).nonzero().squeeze(1)
+        part.marks["set_aside"][groups[limit:]] = True
         limit = max(limit - len(groups), 0)
 
 
@@ -128,17 +135,22 @@ class Refilled:
     def first_chunk(self):
         return self.parts[0].first_chunk
 
-    def rewards_seen(self):
+    @property
+    def rewards(self):
         """[P', n]: the rewards of the groups that entered, in draw order: what the selection rule sees."""
-        return torch.cat([part.rewards_seen() for part in self.parts])
+        return torch.cat([part.rewards[groups_entered(part)] for part in self.parts])
 
     def keep(self, kept, advantages, zero_variance_dropped=0):
-        """pods.select's (kept, advantages) over `rewards_seen()` mapped back onto each round."""
+        """pods.select's (kept, advantages) over `rewards` mapped back onto each round's rows."""
         start = 0
         for part in self.parts:
-            count = int(part.entered.sum())
-            part.keep(kept[start:start + count], advantages[start:start + count], zero_variance_dropped)
-            start, zero_variance_dropped = start + count, 0  # counted once per rollout batch
+            groups = groups_entered(part).nonzero().squeeze(1)
+            mine, mine_advantages = kept[start:start + len(groups)], advantages[start:start + len(groups)]
+            n = part.rewards.shape[1]
+            rows = update.kept_rows(mine, n)  # rows of the entered groups: group g is groups[g] of this round
+            part.keep(groups[rows // n] * n + rows % n,
+                      mine_advantages[mine] if mine.dtype == torch.bool else mine_advantages, zero_variance_dropped)
+            start, zero_variance_dropped = start + len(groups), 0  # counted once per rollout batch
 
     def update_batch(self):
         return join([part.update_batch() for part in self.parts], self.pad_id)
@@ -177,9 +189,9 @@ def step_metrics(scored, wanted):
     """A step's counters from its train.Rounds (every generation round of every rollout batch); wanted:
     --prompts-per-step x --grad-accum-steps groups. frac_filtered: groups without a spread; frac_set_aside: groups
     with a spread left out so that every process trains on as many rows (several processes, rounds out)."""
-    generated = sum(len(part.filtered) for part in scored)
-    filtered = sum(int(part.filtered.sum()) for part in scored)
-    set_aside = sum(int(part.set_aside.sum()) for part in scored)
+    generated = sum(len(part.rewards) for part in scored)
+    filtered = sum(int(part.marks["filtered"].sum()) for part in scored)
+    set_aside = sum(int(part.marks["set_aside"].sum()) for part in scored)
     return {"dynamic_sampling/groups_generated": generated, "dynamic_sampling/frac_filtered": filtered / generated,
             "dynamic_sampling/frac_set_aside": set_aside / generated,
             "dynamic_sampling/generation_rounds": len(scored),
