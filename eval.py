@@ -81,7 +81,6 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
     rows per generate call). Chunk c of repeat r uses seed + 100_003 * r + c, so results do not depend on
     `progress` and a repeat is reproducible on its own."""
     import rewards
-    from engine import rollout_check
     import sampling
 
     temperature, batch_size = settings.temperature, settings.rollout_batch_size
@@ -108,8 +107,8 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
             rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
                                                   seed=chunk_seed)
             # The guard of train.py without an update pass: the first chunk's tokens scored by the model itself;
-            # a gap no correct sampler reaches falls back to HF generate() (sampling.fall_back) and redoes it.
-            if check_sampler and repeat == chunk_index == 0 and rollouts.backend != "hf" and rollout_check.check(
+            # a gap no correct sampler reaches falls back to HF generate() (sampling.after_gap) and redoes it.
+            if check_sampler and repeat == chunk_index == 0 and rollouts.backend != "hf" and sampling.after_gap(
                     model, measure_sampler_gap(model, rollouts, temperature, prefix_sharing=settings.prefix_sharing),
                     rollouts.backend, settings.backend, "evaluation"):
                 rollouts = sampling.generate_rollouts(model, tokenizer, chunk_prompts, samples_per_prompt, settings,
@@ -152,12 +151,12 @@ def measure_sampler_gap(model, rollouts, temperature, micro_batch_size=8, prefix
     are compared at temperature 1, as the sampler records them. prefix_sharing: each distinct prompt and the prefix
     the rows share computed once (prefix.py, as in the update; its own code, not the sampler's, so a fault of the
     sampler's shared prefix still shows)."""
-    import grpo_loss
+    import policy
     from engine import prefix, rollout_check
 
     device, gap = next(model.parameters()).device, rollout_check.SamplerGap()
     rows = rollouts.prompt_index
-    with torch.no_grad(), grpo_loss.dropout_off(model):
+    with torch.no_grad(), policy.dropout_off(model):
         logprobs = prefix.logprobs_function(model, prefix_sharing)
         for start in range(0, len(rows), micro_batch_size):
             part = slice(start, start + micro_batch_size)

@@ -12,8 +12,8 @@ runs the update's forward passes under bf16 autocast (update.py), since bf16 wei
 (the bf16 spacing at 0.02 is ~1e-4: the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
 `native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
 
-`dropout_off` and `hf_model` are grpo_loss.py's (the step's forward passes), re-exported here; the update's GPU
-fast paths (fused kernels, TF32, activation checkpointing) are engine/kernels.py's.
+The calls the step makes to the loaded policy (`hf_model`, `dropout_off`, the completion log-probs) are policy.py's;
+the update's GPU fast paths (fused kernels, TF32, activation checkpointing) are engine/kernels.py's.
 Loading is quiet: no loader progress bars (`quiet_loading`; downloads keep theirs), and bitsandbytes is imported only
 for 4-bit weights or 8-bit Adam (`quiet_peft`). The demo model's GGUF file is converted once into $PODS_CACHE_DIR
 (default ~/.cache/pods).
@@ -35,8 +35,8 @@ import time
 import warnings
 from pathlib import Path
 
-from grpo_loss import dropout_off, hf_model  # noqa: F401  (models.dropout_off: the same function)
 from lazy import lazy_module
+import policy
 
 # Imported at their first use: presets and the flags read this module's names without loading them (lazy.py).
 torch = lazy_module("torch", globals())
@@ -260,7 +260,7 @@ def check_generation_fits(model, rows, tokens, flags):
     of `tokens` (prompt + completion) that exceeds the model's positions or the memory left for it: the KV cache
     (K and V of every layer and KV head) plus a step's fp32 logits and the sampling buffers over them. Checked
     before the first generation, so an impossible setting fails at once rather than by the kernel's OOM killer."""
-    config = hf_model(model).config
+    config = policy.hf_model(model).config
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and tokens > limit:
         raise ValueError(f"prompts + completions of up to {tokens} tokens exceed the model's {limit} positions: "
@@ -268,7 +268,7 @@ def check_generation_fits(model, rows, tokens, flags):
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_bytes = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * \
-        hf_model(model).dtype.itemsize * rows * tokens
+        policy.hf_model(model).dtype.itemsize * rows * tokens
     need = kv_bytes + 4 * 4 * rows * config.vocab_size + 9 * rows * tokens  # logits x 4; token and mask buffers
     device = next(model.parameters()).device
     free = available_memory_bytes(device)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 import engine
-import grpo_loss
-from engine import hf_generate
+import policy
+from engine import hf_generate, rollout_check
 
 BACKENDS = (None, "engine", "hf")
 BACKEND_NAMES = {"engine": "the decode engine", "eager": "the decode engine without CUDA graphs",
@@ -63,7 +63,7 @@ class Rollouts:
     truncated: torch.Tensor         # BoolTensor[P*n], no EOS within max_new_tokens
     prompt_index: torch.Tensor      # LongTensor[P*n], i for row i*n + j
     # FloatTensor[P*n, Tc]: log p of each token under the sampler, softmax(logits / T) over the whole vocabulary
-    # (before the top-p cut; greedy: T = 1), as grpo_loss.token_logprobs defines it; 0 after the first EOS
+    # (before the top-p cut; greedy: T = 1), as policy.token_logprobs defines it; 0 after the first EOS
     sampler_logprobs: torch.Tensor | None = None
     backend: str = "hf"             # what generated them: "engine", "eager" or "hf" (BACKEND_NAMES)
 
@@ -150,6 +150,36 @@ def after_engine_error(model, backend, error, requested):
     return _FALLBACKS[model][0]
 
 
+def after_gap(model, gap, backend, requested, where, rejected=False):
+    """After a step (or an evaluation chunk) whose rollouts came from `backend`, `gap` their sampler's log-probs
+    against the trainer's (engine/rollout_check.py): None if the sampler can be trusted, else the fallback's one-line
+    reason (the model generates with Hugging Face generate() from now on, `fall_back`). requested "engine": SamplerError
+    instead (no fallback allowed). rejected: the step's update was not applied, which the line says. The gap of
+    rollouts Hugging Face generated is logged but never acted on: there is nothing to fall back to."""
+    why = None if backend == "hf" else rollout_check.off_policy(gap, where, rejected)
+    if why is None:
+        return None
+    reason = f"{BACKEND_NAMES[backend]} samples from another policy than the one trained ({why})"
+    if requested == "engine":
+        raise SamplerError(f"{reason}; --backend engine allows no fallback: leave --backend unset to fall back to "
+                           "Hugging Face generate(), or --backend hf")
+    fall_back(model, "hf", reason)
+    return reason
+
+
+def after_step(model, result, rounds, requested, where):
+    """After a training step: its sampler metrics, {"sampler/engine": 1.0 when the decode engine generated every
+    rollout, "sampler/fallback": the reason, when the step's gap made generation fall back to HF (`after_gap`)}.
+    result: the step's update.UpdateMetrics; rounds: its train.Rounds; requested: --backend."""
+    backends = {backend for round_ in rounds for backend in round_.backends}
+    metrics = {"sampler/engine": float("hf" not in backends)}
+    fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
+    if result.sampler_gap is not None and (fallback := after_gap(model, result.sampler_gap, fast, requested, where,
+                                                                 result.sampler_rejected)):
+        metrics["sampler/fallback"] = fallback
+    return metrics
+
+
 def check_settings(settings, n=1):
     for name, value in (("n", n), ("max_new_tokens", settings.max_new_tokens),
                         ("rollout_batch_size", settings.rollout_batch_size)):
@@ -183,7 +213,7 @@ def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, setti
     backend = resolve_backend(model, s.backend, prompt_ids.shape[1] - 1 + s.max_new_tokens)
     prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
     chunks = []
-    with torch.no_grad(), grpo_loss.dropout_off(model):
+    with torch.no_grad(), policy.dropout_off(model):
         for chunk_index, start in enumerate(range(0, len(prompt_index), s.rollout_batch_size)):
             rows = prompt_index[start:start + s.rollout_batch_size]
             keep = int(prompt_mask[rows].sum(1).max())  # drop padding columns no row of this chunk needs

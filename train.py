@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 import data
+import eval as heldout
 import models
 import pods
 import rewards
@@ -45,7 +46,8 @@ from engine import rollout_check
 from grading import trl_call
 from run import checkpoint, completions, report, runfolder, signals
 from run.loop import evaluate_heldout, evaluation_due, load, resume  # the loop's parts around the step
-from run.metrics import PHASE_KEYS, step_metrics, timed
+from run.metrics import PHASE_KEYS, step_metrics
+from stopwatch import timed
 from variants import dynamic_sampling
 
 NONFINITE_STOP = 3  # consecutive steps whose update was skipped
@@ -242,7 +244,7 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
     scored, result, costs = processes.merged(([part for round_ in made for part in round_.parts], result, costs))
     metrics = step_metrics(scored, result, optimizer, costs, settings.update.loss.mask_truncated)
     # Did the rollouts come from the policy? The update's log-probs against the sampler's: else fall back to HF.
-    metrics.update(rollout_check.after_step(model, result, scored, settings.generation.backend, f"step {step}"))
+    metrics.update(sampling.after_step(model, result, scored, settings.generation.backend, f"step {step}"))
     return metrics, scored
 
 
@@ -342,7 +344,7 @@ def run(args, run_dir, processes):
         if eval_set and state.step == 0 and state.evaluated_step != 0:  # a stop after it saved it already
             if processes.is_main:
                 print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
-            accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes)
+            accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, heldout.evaluate)
         bar = closing.enter_context(report.progress_bar(args, state, label, args.progress and processes.is_main))
         # A step is not started when it would probably end past --max-time-s.
         while not (args.max_steps and state.step >= args.max_steps) and \
@@ -376,7 +378,7 @@ def run(args, run_dir, processes):
                     f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
                     "norm; none of them changed the weights. Stopping: lower --learning-rate or --max-grad-norm.")
             if eval_set and evaluation_due(args, state.step, before_s, state.elapsed_s):
-                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes,
+                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, heldout.evaluate,
                                             check_sampler=False)  # this step's update checked the sampler
             if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:
                 save()
@@ -384,7 +386,7 @@ def run(args, run_dir, processes):
         bar.close()
         stop = stop or signalled_stop()  # a signal during the last step: stopped as during any other
         if eval_set and state.evaluated_step != state.step and stop is None:
-            evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes,
+            evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, heldout.evaluate,
                              check_sampler=state.step == start_step)
             stop = signalled_stop()  # ... or during the final evaluation
         if (args.checkpoint_interval_s >= 0 or stop) and saved != (state.step, state.evaluated_step):

@@ -39,6 +39,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import grpo_loss
+import policy
 from engine import gpu_paths
 from engine import kernels
 from engine import prefix
@@ -220,10 +221,10 @@ def checkpoint_plan(model, batches, settings, device):
     parts = [(min(rows.stop, len(batch.advantages)) - rows.start, prompt, completion) for batch in batches
              for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size)]
     tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
-    logits = 4 * 4 * grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS  # the log-softmax's float32 chunks
-    if grpo_loss.fused_head(model) is None:  # the model's own logits, and their gradient, whole
+    logits = 4 * 4 * policy._LOGSUMEXP_CHUNK_ELEMENTS  # the log-softmax's float32 chunks
+    if policy.fused_head(model) is None:  # the model's own logits, and their gradient, whole
         logits += max(rows * completion for rows, _, completion in parts) * \
-            grpo_loss.hf_model(model).config.vocab_size * 2 * next(model.parameters()).element_size()
+            policy.hf_model(model).config.vocab_size * 2 * next(model.parameters()).element_size()
     return kernels.checkpoint_plan(layers, kernels.saved_bytes_per_token(model), tokens, budget - logits)
 
 
@@ -264,7 +265,7 @@ def _logprobs(model, micro, settings, device, step=None, with_entropies=False):
     where prefix.logprobs_function allows it, reading the step's shared prefix where `_step_prefix` ran one: the same
     numbers either way, up to float rounding."""
     logprobs = prefix.logprobs_function(model, settings.prefix_sharing)
-    options = {} if logprobs is grpo_loss.token_logprobs else dict(host=micro.host)
+    options = {} if logprobs is policy.token_logprobs else dict(host=micro.host)
     if step is not None:
         options["step"] = step
     if with_entropies:  # (logprobs, entropies): --top-entropy-quantile
@@ -306,18 +307,18 @@ def fill_logprobs(model, batches, settings):
     passes = {"ref_logprobs": model.disable_adapter if need_ref else None,
               "old_logprobs": contextlib.nullcontext if need_old else None}
     def fill():
-        for name, policy in passes.items():
+        for name, which in passes.items():
             for batch in batches:
-                setattr(batch, name, None if policy is None else torch.zeros(batch.completion_ids.shape, device=device))
-            if policy is None:
+                setattr(batch, name, None if which is None else torch.zeros(batch.completion_ids.shape, device=device))
+            if which is None:
                 continue
-            with policy():
+            with which():
                 step = _step_prefix(model, batches, settings, device)
                 for batch in batches:
                     for micro in micro_batches(batch, settings.micro_batch_size, device):
                         getattr(batch, name)[micro.rows, :micro.width] = _logprobs(model, micro, settings, device, step)
 
-    with torch.no_grad(), grpo_loss.dropout_off(model, keep_checkpointing=True), \
+    with torch.no_grad(), policy.dropout_off(model, keep_checkpointing=True), \
             _gpu_paths(model, device, settings) as run:
         run(fill)
 
@@ -413,7 +414,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
     losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
     plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
-    with grpo_loss.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as run:
+    with policy.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as run:
         for _ in range(settings.updates_per_batch):
             first_pass = not losses  # the policy before its first optimizer step: the one that sampled
             loss, metric_sums, gap_sums, tokens = run(functools.partial(

@@ -609,8 +609,7 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
     policy, its layers replaying what `kind` says (REPLAYS; update.checkpoint_plan decides it on a GPU)."""
     from run import config
-    import grpo_loss
-    import models
+    import policy
     from engine import prefix
     from engine import rollout_check
     import update
@@ -626,10 +625,10 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
         kept = update.UpdateBatch(prompt_ids.clone(), torch.ones_like(prompt_ids), completion_ids,
                                   torch.ones_like(completion_ids), torch.randn(rows, generator=generator),
                                   torch.ones(rows, dtype=torch.bool))
-        with torch.no_grad(), models.dropout_off(model):  # the sampler's log-probs: the policy's own
+        with torch.no_grad(), policy.dropout_off(model):  # the sampler's log-probs: the policy's own
             ids = torch.cat([kept.prompt_ids, completion_ids], 1)
-            kept.sampler_logprobs = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), narrow.completion,
-                                                             settings.temperature).float()
+            kept.sampler_logprobs = policy.token_logprobs(model, ids, torch.ones_like(ids), narrow.completion,
+                                                          settings.temperature).float()
         return [kept]
 
     def run(batches):
@@ -655,8 +654,8 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
         whole, mlps = REPLAYS[kind]
         phases.append((update, "checkpoint_plan", lambda *a: (whole * layers, mlps * layers)))
     # The decoder's calls: every model call runs it, whether the model's forward or the update's fused LM head
-    # (grpo_loss.kept_outputs) calls it.
-    calls, decoder = [], models.hf_model(model).model
+    # (policy.kept_outputs) calls it.
+    calls, decoder = [], policy.hf_model(model).model
     hf_forward = decoder.forward
 
     def forward(*args, **kwargs):  # each model call of the forward phase on its own line: [rows x tokens]
@@ -741,7 +740,7 @@ def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, toke
     real_bytes = lambda t: math.prod(mapping.get(d, d) for d in t.shape) * t.element_size()  # noqa: E731
     per_token = kernels.saved_bytes_per_token(probe, tokens=48, nbytes=real_bytes)
     resident = resident_bytes(args, real, cache)
-    logits = rows * completion * real.vocab_size * 2 * 2 + 4 * 4 * __import__("grpo_loss")._LOGSUMEXP_CHUNK_ELEMENTS
+    logits = rows * completion * real.vocab_size * 2 * 2 + 4 * 4 * __import__("policy")._LOGSUMEXP_CHUNK_ELEMENTS
     plans = {}
     for name, card in CARDS.items():
         budget = min(card.memory_bytes * (1 - update.MEMORY_MARGIN) - resident, update.MEMORY_CEILING - resident)
@@ -884,8 +883,7 @@ def host_times(args, layers, plan, repeats=5, compile_backend=None):
 
     from run import config
     import engine
-    import grpo_loss
-    import models
+    import policy
     import update
     from engine import gpu_paths
     from engine import rollout_check
@@ -895,12 +893,12 @@ def host_times(args, layers, plan, repeats=5, compile_backend=None):
     settings = config.update_settings(args)
     with host_timing():
         model = narrow_policy(args, layers, HOST_NARROW).train()
-        grpo_loss.hf_model(model).set_attn_implementation("pods_host_stand_in")
+        policy.hf_model(model).set_attn_implementation("pods_host_stand_in")
         if compile_backend:
             from torch import _dynamo
 
             _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 2 * layers)
-            for layer in grpo_loss.hf_model(model).model.layers:
+            for layer in policy.hf_model(model).model.layers:
                 layer.compile(backend=compile_backend, dynamic=False)
         optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
 
@@ -926,7 +924,7 @@ def host_times(args, layers, plan, repeats=5, compile_backend=None):
             times = []
             for tokens in (1, 1 + steps):
                 start = time.perf_counter()
-                with torch.no_grad(), grpo_loss.dropout_off(model):
+                with torch.no_grad(), policy.dropout_off(model):
                     engine.generate(model, prompt, torch.ones_like(prompt), torch.zeros(HOST_ROWS, dtype=torch.long),
                                     tokens, [], 2, temperature=args.temperature, top_p=args.top_p, capture=False,
                                     compile_backend=False, check_every=steps + 1)

@@ -24,8 +24,9 @@ import torch
 from run import config
 import engine
 import models
-from run import report
+import policy
 import sampling
+import stopwatch
 import update
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "model_configs"
@@ -153,7 +154,7 @@ def generate(model, prompt_ids, n, new_tokens, args, seed, **overrides):
 
 def run_update(model, optimizer, rows, shapes, settings, seed):
     """The update of one step on `rows` synthetic kept rollouts: fill_logprobs + update_policy, as train_step."""
-    vocab_size = models.hf_model(model).config.vocab_size
+    vocab_size = policy.hf_model(model).config.vocab_size
     batches = [synthetic_batch(rows, shapes.prompt_tokens, shapes.completion_tokens, vocab_size, seed=seed)]
     update.fill_logprobs(model, batches, settings)
     return update.update_policy(model, optimizer, batches, settings)
@@ -173,12 +174,12 @@ def new_graphs(before):
 # ---------------------------------------------------------------- timing and memory
 
 def timed(fn, device):
-    """(fn(), its wall-clock seconds) with report.timed, the project's stopwatch; on CUDA the work queued before is
+    """(fn(), its wall-clock seconds) with stopwatch.timed, the project's stopwatch; on CUDA the work queued before is
     finished first, so only fn's own is counted."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = {}
-    with report.timed(seconds, "fn", device):
+    with stopwatch.timed(seconds, "fn", device):
         result = fn()
     return result, seconds["fn"]
 

@@ -34,7 +34,7 @@ import torch
 
 import engine
 import engine.ops
-import models
+import policy
 import sampling
 from bench import common
 from bench.common import EOS, GIB, NO_EOS, print_header, print_row, timed, verdict
@@ -147,7 +147,7 @@ def greedy_check(model, prompt_ids, steps, rows, precision, engine_path):
     tokens = {name: completions(model, ids, steps, 0.0, 1.0, 0, **path)
               for name, path in (("engine", engine_path), ("hf", HF))}
     device = next(model.parameters()).device
-    with torch.no_grad(), models.dropout_off(model):
+    with torch.no_grad(), policy.dropout_off(model):
         full = torch.cat([ids, tokens["engine"]], 1).to(device)
         logits = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False,
                        logits_to_keep=steps + 1).logits[:, :-1].float()
@@ -197,7 +197,7 @@ def bench_decode(argv):
         model = common.build_policy(args.model, tiny=args.tiny, device=device, precision=precision, args=trainer,
                                     seed=args.seed)
         perturb_adapters(model, args.seed)
-        model_config = models.hf_model(model).config
+        model_config = policy.hf_model(model).config
         prompt_ids = common.random_prompts(model_config.vocab_size, batch, width, args.seed)
         kv_bytes = common.kv_cache_bytes(model_config, batch, context, 4 if precision == "fp32" else 2)
         weights.append(weight_bytes(model, 2 if precision == "4bit" else None))  # 4-bit: the bf16 copy
@@ -258,7 +258,7 @@ def dropped_rows_check(model, prompt_ids, lengths, precision, seed, device):
     print_header(LENGTH_COLUMNS)
 
     def run(check_every):
-        with models.dropout_off(model):
+        with policy.dropout_off(model):
             return engine.generate(model, ids, torch.ones_like(ids), torch.arange(rows), longest, [EOS], EOS,
                                    temperature=1.0, seed=seed, max_rows=rows, forced_lengths=forced,
                                    check_every=check_every)
@@ -321,7 +321,7 @@ def kernels_part(model, prompt_ids, precision, args, weights, bandwidth):
     reached, CUDA kernels per step, the greedy check, the ops that ran fused."""
     shapes, device, trainer = args.shapes, args.device, args.trainer
     width, new_tokens = shapes.decode_prompt_tokens, shapes.decode_new_tokens
-    context, model_config = width + new_tokens // 2, models.hf_model(model).config
+    context, model_config = width + new_tokens // 2, policy.hf_model(model).config
     print(f"\n## Decode step's kernels ({precision}): the plain PyTorch step (reference) vs the fused one, merged copy")
     print_header(KERNEL_COLUMNS)
     result = []
@@ -359,7 +359,7 @@ def profiled_step(model, ids, trainer, device, steps=3):
     if device.type != "cuda":
         return None, None
     rows, width = ids.shape
-    with torch.no_grad(), models.dropout_off(model):
+    with torch.no_grad(), policy.dropout_off(model):
         engine.generate(model, ids.to(device), torch.ones_like(ids).to(device), torch.arange(rows), 2, [], EOS,
                         temperature=trainer.temperature, top_p=trainer.top_p, max_rows=rows, capture=False)
         eager = engine.engine_for(model, refresh_weights=False, capture=False)
@@ -383,7 +383,7 @@ def pods_generation(model, precision, args):
     trainer's sampling path (common.generate), with each kernel set: seconds, best of 2 after a first call."""
     prompt_tokens, new_tokens = PODS_GENERATION[args.tiny]
     rollouts = args.shapes.pods_n
-    prompt = common.random_prompts(models.hf_model(model).config.vocab_size, 1, prompt_tokens, args.seed + 1)
+    prompt = common.random_prompts(policy.hf_model(model).config.vocab_size, 1, prompt_tokens, args.seed + 1)
     print(f"\n## PODS generation ({precision}): {rollouts} rollouts of one {prompt_tokens}-token prompt, {new_tokens} "
           "new tokens")
     print_header(GENERATION_COLUMNS)
@@ -408,11 +408,11 @@ def device_exactness(args, rows=6, steps=12):
     model = common.build_policy(args.model, tiny=True, device=args.device, precision="fp32", args=trainer,
                                 seed=args.seed)
     perturb_adapters(model, args.seed, std=0.1)
-    ids = common.random_prompts(models.hf_model(model).config.vocab_size, rows, 9, args.seed).to(args.device)
+    ids = common.random_prompts(policy.hf_model(model).config.vocab_size, rows, 9, args.seed).to(args.device)
     outputs = {}
     with kernel_sets(KERNEL_MODES) as modes:
         for mode in modes:
-            with models.dropout_off(model):
+            with policy.dropout_off(model):
                 for temperature in (0.0, 1.0):
                     outputs[mode, temperature] = engine.generate(
                         model, ids, torch.ones_like(ids), torch.arange(rows), steps, [], EOS,

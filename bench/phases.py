@@ -17,7 +17,7 @@ import torch
 
 from run import config
 import engine
-import models
+import policy
 import update
 from bench import common
 from bench.common import GIB, print_header, print_row
@@ -37,7 +37,7 @@ def bench_asymmetry(argv):
         model = common.build_policy(args.model, tiny=args.tiny, device=device, precision=precision, args=trainer,
                                        seed=args.seed)
         optimizer = update.make_optimizer(model, trainer.learning_rate, trainer.weight_decay, trainer.optimizer)
-        vocab_size = models.hf_model(model).config.vocab_size
+        vocab_size = policy.hf_model(model).config.vocab_size
         prompt_ids = common.random_prompts(vocab_size, 1, shapes.prompt_tokens, args.seed)
         # Warm-up, timed apart: every generation bucket (CUDA graphs / compilation), kernels, optimizer state.
         stats = common.engine_stats()
@@ -160,8 +160,8 @@ def bench_memory(argv):
         model = measure(precision, "load", lambda: common.build_policy(
             args.model, tiny=args.tiny, device=device, precision=precision, args=trainer, seed=args.seed))
         optimizer = update.make_optimizer(model, trainer.learning_rate, trainer.weight_decay, trainer.optimizer)
-        prompt_ids = common.random_prompts(models.hf_model(model).config.vocab_size, 1, shapes.prompt_tokens,
-                                              args.seed)
+        prompt_ids = common.random_prompts(policy.hf_model(model).config.vocab_size, 1, shapes.prompt_tokens,
+                                           args.seed)
         # 4-bit: generation from the quantized modules (no copy) vs from a bf16 merged copy; the trainer's default
         # (generation_copy=None) is the first for 4-bit, the second otherwise.
         copies = (False, True) if precision == "4bit" else (None,)

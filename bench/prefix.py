@@ -32,6 +32,7 @@ import torch
 from run import config
 import data
 import models
+import policy
 from engine import prefix
 import update
 from bench import common
@@ -113,7 +114,7 @@ def groups_only(mode):
 def counted_tokens(model):
     """A list that collects the number of tokens each forward pass of `model` takes in, for the block."""
     tokens = []
-    hook = models.hf_model(model).get_input_embeddings().register_forward_hook(
+    hook = policy.hf_model(model).get_input_embeddings().register_forward_hook(
         lambda module, inputs, output: tokens.append(inputs[0].numel()))
     try:
         yield tokens
@@ -150,7 +151,7 @@ def update_part(args, model, tokenizer):
     print(f"## update: prompts of {int(lengths.min())}-{int(lengths.max())} tokens, {shared} shared by all; "
           f"completions {args.completion_tokens} tokens; micro-batches of {trainers[args.modes[0]].micro_batch_size}")
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    vocab_size = models.hf_model(model).config.vocab_size
+    vocab_size = policy.hf_model(model).config.vocab_size
     rows = []
     print_header(COLUMNS)
     for repeat in range(args.repeats + 1):   # repeat 0: warm-up, not counted

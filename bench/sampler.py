@@ -3,7 +3,7 @@ where the fallback threshold (rollout_check.LOGPROB_GAP_LIMIT) goes.
 
 The policy of the demo (SmolLM2-135M, LoRA r=16 with its B matrices randomised as after some training) samples
 rollouts of the demo's arithmetic prompts at T = 1 through sampling.generate_rollouts on each path, and the trainer's
-log-probs of the same tokens come from eval.measure_sampler_gap (grpo_loss.token_logprobs on the unmerged adapter, as
+log-probs of the same tokens come from eval.measure_sampler_gap (policy.token_logprobs on the unmerged adapter, as
 the update computes them). In fp32 every correct path should agree to rounding; in bf16 the engine's merged copy
 (base + B A rounded to bf16 once) against the trainer's unmerged adapter (x W + x A B in bf16) is the proxy, on
 CPU, for what a GPU run sees (its kernels round differently again). Planted faults, each on the engine:

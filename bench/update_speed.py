@@ -23,6 +23,7 @@ import torch
 
 from run import config
 import models
+import policy
 from engine import kernels as engine_kernels
 from engine import prefix
 import update
@@ -117,7 +118,7 @@ def bench_update(argv):
     model = common.build_policy("qwen2.5-3b", tiny=tiny, device=device, precision="bf16" if trainer.bf16 else "fp32",
                                 args=trainer, seed=0, vocab_size=None if tiny else 49152)
     optimizer = update.make_optimizer(model, trainer.learning_rate, trainer.weight_decay, trainer.optimizer)
-    vocab = models.hf_model(model).config.vocab_size
+    vocab = policy.hf_model(model).config.vocab_size
     all_layers = len(engine_kernels.checkpointable_layers(model))
 
     def run(settings, seed):

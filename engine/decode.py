@@ -18,8 +18,8 @@ import engine.ops as ops
 import engine.prefix as prefix
 import engine.step as decode_step
 import engine.weights as weights
-import grpo_loss
-from run import report
+import policy
+import stopwatch
 
 # The step's operations (engine/ops.py): None = fused kernels on CUDA (each checked against its reference first),
 # plain PyTorch elsewhere; "reference" = the plain-PyTorch step with separate projections (what the fused one is
@@ -153,7 +153,7 @@ _ENGINES = weakref.WeakKeyDictionary()
 
 def unsupported_reason(model, cache_len=0):
     """None if the engine can decode this model, else why not (sampling.py then uses HF generate)."""
-    hf = grpo_loss.hf_model(model)
+    hf = policy.hf_model(model)
     config, inner = hf.config, getattr(hf, "model", None)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
@@ -179,7 +179,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
     compile_backend None: DEFAULT_COMPILE_BACKEND; False: no compilation; a dynamo backend name or callable:
     torch.compile the step with it (tests count graphs on CPU this way). capture None: CUDA graphs are recorded
     on CUDA unless bitsandbytes modules run in the step or the model is FSDP-sharded; False: never."""
-    hf = grpo_loss.hf_model(model)
+    hf = policy.hf_model(model)
     quantized = getattr(hf.config, "quantization_config", None) is not None
     copy = not quantized if generation_copy is None else bool(generation_copy)
     backend = DEFAULT_COMPILE_BACKEND if compile_backend is None else compile_backend
@@ -226,7 +226,7 @@ def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size, la
 def records_graphs(model, copy, quantized):
     """Whether the engine records CUDA graphs by default: on CUDA, unless bitsandbytes kernels run in the step or
     FSDP re-allocates the weights around every unshard."""
-    hf = grpo_loss.hf_model(model)
+    hf = policy.hf_model(model)
     on_cuda = hf.model.embed_tokens.weight.device.type == "cuda"
     return on_cuda and (copy or not quantized) and not graphs.fsdp_sharded(model)
 
@@ -346,10 +346,10 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
     device = engine.embed.weight.device
     prompt_ids, prompt_mask = (tensor.to(device, non_blocking=True) for tensor in (prompt_ids, prompt_mask))
     max_rows = max(max_rows or rows, rows)
-    with report.timed(STATS, "prefill_s", device):
+    with stopwatch.timed(STATS, "prefill_s", device):
         prompt_keys, prompt_values = decode_step.prefill(engine, prompt_ids, prompt_mask, shared)
     STATS.prefill_tokens += shared + len(prompt_ids) * (width - 1 - shared)
-    with report.timed(STATS, "decode_s", device):  # host checks and compaction included
+    with stopwatch.timed(STATS, "decode_s", device):  # host checks and compaction included
         size, flags = bucket_for(rows, max_rows), (temperature > 0, top_p < 1)
         state, graph = state_for(engine, size, cache_len, max_rows, *flags)
         row_prompt = row_prompt.to(device)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from transformers import GenerationConfig, LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
-import grpo_loss
+import policy
 from engine import prefix
 
 
@@ -64,7 +64,7 @@ def neutral_generation_config(model):
     on transformers 4.50-4.57, even overrides fields equal to the library default (Qwen2.5-Instruct: top_k=20,
     repetition_penalty=1.05, ...): the rollouts would come from another policy than the one the loss scores.
     For the call, the model's generation_config is a blank one."""
-    hf = grpo_loss.hf_model(model)
+    hf = policy.hf_model(model)
     saved = hf.generation_config
     hf.generation_config = GenerationConfig()
     try:
@@ -82,7 +82,7 @@ def shared_prefix_cache(model, ids, mask):
     new_ids, new_mask, shared = prefix.shared_prefix_layout(ids, mask)
     if shared == 0:
         return ids, mask, None
-    parameters = inspect.signature(grpo_loss.hf_model(model).forward).parameters
+    parameters = inspect.signature(policy.hf_model(model).forward).parameters
     name = prefix.cache_argument(model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}   # no [prefix, vocab] logits
     output = model(input_ids=new_ids[:1, :shared], attention_mask=new_mask[:1, :shared], use_cache=True, **keep)

@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from engine import gpu_paths
-from grpo_loss import checkpointing_modules, dropout_off, hf_model
+from policy import checkpointing_modules, dropout_off, hf_model
 from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py)

@@ -2,7 +2,7 @@
 result): the m kept rollouts of a prompt all repeat that prompt, and every prompt of a batch repeats the same chat
 template, system prompt and worked example.
 
-`completion_logprobs` gives what grpo_loss.token_logprobs gives (float32 log p of each completion token, [B, C])
+`completion_logprobs` gives what policy.token_logprobs gives (float32 log p of each completion token, [B, C])
 from the same [prompt | completion] rows, with each distinct prompt run once:
 1. rows with identical prompt tokens (and mask) are one group (`prompt_groups`);
 2. the longest run of real tokens every distinct prompt starts with (`common_prefix_length`, found from the ids, not
@@ -41,7 +41,7 @@ try:
 except ImportError:  # older transformers: checkpointed layers always drop the cache
     GradientCheckpointingLayer = None
 
-import grpo_loss
+import policy
 
 
 def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -81,7 +81,7 @@ def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
 def shared_prefix_layout(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, int]:
     """(ids, mask, shared): the left-padded prompts [D, W] re-laid out as [shared prefix][suffix, left padded], the
     prefix being `common_prefix_length` (a prompt that IS the prefix keeps a suffix of one token). Pads sit between
-    prefix and suffix; the mask marks them, so position ids from the mask (grpo_loss.position_ids_from_mask) count
+    prefix and suffix; the mask marks them, so position ids from the mask (policy.position_ids_from_mask) count
     the same real tokens as before. The width becomes shared + the longest suffix (<= W); shared = 0 gives the
     prompts unchanged (bar all-pad columns). Generation (the engine's prefill, sampling's generate() path) runs the
     prefix once for every row."""
@@ -99,19 +99,19 @@ def shared_prefix_layout(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tenso
 def cache_argument(model):
     """The name of the KV-cache argument of the transformers model inside `model` ("cache" in transformers >= 5.x
     releases that renamed it, else "past_key_values")."""
-    parameters = inspect.signature(grpo_loss.hf_model(model).forward).parameters
+    parameters = inspect.signature(policy.hf_model(model).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _checkpointed_layers(model):
     """The modules of `model` that gradient checkpointing replays in the backward (transformers' flag, in training
-    mode: grpo_loss.dropout_off keeps them so in the update)."""
-    return [m for m in grpo_loss.checkpointing_modules(model) if m.gradient_checkpointing is True and m.training]
+    mode: policy.dropout_off keeps them so in the update)."""
+    return [m for m in policy.checkpointing_modules(model) if m.gradient_checkpointing is True and m.training]
 
 
 def unsupported_reason(model) -> str | None:
     """None when `completion_logprobs` can run on `model` in the current grad mode, else why not (one line)."""
-    hf = grpo_loss.hf_model(model)
+    hf = policy.hf_model(model)
     if not hasattr(hf, "config") or "logits_to_keep" not in inspect.signature(hf.forward).parameters:
         return f"{type(hf).__name__} is not a transformers causal LM with logits_to_keep"
     layers = getattr(DynamicCache(config=hf.config), "layers", None)
@@ -133,10 +133,10 @@ _SAID = set()  # the reasons `logprobs_function` could not share, each said once
 
 def logprobs_function(model, prefix_sharing=True):
     """`completion_logprobs` where prefix_sharing is asked for and `unsupported_reason` allows it on `model` (in the
-    current grad mode), else grpo_loss.token_logprobs (every row in full) with one warning line per reason, once:
+    current grad mode), else policy.token_logprobs (every row in full) with one warning line per reason, once:
     the update's passes and the evaluation's sampler check choose alike."""
     if not prefix_sharing:
-        return grpo_loss.token_logprobs
+        return policy.token_logprobs
     reason = unsupported_reason(model)
     if reason is None:
         return completion_logprobs
@@ -144,7 +144,7 @@ def logprobs_function(model, prefix_sharing=True):
         _SAID.add(reason)
         warnings.warn(f"prefix sharing: {reason}; every row's prompt runs in full (--prefix-sharing off silences "
                       "this)")
-    return grpo_loss.token_logprobs
+    return policy.token_logprobs
 
 
 class _PastLayer(DynamicLayer):
@@ -169,7 +169,7 @@ class _PastLayer(DynamicLayer):
 def _cache(model, past=None):
     """A DynamicCache of `_PastLayer`s: empty, or with past [(keys, values)] per layer."""
     cache = DynamicCache()
-    layers = grpo_loss.hf_model(model).config.get_text_config(decoder=True).num_hidden_layers
+    layers = policy.hf_model(model).config.get_text_config(decoder=True).num_hidden_layers
     cache.layers = [_PastLayer(*kv) for kv in past] if past is not None else [_PastLayer() for _ in range(layers)]
     return cache
 
@@ -193,15 +193,15 @@ def _cache_under_checkpointing(model):
 
 
 def _forward(model, ids, mask, positions, cache, logits_to_keep):
-    """(values at the last logits_to_keep positions, head: grpo_loss.kept_outputs, then `cache` holding its past and
+    """(values at the last logits_to_keep positions, head: policy.kept_outputs, then `cache` holding its past and
     ids' keys and values) of one forward pass. mask None: no padding and no past (the model's causal mask alone: no
     mask tensor, nothing for the host to check)."""
     with _cache_under_checkpointing(model) as checkpointing:
         # The layers read and write `cache` whenever one is passed; use_cache=True under checkpointing would only
         # make transformers warn that it turns use_cache off.
-        values, head = grpo_loss.kept_outputs(model, logits_to_keep, input_ids=ids, attention_mask=mask,
-                                              position_ids=positions, use_cache=not checkpointing,
-                                              **{cache_argument(model): cache})
+        values, head = policy.kept_outputs(model, logits_to_keep, input_ids=ids, attention_mask=mask,
+                                           position_ids=positions, use_cache=not checkpointing,
+                                           **{cache_argument(model): cache})
     length = ids.shape[1] if mask is None else mask.shape[1]
     if cache.get_seq_length() != length:
         raise RuntimeError(f"the model left a KV cache of {cache.get_seq_length()} positions, not {length} "
@@ -340,14 +340,14 @@ def _own_tokens(model, ids, mask, own, suffix, prefix_length, cache, logits_to_k
     run_mask = mask.masked_fill(torch.arange(width, device=mask.device) < suffix - own[:, None], 0)
     full_mask = torch.cat([mask.new_ones(len(ids), prefix_length), run_mask], 1)
     cache = _cache(model) if cache is None else repeat_cache(model, cache, own.new_zeros(len(ids)))
-    positions = grpo_loss.position_ids_from_mask(full_mask)[:, -width:]
+    positions = policy.position_ids_from_mask(full_mask)[:, -width:]
     return (*_forward(model, ids, full_mask, positions, cache, logits_to_keep), full_mask)
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
                         temperature: float = 1.0, shared_prefix: bool = True, step: StepPrefix | None = None,
                         host: tuple[Tensor, Tensor] | None = None, with_entropies: bool = False):
-    """grpo_loss.token_logprobs (same arguments: rows [left-padded prompt | completion], C = num_completion_tokens)
+    """policy.token_logprobs (same arguments: rows [left-padded prompt | completion], C = num_completion_tokens)
     with each distinct prompt run once (its keys and values repeated for its rows), and with shared_prefix the
     prefix every prompt shares run once (not with several processes: `several_processes`), or with `step` read from
     the step's prefix (every prompt must start with it). float32 [B, C]; gradients flow into `model` unless under
@@ -355,7 +355,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     host (update.py has them), where the layout is found (else they are copied there: a host sync).
     Model calls: the prefix (unless `step`), then, folded (`FOLD_LIMIT`), every row's own prompt tokens and its
     completion in one; else the distinct prompts' own tokens, then the completions on their repeated keys and values."""
-    grpo_loss.check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
+    policy.check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
     c = num_completion_tokens
     host_ids, host_mask = host if host is not None else (input_ids.cpu(), attention_mask.cpu())
     plan = layout(host_ids[:, :-c], host_mask[:, :-c], c, shared_prefix and not several_processes(),
@@ -374,7 +374,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
         ids = torch.cat([prompt_ids[:, -plan.suffix:], completion_ids[:, :c - 1]], 1)
         mask = torch.cat([prompt_mask[:, -plan.suffix:], completion_mask[:, :c - 1]], 1)
         values, head, _, _ = _own_tokens(model, ids, mask, own, plan.suffix, plan.prefix, cache, c)
-        return grpo_loss.picked_logprobs(values, completion_ids, temperature, with_entropies, head)
+        return policy.picked_logprobs(values, completion_ids, temperature, with_entropies, head)
     first, group = (index.to(input_ids.device, non_blocking=True) for index in (plan.first, plan.group))
     last, head, cache, cache_mask = _own_tokens(model, prompt_ids[first, -plan.suffix:],
                                                 prompt_mask[first, -plan.suffix:], own[first], plan.suffix,
@@ -383,12 +383,12 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     # so that the calls never depend on C).
     inputs = max(c - 1, 1)
     mask = torch.cat([cache_mask.index_select(0, group), completion_mask[:, :inputs]], 1)
-    positions = grpo_loss.position_ids_from_mask(mask)[:, -inputs:]
+    positions = policy.position_ids_from_mask(mask)[:, -inputs:]
     values, _, _ = _forward(model, completion_ids[:, :inputs], mask, positions, repeat_cache(model, cache, group),
                             inputs)
-    first = grpo_loss.picked_logprobs(last.index_select(0, group), completion_ids[:, :1], temperature, with_entropies,
-                                      head)
-    rest = grpo_loss.picked_logprobs(values[:, :c - 1], completion_ids[:, 1:], temperature, with_entropies, head)
+    first = policy.picked_logprobs(last.index_select(0, group), completion_ids[:, :1], temperature, with_entropies,
+                                   head)
+    rest = policy.picked_logprobs(values[:, :c - 1], completion_ids[:, 1:], temperature, with_entropies, head)
     if with_entropies:  # (logprobs, entropies), each in two parts
         return tuple(torch.cat(parts, 1) for parts in zip(first, rest))
     return torch.cat([first, rest], 1)

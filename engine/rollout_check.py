@@ -8,7 +8,8 @@ addresses), GRPO quietly trains on off-policy data. So every generated token car
 gives the trainer's log-prob of the same token: no extra pass. `SamplerGap` sums their difference; its metrics go to
 metrics.jsonl every step; when the mean gap exceeds `LOGPROB_GAP_LIMIT`, a bound no correct sampler reaches
 (docs/generation.md: the measurements it comes from), the step is not applied (the gap is known before the
-optimizer step: update.update_policy's max_sampler_gap) and `check` falls back to Hugging Face generate().
+optimizer step: update.update_policy's max_sampler_gap) and generation falls back to Hugging Face generate()
+(`off_policy` says why; sampling.after_gap makes the switch).
 Evaluation, which has no update pass, measures its first chunk with one forward pass (eval.measure_sampler_gap).
 
 Metrics, per token t of a kept completion, delta_t = log pi_trainer(t) - log pi_sampler(t):
@@ -22,8 +23,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-import sampling
 
 # Mean |log pi_trainer - log pi_sampler| per token above which the sampler is taken to be broken. Measured on the
 # demo's SmolLM2-135M + LoRA policy on CPU (python -m bench sampler; table in docs/generation.md and BENCHMARKS.md):
@@ -107,31 +106,11 @@ def total(gaps):
     return result
 
 
-def check(model, gap, backend, requested, where, rejected=False):
-    """After a step (or an evaluation chunk) whose rollouts came from `backend`: None if the sampler can be
-    trusted, else the fallback's one-line reason (the model generates with Hugging Face generate() from now on,
-    sampling.fall_back). Raises sampling.SamplerError when `requested` is "engine" (no fallback allowed).
-    rejected: the step's update was not applied (update.update_policy's max_sampler_gap), which the line says.
-    The gap of rollouts Hugging Face generated is logged but never acted on: there is nothing to fall back to."""
-    if backend == "hf" or not math.isfinite(gap.mean) or gap.mean <= LOGPROB_GAP_LIMIT:
+def off_policy(gap, where, rejected=False):
+    """Why rollouts whose sampler log-probs are `gap` from the trainer's come from another policy than the one
+    trained ("`where`: mean |log-prob difference| ... > LOGPROB_GAP_LIMIT ..."), or None when the sampler can be
+    trusted. rejected: the step's update was not applied (update.update_policy's max_sampler_gap), which the reason
+    says. What follows (generation falls back to Hugging Face generate()) is sampling.after_gap's."""
+    if not math.isfinite(gap.mean) or gap.mean <= LOGPROB_GAP_LIMIT:
         return None
-    reason = f"{sampling.BACKEND_NAMES[backend]} samples from another policy than the one trained ({where}: " \
-             f"{gap.describe()}" + ("; the step's update is not applied" if rejected else "") + ")"
-    if requested == "engine":
-        raise sampling.SamplerError(f"{reason}; --backend engine allows no fallback: leave --backend unset to fall "
-                                    "back to Hugging Face generate(), or --backend hf")
-    sampling.fall_back(model, "hf", reason)
-    return reason
-
-
-def after_step(model, result, rounds, requested, where):
-    """After a training step: its sampler metrics, {"sampler/engine": 1.0 when the decode engine generated every
-    rollout, "sampler/fallback": the reason, when the step's gap made generation fall back to HF}. result: the
-    step's update.UpdateMetrics; rounds: its train.Rounds; requested: --backend."""
-    backends = {backend for round_ in rounds for backend in round_.backends}
-    metrics = {"sampler/engine": float("hf" not in backends)}
-    fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
-    if result.sampler_gap is not None and (fallback := check(model, result.sampler_gap, fast, requested, where,
-                                                             result.sampler_rejected)):
-        metrics["sampler/fallback"] = fallback
-    return metrics
+    return f"{where}: {gap.describe()}" + ("; the step's update is not applied" if rejected else "")

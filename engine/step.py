@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from grpo_loss import position_ids_from_mask
+from policy import position_ids_from_mask
 
 
 def mix32(x):
@@ -171,7 +171,7 @@ def choose_tokens(logits, state, draws=None):
 
 def sampler_logprob(logits, token, state):
     """log p(token) under softmax(logits / T) over the whole vocabulary (before the top-p cut; greedy: T = 1): the
-    definition of grpo_loss.token_logprobs, so the trainer can check the sampler token by token. [rows] float32,
+    definition of policy.token_logprobs, so the trainer can check the sampler token by token. [rows] float32,
     gathered here so no [rows, vocab] tensor outlives the step."""
     scaled = logits / state.scalars["temperature"] if state.sample else logits
     return scaled.gather(-1, token[:, None]).squeeze(-1) - scaled.logsumexp(-1)

@@ -40,6 +40,7 @@ from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): --help and the refusals need none
 train = lazy_module("train", globals())
+heldout = lazy_module("eval", globals())  # eval.evaluate: the held-out measurement train.py's loop runs
 
 PROG = "python -m integrations.trl_demo"
 LOSS_TYPES = {"sequence": "grpo", "token": "dapo", "fixed": "dr_grpo"}  # --loss-aggregation -> TRL's loss_type
@@ -318,7 +319,8 @@ def step_logger(trainer, args, tokenizer, eval_set, write):
     timer = StepTimer()
 
     def evaluate():
-        train.evaluate_heldout(trainer.model, tokenizer, eval_set, args, state, write, train.OneProcess())  # prints
+        train.evaluate_heldout(trainer.model, tokenizer, eval_set, args, state, write, train.OneProcess(),  # prints
+                               heldout.evaluate)
 
     def after_log(logs):
         line = {"type": "train", "step": state.step, "elapsed_s": state.elapsed_s, **timer.phases,

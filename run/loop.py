@@ -9,8 +9,8 @@ import torch
 from tqdm import tqdm
 
 import data
-import eval as heldout
 import models
+import policy
 import sampling
 import update
 from run import checkpoint, completions, config, report, runfolder, signals
@@ -32,7 +32,7 @@ def load(args, processes):
     model.train()  # checkpointing acts in training mode; dropout is off where it would run (sampling, update)
     # held-out prompts are not cut to --max-prompt-tokens: the longest of them may be longer
     held_out_tokens = data.prompt_token_counts([e.text for e in eval_set], tokenizer)
-    check_held_out_fits(eval_set, held_out_tokens, args, models.hf_model(model).config)
+    check_held_out_fits(eval_set, held_out_tokens, args, policy.hf_model(model).config)
     longest = max([args.max_prompt_tokens] + held_out_tokens)
     models.check_generation_fits(model, args.rollout_batch_size, longest + args.max_completion_tokens,
                                  f"--rollout-batch-size (now {args.rollout_batch_size}) or --max-completion-tokens "
@@ -55,17 +55,18 @@ def check_held_out_fits(eval_set, tokens, args, model_config):
                          f"(question {question!r}; {len(over)} such rows): shorten or remove them")
 
 
-def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, check_sampler=True):
-    """Held-out accuracy of the current policy, logged (fixed sample and seed: runs are compared paired).
-    check_sampler: eval.py's check of the first chunk (a forward pass, ~14 s for 64 demo prompts on 2 cores); run()
-    makes it only before this process's first training step, as every step's update checks the sampler after."""
+def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, measure, check_sampler=True):
+    """Held-out accuracy of the current policy by `measure` (eval.evaluate, the measurement, which train.py passes in:
+    run/ imports no command), logged (fixed sample and seed: runs are compared paired). check_sampler: eval.py's
+    check of the first chunk (a forward pass, ~14 s for 64 demo prompts on 2 cores); run() makes it only before this
+    process's first training step, as every step's update checks the sampler after."""
     examples, first_chunk, chunk = processes.eval_share(eval_set, args.rollout_batch_size)
     settings = config.generation_settings(args, temperature=args.eval_temperature, rollout_batch_size=chunk)
     samples = []  # graded completions, for the completions log
     with processes.full_weights(model), signals.cuda_oom_hint(args, "evaluation"):
-        result = heldout.evaluate(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
-                                  settings, seed=first_chunk, samples_out=samples, check_sampler=check_sampler,
-                                  answer_kind=args.answer_kind)
+        result = measure(model, tokenizer, [e.text for e in examples], [e.answer for e in examples],
+                         settings, seed=first_chunk, samples_out=samples, check_sampler=check_sampler,
+                         answer_kind=args.answer_kind)
     result = processes.merged(result)
     if processes.is_main:
         tqdm.write(report.eval_line(state.step, result))  # above the progress bar

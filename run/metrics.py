@@ -1,31 +1,12 @@
 """One training step's metrics line (paper §4's reward and accuracy curves, under TRL's names: reward, reward_std,
 frac_reward_zero_std, completions/..., clip_ratio/..., loss, grad_norm; plus this trainer's counters and phase
-timings), and `timed`, the one stopwatch of the project: a step's phases (train.py), the decode engine's prefill and
-decode (engine/), the benchmarks. Where the line goes (metrics.jsonl, TensorBoard, W&B): report.py."""
-
-import contextlib
-import time
+timings, measured with stopwatch.timed). Where the line goes (metrics.jsonl, TensorBoard, W&B): report.py."""
 
 from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): commands parse flags without it
 
 PHASE_KEYS = ("generate_s", "reward_s", "select_s", "update_s")  # a step's phases, timed by train.train_step
-
-
-@contextlib.contextmanager
-def timed(totals, key, device=None):
-    """Add the block's wall-clock seconds to totals[key] (a dict) or totals.key (a record); on a CUDA device, once
-    the work it queued has finished."""
-    start = time.perf_counter()
-    yield
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    if isinstance(totals, dict):
-        totals[key] = totals.get(key, 0.0) + seconds
-    else:
-        setattr(totals, key, getattr(totals, key) + seconds)
 
 
 def step_metrics(scored, result, optimizer, costs, mask_truncated=False):

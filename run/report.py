@@ -15,7 +15,6 @@ that step are purged; W&B: a new run in the same project).
 The completions log (completions.py) goes to <out>/completions/ and, as text or a table, to the same sinks.
 `start_line`, `eval_line`, `finish_lines`: what a run prints besides its progress bar (what trains, on what, for how
 long, where; each held-out evaluation; where the results are and the commands that read them).
-`timed`, the project's one stopwatch, is run/metrics.py's (re-exported here).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ torch = lazy_module("torch", globals())  # imported at first use (lazy.py): comm
 
 from run import checkpoint
 from run import completions
-from run.metrics import PHASE_KEYS, kept_groups, step_metrics, timed  # noqa: F401  (report.timed etc.)
+from run.metrics import PHASE_KEYS, kept_groups, step_metrics  # noqa: F401  (report.step_metrics etc.)
 
 TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")
 REPORT_TO = ("none", "tensorboard", "wandb")

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from run import checkpoint  # noqa: E402
 from multigpu import distributed, sharded_checkpoint  # noqa: E402
 import grpo_loss  # noqa: E402
+import policy  # noqa: E402
 import models  # noqa: E402
 import update  # noqa: E402
 
@@ -101,8 +102,8 @@ def train_step(model, optimizer, batch, ctx, micro_batch_size=2, kl_coef=0.0):
         ref_logprobs = None
         if kl_coef > 0:
             with torch.no_grad(), model.disable_adapter():
-                ref_logprobs = grpo_loss.token_logprobs(*inputs)
-        logprobs = grpo_loss.token_logprobs(*inputs)
+                ref_logprobs = policy.token_logprobs(*inputs)
+        logprobs = policy.token_logprobs(*inputs)
         loss, _ = grpo_loss.grpo_loss(logprobs, logprobs.detach(), batch["advantages"][part],
                                       batch["completion_mask"][part], ref_logprobs=ref_logprobs, kl_coef=kl_coef)
         scaled = loss * (len(part) / total_rows)

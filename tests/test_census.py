@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import bench.__main__ as cli
-import grpo_loss
+import policy
 import models
 from bench import census, common
 
@@ -75,7 +75,7 @@ def forward_ops(layers):
                                      intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        return kernels(counted(lambda: grpo_loss.token_logprobs(model, ids.to(CPU), torch.ones_like(ids).to(CPU), 4),
+        return kernels(counted(lambda: policy.token_logprobs(model, ids.to(CPU), torch.ones_like(ids).to(CPU), 4),
                                *model.parameters(), *model.buffers()))
 
 

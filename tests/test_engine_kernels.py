@@ -25,6 +25,7 @@ import engine.decode
 import engine.graphs
 import engine.ops as ops
 import models
+import policy
 from test_engine import EOS, VOCAB, eos_model, left_padded_prompts, lora_model, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -96,7 +97,7 @@ def test_q_k_v_and_gate_up_come_from_one_merged_copy_each(monkeypatch):
     adapters' deltas stacked in order; the reference kernels keep one copy per projection."""
     model = lora_model(arch="qwen2")
     runtime = engine.decode.engine_for(model)
-    layer = models.hf_model(model).model.layers[0]
+    layer = policy.hf_model(model).model.layers[0]
     attention, mlp = layer.self_attn, layer.mlp
     sources = [source.modules for source, _ in runtime.copies[:4]]
     assert sources == [(attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),

@@ -20,6 +20,7 @@ import models
 import update
 from engine import gpu_paths
 from engine import kernels
+from policy import hf_model, token_logprobs
 from run import config
 from test_engine import EOS, eos_model, left_padded_prompts, run
 from test_update import VOCAB, move_lora_b
@@ -197,13 +198,13 @@ def test_load_in_4bit_updates_and_decodes_on_an_emulated_gpu(tiny_model_dir, smo
     with gpu_paths.emulated("cpu"):
         model = models.load_policy(str(tiny_model_dir), dtype=torch.bfloat16, device="cpu", load_in_4bit=True,
                                    lora_rank=4, lora_alpha=8, gradient_checkpointing=True)
-        assert "Linear4bit" in type(models.hf_model(model).model.layers[0].self_attn.q_proj.base_layer).__name__
+        assert "Linear4bit" in type(hf_model(model).model.layers[0].self_attn.q_proj.base_layer).__name__
         for module in model.modules():   # bitsandbytes' own CPU layout (repacked in eval mode on AVX-512 BF16 CPUs,
             if hasattr(module, "support_avx512bf16_for_cpu"):   # read by no dequantization): off, as on a GPU
                 module.support_avx512bf16_for_cpu = False
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         metrics = update.update_policy(model, update.make_optimizer(model, 1e-2, optimizer_name="adamw8bit"),
-                                       [batch_of(models.hf_model(model).config.vocab_size)],
+                                       [batch_of(hf_model(model).config.vocab_size)],
                                        update.UpdateSettings(micro_batch_size=2))
         assert metrics.optimizer_steps == 1 and math.isfinite(metrics.loss)
         assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
@@ -216,8 +217,8 @@ def test_load_in_4bit_updates_and_decodes_on_an_emulated_gpu(tiny_model_dir, smo
                                            generation_copy=True, return_logprobs=True)   # dequantized into a copy
         assert engine.decode.engine_for(model, generation_copy=True).copies
         with torch.no_grad():   # the sampler's log-probs of its own tokens: the 4-bit model's, to bf16 rounding
-            forward = grpo_loss.token_logprobs(model, torch.cat([ids, copied], 1),
-                                               torch.cat([mask, torch.ones_like(copied)], 1), 5)
+            forward = token_logprobs(model, torch.cat([ids, copied], 1),
+                                     torch.cat([mask, torch.ones_like(copied)], 1), 5)
     engine.release()
     assert all(torch.equal(a, b) for a, b in zip(greedy, reference))
     assert float((logprobs - forward).abs().max()) < 0.02   # bf16 rounding of the copy

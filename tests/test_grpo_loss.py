@@ -1,6 +1,6 @@
 """GRPO-PODS objective (grpo_loss.py): loss and gradient vs a naive per-token loop, clipping, masking, KL, the loss
 aggregations, clip-higher, truncated rows and importance-sampling weights. Completion log-probabilities:
-test_grpo_loss_logprobs.py."""
+test_policy.py."""
 
 import math
 

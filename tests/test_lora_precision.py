@@ -8,10 +8,10 @@ import collections
 import pytest
 import torch
 
-import grpo_loss
 import models
 from bench import census
 from engine import gpu_paths
+from policy import dropout_off, hf_model, token_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "bf16_lora_on_cpu")
 
@@ -46,8 +46,8 @@ def policy(base_dtype, ours=True, checkpointing=False):
 def logprobs_and_grads(model):
     ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
     weights = torch.randn(3, 6, generator=torch.Generator().manual_seed(3))
-    with models.dropout_off(model, keep_checkpointing=True):
-        logprobs = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), 6)
+    with dropout_off(model, keep_checkpointing=True):
+        logprobs = token_logprobs(model, ids, torch.ones_like(ids), 6)
     (logprobs * weights).sum().backward()
     return logprobs.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
@@ -74,7 +74,7 @@ def test_a_bf16_adapter_is_within_bf16_tolerance_of_the_fp32_reference(checkpoin
 def projection_kernels(model, x):
     """The kernels of one q_proj forward (bias: Qwen2's), after a first one (which casts the adapter's weights, once
     per optimizer step)."""
-    projection = models.hf_model(model).model.layers[0].self_attn.q_proj
+    projection = hf_model(model).model.layers[0].self_attn.q_proj
     recorder = census.Census({}, every_tensor_on_device=True)
     with torch.no_grad():
         projection(x)
@@ -96,7 +96,7 @@ def test_three_matrix_products_where_peft_runs_seven_kernels():
 def test_its_backward_runs_seven_kernels():
     """dL/dx (2 products), dL/dA (the scaled dL/d(xA^T): 1 product, its scaling as the product's alpha; 1 product and
     the cast to the fp32 master's dtype) and dL/dB (1 product, scaled the same way, and the cast)."""
-    projection = models.hf_model(policy(torch.bfloat16)).model.layers[0].self_attn.q_proj
+    projection = hf_model(policy(torch.bfloat16)).model.layers[0].self_attn.q_proj
     x = torch.randn(10, 64, dtype=torch.bfloat16, requires_grad=True)
     out = projection(x)
     recorder = census.Census({}, every_tensor_on_device=True)
@@ -111,7 +111,7 @@ def test_its_backward_runs_seven_kernels():
 
 def test_float32_and_the_adapter_off_run_pefts_forward_and_copies_follow_the_weights():
     model = policy(torch.bfloat16)
-    projection = models.hf_model(model).model.layers[0].self_attn.q_proj
+    projection = hf_model(model).model.layers[0].self_attn.q_proj
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         with model.disable_adapter():   # the KL reference: the base alone
@@ -122,7 +122,7 @@ def test_float32_and_the_adapter_off_run_pefts_forward_and_copies_follow_the_wei
         expected = projection.base_layer(x) + 2 * (before - projection.base_layer(x))
         torch.testing.assert_close(after, expected, rtol=0.05, atol=0.05)
     fp32 = policy(torch.float32)
-    layer = models.hf_model(fp32).model.layers[0].self_attn.q_proj
+    layer = hf_model(fp32).model.layers[0].self_attn.q_proj
     with torch.no_grad():   # float32 throughout: peft's forward, exactly
         y = torch.randn(2, 5, 64)
         type(layer).forward(layer, y)
@@ -144,7 +144,7 @@ def test_the_bf16_copies_follow_every_optimizer_step(name):
     bf16 copies the product computes with are refreshed by the step itself (update.OPTIMIZER_STEPS), so after each
     step the layer computes what peft computes over the moved masters, not what it computed at the start."""
     model = policy(torch.bfloat16)
-    projection = models.hf_model(model).model.layers[0].self_attn.q_proj
+    projection = hf_model(model).model.layers[0].self_attn.q_proj
     optimizer = OPTIMIZERS[name]([p for p in model.parameters() if p.requires_grad])
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))

@@ -5,6 +5,7 @@ import torch
 
 import models
 from engine import prefix
+from policy import hf_model
 
 
 def test_missing_local_path_is_a_clear_error(tmp_path):
@@ -202,11 +203,11 @@ def test_a_cpu_policy_attends_eagerly_and_a_bf16_cpu_computes_its_adapter_in_bf1
     peft's float32 adapter elsewhere."""
     models.tiny_random_model("qwen2").save_pretrained(tmp_path)
     policy = models.load_policy(str(tmp_path), dtype=torch.bfloat16, lora_rank=4)
-    assert models.hf_model(policy).config._attn_implementation == "eager"
+    assert hf_model(policy).config._attn_implementation == "eager"
     monkeypatch.setattr(models, "native_bf16", lambda device: True)
     assert models.computes_in_bf16("cpu") and models.computes_in_bf16(torch.device("cpu"))
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    projection = models.hf_model(policy).model.layers[0].self_attn.q_proj
+    projection = hf_model(policy).model.layers[0].self_attn.q_proj
     projection(x)
     assert "_low_precision_lora" in projection.__dict__   # the bf16 product ran
     monkeypatch.setattr(models, "native_bf16", lambda device: False)

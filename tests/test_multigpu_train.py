@@ -18,7 +18,7 @@ import torch
 
 from run import completions
 from run import config
-import grpo_loss
+import policy
 import models
 from engine import prefix
 import rewards
@@ -71,11 +71,11 @@ def train_runs(tmp_path_factory, smollm2_tokenizer):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rewards, "compute_rewards", fake_compute_rewards)
         # The update runs the prefix every prompt shares once (per micro-batch and per optimizer step) and takes
-        # the LM head's product itself (grpo_loss.fused_head) only in one process (prefix.several_processes): equal
+        # the LM head's product itself (policy.fused_head) only in one process (prefix.several_processes): equal
         # up to float rounding, and in this tiny model a last-bit difference can flip a sampled token a step later.
         # The reference computes as the processes do.
         patch.setattr(prefix, "several_processes", lambda: True)
-        patch.setattr(grpo_loss, "fused_head", lambda model: None)
+        patch.setattr(policy, "fused_head", lambda model: None)
         for name in ("full", "lora"):
             train.main(dist_train_worker.run_argv(model_dir, one, name))
         patch.setattr(rewards, "compute_rewards", every_third_constant)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import grpo_loss as gl
+import policy
 
 EPS = 0.2
 
@@ -238,15 +239,15 @@ def test_the_entropy_mask_reads_nothing_back_from_the_device():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_entropies_come_with_the_log_probs_at_no_gradient(temperature):
-    """picked_logprobs(..., with_entropies=True): the same log-probs, and TRL's entropy_from_logits of the logits at
+    """policy.picked_logprobs(..., with_entropies=True): the same log-probs, and TRL's entropy_from_logits of the logits at
     that temperature (TRL divides the logits by the temperature before both), detached; chunked alike."""
     from trl.trainer.utils import entropy_from_logits
 
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(3, 5, 11, generator=gen) * 2).requires_grad_(True)
     targets = torch.randint(0, 11, (3, 5), generator=gen)
-    logprobs, entropies = gl.picked_logprobs(logits, targets, temperature, with_entropies=True)
-    torch.testing.assert_close(logprobs, gl.picked_logprobs(logits, targets, temperature))
+    logprobs, entropies = policy.picked_logprobs(logits, targets, temperature, with_entropies=True)
+    torch.testing.assert_close(logprobs, policy.picked_logprobs(logits, targets, temperature))
     torch.testing.assert_close(entropies, entropy_from_logits(logits.detach() / temperature))
     assert logprobs.requires_grad and not entropies.requires_grad
     assert not torch.allclose(entropies, entropies.mean())  # positions differ: the ranking has something to rank

@@ -1,13 +1,13 @@
 """prefix.py: groups of identical prompts and the prefix every prompt shares, found from the token ids; the completion
 log-probs and their gradient with each distinct prompt run once (and the shared prefix once) equal
-grpo_loss.token_logprobs' per-row computation for Llama and Qwen2, LoRA included; the forward calls really see fewer
+policy.token_logprobs' per-row computation for Llama and Qwen2, LoRA included; the forward calls really see fewer
 tokens; gradient checkpointing replays the cache writes exactly; where it cannot run (reentrant checkpointing, a cache
 that is not plain tensors) it says why."""
 
 import pytest
 import torch
 
-import grpo_loss
+import policy
 import models
 from engine import prefix
 
@@ -92,10 +92,10 @@ def test_completion_logprobs_and_gradients_equal_the_per_row_computation(arch, s
     model = small_model(arch, lora)
     ids, mask, width = grouped_rows()
     weights = torch.randn(ids.shape[0], width, generator=torch.Generator().manual_seed(1))
-    want, want_grads = logprobs_and_grads(grpo_loss.token_logprobs, model, ids, mask, width, weights)
+    want, want_grads = logprobs_and_grads(policy.token_logprobs, model, ids, mask, width, weights)
     for temperature in (1.0, 0.7):
         got = prefix.completion_logprobs(model, ids, mask, width, temperature, shared_prefix=shared_prefix)
-        expected = grpo_loss.token_logprobs(model, ids, mask, width, temperature)
+        expected = policy.token_logprobs(model, ids, mask, width, temperature)
         assert got.shape == expected.shape and got.dtype == torch.float32
         torch.testing.assert_close(got * mask[:, -width:], expected * mask[:, -width:], rtol=1e-5, atol=5e-5)
     got, got_grads = logprobs_and_grads(lambda *a: prefix.completion_logprobs(*a, shared_prefix=shared_prefix),
@@ -117,9 +117,9 @@ def test_rows_folded_or_not_equal_the_per_row_computation(arch, fold, monkeypatc
     model = small_model(arch, lora=True)
     ids, mask, width = grouped_rows()
     weights = torch.randn(ids.shape[0], width, generator=torch.Generator().manual_seed(1))
-    want, want_grads = logprobs_and_grads(grpo_loss.token_logprobs, model, ids, mask, width, weights)
+    want, want_grads = logprobs_and_grads(policy.token_logprobs, model, ids, mask, width, weights)
     calls = []
-    embed = models.hf_model(model).get_input_embeddings()
+    embed = policy.hf_model(model).get_input_embeddings()
     hook = embed.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
     got, got_grads = logprobs_and_grads(prefix.completion_logprobs, model, ids, mask, width, weights)
     hook.remove()
@@ -150,7 +150,7 @@ def test_edge_layouts_equal_the_per_row_computation(case, fold, monkeypatch):
               "a prompt that is all prefix": dict(suffix_tokens=(0, 2, 3))}[case]
     ids, mask, width = grouped_rows(seed=4, **kwargs)
     with torch.no_grad():
-        want = grpo_loss.token_logprobs(model, ids, mask, width) * mask[:, -width:]
+        want = policy.token_logprobs(model, ids, mask, width) * mask[:, -width:]
         for shared_prefix in (False, True):
             got = prefix.completion_logprobs(model, ids, mask, width, shared_prefix=shared_prefix)
             torch.testing.assert_close(got * mask[:, -width:], want, rtol=1e-5, atol=5e-5)
@@ -163,10 +163,10 @@ def test_each_distinct_prompt_token_goes_through_the_model_once():
     model = small_model("llama")
     ids, mask, width = grouped_rows(prefix_tokens=5, suffix_tokens=(2, 4, 1), rows=(0, 0, 1, 2, 1, 0))
     calls = []
-    embed = models.hf_model(model).get_input_embeddings()
+    embed = policy.hf_model(model).get_input_embeddings()
     embed.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
     with torch.no_grad():
-        grpo_loss.token_logprobs(model, ids, mask, width)
+        policy.token_logprobs(model, ids, mask, width)
         per_row, calls[:] = list(calls), []
         prefix.completion_logprobs(model, ids, mask, width, shared_prefix=False)
         groups, calls[:] = list(calls), []
@@ -204,9 +204,9 @@ def test_gradient_checkpointing_replays_the_cache_writes_and_stays_exact(arch):
         writes.append(torch.is_grad_enabled())
         return real(self, *args, **kwargs)
 
-    with models.dropout_off(model, keep_checkpointing=True):
+    with policy.dropout_off(model, keep_checkpointing=True):
         assert prefix.unsupported_reason(model) is None
-        want, want_grads = logprobs_and_grads(grpo_loss.token_logprobs, model, ids, mask, width, weights)
+        want, want_grads = logprobs_and_grads(policy.token_logprobs, model, ids, mask, width, weights)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(prefix._PastLayer, "update", counted)
             got, got_grads = logprobs_and_grads(prefix.completion_logprobs, model, ids, mask, width, weights)
@@ -236,13 +236,13 @@ def test_several_processes_make_the_same_calls_whatever_their_prompts(monkeypatc
     model = small_model("llama")
     ids, mask, width = grouped_rows()
     calls = []
-    models.hf_model(model).get_input_embeddings().register_forward_hook(
+    policy.hf_model(model).get_input_embeddings().register_forward_hook(
         lambda module, args, out: calls.append(tuple(args[0].shape)))
     monkeypatch.setattr(prefix, "several_processes", lambda: True)
     with torch.no_grad():
         got = prefix.completion_logprobs(model, ids, mask, width, shared_prefix=True)
         assert calls == [(3, 9), (6, 3)]
-        want = grpo_loss.token_logprobs(model, ids, mask, width)
+        want = policy.token_logprobs(model, ids, mask, width)
     torch.testing.assert_close(got * mask[:, -width:], want * mask[:, -width:], rtol=1e-5, atol=5e-5)
     monkeypatch.undo()
     assert not prefix.several_processes()  # this test process: one process, no process group
@@ -251,12 +251,12 @@ def test_several_processes_make_the_same_calls_whatever_their_prompts(monkeypatc
 def test_absolute_position_models_see_the_positions_of_the_full_rows():
     """GPT-2 adds absolute position embeddings: a prefix, suffix or completion at a wrong position changes the
     numbers visibly (RoPE models would hide a constant shift), so this checks the positions of every call."""
-    from test_grpo_loss_logprobs import tiny_gpt2
+    from test_policy import tiny_gpt2
 
     model = tiny_gpt2().eval()
     ids, mask, width = grouped_rows(seed=2)
     with torch.no_grad():
-        want = grpo_loss.token_logprobs(model, ids, mask, width) * mask[:, -width:]
+        want = policy.token_logprobs(model, ids, mask, width) * mask[:, -width:]
         for shared_prefix in (False, True):
             got = prefix.completion_logprobs(model, ids, mask, width, shared_prefix=shared_prefix)
             torch.testing.assert_close(got * mask[:, -width:], want, rtol=1e-5, atol=5e-5)

@@ -16,7 +16,7 @@ import engine.decode
 import engine.graphs
 import engine.weights
 import eval as heldout
-import grpo_loss
+import policy
 import models
 from engine import rollout_check
 import sampling
@@ -58,7 +58,7 @@ def rollouts_of(model, ids, mask, n, settings, seed=0):
 @pytest.mark.parametrize("backend", ["engine", "hf"])
 def test_sampler_logprobs_equal_the_trainers(arch, backend):
     """softmax(logits / T) before the top-p cut, per generated token, 0 after the first EOS: the trainer's
-    grpo_loss.token_logprobs of the same tokens to float rounding; chunks of 5 rows split the prompts' 3 rollouts."""
+    policy.token_logprobs of the same tokens to float rounding; chunks of 5 rows split the prompts' 3 rollouts."""
     model = eos_model(arch)
     ids, mask = left_padded_prompts([4, 7, 2, 5])
     settings = GenerationSettings(max_new_tokens=24, temperature=0.8, top_p=0.9, rollout_batch_size=5,
@@ -68,9 +68,9 @@ def test_sampler_logprobs_equal_the_trainers(arch, backend):
     assert len(set(rollouts.lengths.tolist())) > 2   # rows end (EOS) at different steps
     rows, keep = rollouts.prompt_index, rollouts.completion_mask.bool()
     with torch.no_grad():
-        trainer = grpo_loss.token_logprobs(model, torch.cat([ids[rows], rollouts.completion_ids], 1),
-                                           torch.cat([mask[rows], rollouts.completion_mask], 1),
-                                           rollouts.completion_ids.shape[1], 0.8)
+        trainer = policy.token_logprobs(model, torch.cat([ids[rows], rollouts.completion_ids], 1),
+                                        torch.cat([mask[rows], rollouts.completion_mask], 1),
+                                        rollouts.completion_ids.shape[1], 0.8)
     assert (rollouts.sampler_logprobs[~keep] == 0).all() and (rollouts.sampler_logprobs[keep] < 0).all()
     assert (trainer - rollouts.sampler_logprobs)[keep].abs().max() < 1e-5
     gap = heldout.measure_sampler_gap(model, rollouts, 0.8)
@@ -167,17 +167,19 @@ def test_planted_faults_raise_the_gap_above_the_limit(fault, monkeypatch):
     engine.release(model)
 
 
-def test_check_falls_back_to_hf_once_or_raises_with_backend_engine():
+def test_after_gap_falls_back_to_hf_once_or_raises_with_backend_engine():
     model = eos_model()
     healthy = rollout_check.SamplerGap(10, 1e-5, 0.0, 1e-5, 1.0)
     broken = rollout_check.SamplerGap(10, 5.0, 1.0, 2.0, 7.0)
-    assert rollout_check.check(model, healthy, "engine", None, "step 1") is None
-    assert rollout_check.check(model, broken, "hf", None, "step 1") is None   # nothing to fall back to
+    assert rollout_check.off_policy(healthy, "step 1") is None   # the verdict alone: no model, no state
+    assert rollout_check.off_policy(broken, "step 1", rejected=True).endswith("the step's update is not applied")
+    assert sampling.after_gap(model, healthy, "engine", None, "step 1") is None
+    assert sampling.after_gap(model, broken, "hf", None, "step 1") is None   # nothing to fall back to
     with pytest.raises(sampling.SamplerError, match=r"step 1: mean \|log-prob difference\| 0.5 > .*--backend engine"):
-        rollout_check.check(model, broken, "engine", "engine", "step 1")
+        sampling.after_gap(model, broken, "engine", "engine", "step 1")
     assert sampling.resolve_backend(model, None) == "engine"
     with pytest.warns(UserWarning, match="generating with Hugging Face generate"):
-        reason = rollout_check.check(model, broken, "engine", None, "step 1")
+        reason = sampling.after_gap(model, broken, "engine", None, "step 1")
     assert "step 1" in reason and sampling.fallback_reason(model) == reason
     assert sampling.resolve_backend(model, None) == "hf" and sampling.resolve_backend(model, "engine") == "engine"
 

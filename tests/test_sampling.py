@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import models
+import policy
 import sampling
 from sampling import completion_mask_after_eos, derived_seed, eos_token_ids
 
@@ -196,7 +197,7 @@ PREFIXED = [SHARED + "What is 12 + 30?", SHARED + "Name a prime number bigger th
 def count_embedded_tokens(model):
     """A hook counting the rows x tokens every forward pass embeds (prompt processing and decode steps)."""
     counted = []
-    handle = models.hf_model(model).model.embed_tokens.register_forward_hook(
+    handle = policy.hf_model(model).model.embed_tokens.register_forward_hook(
         lambda module, inputs, output: counted.append(inputs[0].numel()))
     return counted, handle
 

@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 trl_pods = pytest.importorskip("integrations.trl_pods", exc_type=ImportError)
 
 import grpo_loss  # noqa: E402
+import policy  # noqa: E402
 import pods  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -140,8 +141,8 @@ def test_trl_loss_on_the_kept_batch_equals_grpo_loss(scored, loss_type):
     trl_grads = torch.autograd.grad(trl_loss, params)
     input_ids = torch.cat([kept_batch["prompt_ids"], kept_batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([kept_batch["prompt_mask"], kept_batch["completion_mask"]], dim=1)
-    logprobs = grpo_loss.token_logprobs(model, input_ids, attention_mask, kept_batch["completion_ids"].shape[1],
-                                        temperature=trainer.temperature)
+    logprobs = policy.token_logprobs(model, input_ids, attention_mask, kept_batch["completion_ids"].shape[1],
+                                     temperature=trainer.temperature)
     ours, _ = grpo_loss.grpo_loss(logprobs, logprobs.detach(), kept_batch["advantages"], kept_batch["completion_mask"],
                                   aggregation=LOSS_AGGREGATIONS[loss_type],
                                   max_completion_tokens=trainer.args.max_completion_length)
@@ -171,7 +172,7 @@ def test_trls_gspo_and_cispo_on_stale_log_probs_equal_grpo_loss(scored, monkeypa
     attention_mask = torch.cat([kept_batch["prompt_mask"], kept_batch["completion_mask"]], dim=1)
     width = kept_batch["completion_ids"].shape[1]
     with torch.no_grad():
-        current = grpo_loss.token_logprobs(model, input_ids, attention_mask, width, temperature=trainer.temperature)
+        current = policy.token_logprobs(model, input_ids, attention_mask, width, temperature=trainer.temperature)
     noise = torch.Generator().manual_seed(1)
     old = current + 0.3 * torch.randn(current.shape, generator=noise) + 0.3 * torch.randn(len(current), 1,
                                                                                           generator=noise)
@@ -182,7 +183,7 @@ def test_trls_gspo_and_cispo_on_stale_log_probs_equal_grpo_loss(scored, monkeypa
     params = [p for p in model.parameters() if p.requires_grad]
     trl_grads = torch.autograd.grad(trainer._compute_loss(model, kept_batch), params)
     trl_loss = trainer._compute_loss(model, kept_batch)
-    logprobs = grpo_loss.token_logprobs(model, input_ids, attention_mask, width, temperature=trainer.temperature)
+    logprobs = policy.token_logprobs(model, input_ids, attention_mask, width, temperature=trainer.temperature)
     ours, metrics = grpo_loss.grpo_loss(logprobs, old, kept_batch["advantages"], kept_batch["completion_mask"],
                                         **options)
     assert metrics["clip_ratio/region_mean"] > 0  # the clip binds somewhere

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import grpo_loss
+import policy
 import models
 from engine import gpu_paths
 from engine import kernels
@@ -93,12 +94,12 @@ def test_fill_logprobs_old_and_reference_only_when_needed():
                                                                loss=LossSettings(kl_coef=0.1)))
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     with torch.no_grad():
-        policy = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), 5, 0.7)
+        current = policy.token_logprobs(model, ids, torch.ones_like(ids), 5, 0.7)
         with model.disable_adapter():
-            reference = grpo_loss.token_logprobs(model, ids, torch.ones_like(ids), 5, 0.7)
-    torch.testing.assert_close(batch.old_logprobs, policy, rtol=1e-5, atol=1e-5)
+            reference = policy.token_logprobs(model, ids, torch.ones_like(ids), 5, 0.7)
+    torch.testing.assert_close(batch.old_logprobs, current, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batch.ref_logprobs, reference, rtol=1e-5, atol=1e-5)
-    assert (policy - reference).abs().max() > 1e-3
+    assert (current - reference).abs().max() > 1e-3
 
 
 def test_the_normaliser_and_the_loss_are_summed_over_processes():
@@ -225,7 +226,7 @@ def test_micro_batches_accumulate_to_the_full_batch_loss_gradient(aggregation, m
     if mask_truncated:
         mask = grpo_loss.mask_truncated(mask, all_rows["truncated"])
     frozen.zero_grad()
-    logprobs = grpo_loss.token_logprobs(model, ids, attention, 6)
+    logprobs = policy.token_logprobs(model, ids, attention, 6)
     expected_loss, _ = grpo_loss.grpo_loss(logprobs, logprobs.detach(), all_rows["advantages"], mask,
                                            aggregation=aggregation, max_completion_tokens=8)
     expected_loss.backward()
@@ -265,14 +266,14 @@ def test_token_reject_takes_the_rejected_tokens_out_of_the_step_denominator(aggr
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     attention = torch.cat([torch.ones_like(batch.prompt_ids), batch.completion_mask], 1)
     with torch.no_grad():
-        current = grpo_loss.token_logprobs(model, ids, attention, 6)
+        current = policy.token_logprobs(model, ids, attention, 6)
     batch.sampler_logprobs = current + torch.randn(current.shape, generator=torch.Generator().manual_seed(3))
     loss = LossSettings(aggregation=aggregation, importance_sampling_correction="token_reject", is_clip=2.0)
     accepted = ((current - batch.sampler_logprobs).exp() - 1.25).abs() <= 0.75   # 1/2 <= ratio <= 2
     kept_tokens = int((batch.completion_mask.bool() & accepted).sum())
     assert 0 < kept_tokens < int(batch.completion_mask.sum())   # the rejection acts on some tokens, not all
     frozen.zero_grad()
-    logprobs = grpo_loss.token_logprobs(model, ids, attention, 6)
+    logprobs = policy.token_logprobs(model, ids, attention, 6)
     expected_loss, _ = grpo_loss.grpo_loss(logprobs, logprobs.detach(), batch.advantages, batch.completion_mask,
                                            loss, sampler_logprobs=batch.sampler_logprobs)
     expected_loss.backward()
@@ -301,8 +302,8 @@ def test_the_step_denominator_stays_on_the_device_where_pi_old_is(correction):
     batch = varied_batch(6, seed=1)
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     with torch.no_grad():
-        current = grpo_loss.token_logprobs(model, ids, torch.cat([torch.ones_like(batch.prompt_ids),
-                                                                  batch.completion_mask], 1), 6)
+        current = policy.token_logprobs(model, ids, torch.cat([torch.ones_like(batch.prompt_ids),
+                                                               batch.completion_mask], 1), 6)
     batch.sampler_logprobs = current + torch.randn(current.shape, generator=torch.Generator().manual_seed(3))
     settings = update.UpdateSettings(micro_batch_size=2, loss=LossSettings(
         aggregation="token", importance_sampling_correction=correction))
@@ -390,10 +391,10 @@ def test_the_update_replays_as_little_as_its_budget_needs(monkeypatch):
     assert update.checkpoint_plan(model, [batch], settings, "cuda") == (0, 0)
     layers, per_token, tokens, budget = seen[-1]
     assert (layers, tokens) == (2, 2 * (5 + 6)) and per_token == kernels.saved_bytes_per_token(model)
-    logits = 1e12 - budget   # the LoRA model's head is fused (grpo_loss.fused_head): its float32 chunks alone
-    assert logits == 4 * 4 * update.grpo_loss._LOGSUMEXP_CHUNK_ELEMENTS
+    logits = 1e12 - budget   # the LoRA model's head is fused (policy.fused_head): its float32 chunks alone
+    assert logits == 4 * 4 * policy._LOGSUMEXP_CHUNK_ELEMENTS
     with monkeypatch.context() as unfused:   # the model's own logits: 2 rows x 6 tokens x 256 x 2 (and gradient) x 4 B
-        unfused.setattr(update.grpo_loss, "fused_head", lambda model: None)
+        unfused.setattr(policy, "fused_head", lambda model: None)
         update.checkpoint_plan(model, [batch], settings, "cuda")
         assert 1e12 - seen[-1][3] == logits + 2 * 6 * VOCAB * 2 * 4
     plain, mlp, whole = per_token

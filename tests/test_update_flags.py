@@ -7,6 +7,7 @@ import torch
 
 from run import config
 import grpo_loss
+import policy
 import models
 import update
 from test_update import grads, lora_model, move_lora_b, trainable, varied_batch
@@ -37,8 +38,8 @@ def stale_logprobs(model, batch, temperature):
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     attention = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
     with torch.no_grad():
-        current = grpo_loss.token_logprobs(model, ids, attention, ids.shape[1] - batch.prompt_ids.shape[1],
-                                           temperature)
+        current = policy.token_logprobs(model, ids, attention, ids.shape[1] - batch.prompt_ids.shape[1],
+                                        temperature)
     return current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(7))
 
 
@@ -54,17 +55,17 @@ def direct_update(model, batch, args):
     params = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():
         old = batch.old_logprobs if batch.old_logprobs is not None else \
-            grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
+            policy.token_logprobs(model, ids, attention, width, args.temperature)
         ref = None
         if args.kl_coef > 0:
             with model.disable_adapter():
-                ref = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature)
+                ref = policy.token_logprobs(model, ids, attention, width, args.temperature)
     losses = []
     for _ in range(args.updates_per_batch):
         for p in params:
             p.grad = None
-        logprobs, entropies = grpo_loss.token_logprobs(model, ids, attention, width, args.temperature,
-                                                       with_entropies=True)
+        logprobs, entropies = policy.token_logprobs(model, ids, attention, width, args.temperature,
+                                                    with_entropies=True)
         loss, _ = grpo_loss.grpo_loss(logprobs, old, batch.advantages, mask, config.loss_settings(args), ref,
                                       batch.sampler_logprobs, entropies)
         loss.backward()

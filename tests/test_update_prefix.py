@@ -15,6 +15,7 @@ import torch
 from run import config
 import models
 from engine import prefix
+from policy import hf_model
 import update
 from test_update_flags import flag_args, non_default_flag
 
@@ -218,7 +219,7 @@ def test_the_prefix_every_prompt_of_a_step_shares_runs_once_per_pass():
     suffixes = [int(batch.prompt_mask[row].sum()) - 6 for row in range(0, 16, 4)]
     completions = [max(int(batch.completion_mask[row:row + 4].sum(1).max()) - 1, 1) for row in range(0, 16, 4)]
     calls = []
-    embed = models.hf_model(model).get_input_embeddings()
+    embed = hf_model(model).get_input_embeddings()
     hook = embed.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
     update.fill_logprobs(model, [batch], settings)
     update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
@@ -247,7 +248,7 @@ def test_one_prompt_per_step_runs_once_whatever_the_micro_batches():
     batch = grouped_batch([0] * 8, prefix_tokens=6)
     length = int(batch.prompt_mask[0].sum())
     calls = []
-    embed = models.hf_model(model).get_input_embeddings()
+    embed = hf_model(model).get_input_embeddings()
     hook = embed.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
     update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), [batch],
                          update.UpdateSettings(micro_batch_size=2))

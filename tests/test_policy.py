@@ -1,10 +1,10 @@
-"""Completion log-probabilities (grpo_loss.token_logprobs) of tiny real-architecture models (Llama, Qwen2, GPT-2)
+"""Completion log-probabilities (policy.token_logprobs) of tiny real-architecture models (Llama, Qwen2, GPT-2)
 with left padding: equal to an unpadded full softmax, the position ids, the gradient, chunking, bad sizes."""
 
 import pytest
 import torch
 
-import grpo_loss as gl
+import policy
 import models
 
 VOCAB = 256
@@ -51,7 +51,7 @@ def naive_completion_logprobs(model, row, completion_len, temperature=1.0):
 def test_token_logprobs_with_left_padding_match_unpadded_full_softmax(small_model):
     ids, mask, rows = left_padded_batch(0)
     for temperature in (1.0, 0.7):
-        got = gl.token_logprobs(small_model, ids, mask, 4, temperature=temperature)
+        got = policy.token_logprobs(small_model, ids, mask, 4, temperature=temperature)
         assert got.shape == (3, 4) and got.dtype == torch.float32
         with torch.no_grad():
             for i, row in enumerate(rows):
@@ -65,7 +65,7 @@ def test_left_padding_position_ids_finding():
     # float rounding only; absolute position embeddings (GPT-2) change visibly. token_logprobs passes
     # position_ids_from_mask, which is exact for both (and matches what generate() uses).
     ids, mask, rows = left_padded_batch(1)
-    positions = gl.position_ids_from_mask(mask)
+    positions = policy.position_ids_from_mask(mask)
     assert positions[1].tolist() == [0] * 5 + list(range(6))
     rope = models.tiny_random_model("llama", vocab_size=VOCAB, initializer_range=0.5).eval()
     with torch.no_grad():
@@ -89,7 +89,7 @@ def test_token_logprobs_gradient_matches_naive_and_requests_only_completion_logi
         return out
 
     small_model.forward = recording_forward
-    gl.token_logprobs(small_model, ids, mask, 5).sum().backward()
+    policy.token_logprobs(small_model, ids, mask, 5).sum().backward()
     # The last C + 1 positions by index (a slice would be a strided view: kept_positions)
     assert seen["logits_to_keep"].tolist() == list(range(ids.shape[1] - 6, ids.shape[1]))
     assert seen["logits_positions"] == 6
@@ -105,9 +105,9 @@ def test_token_logprobs_gradient_matches_naive_and_requests_only_completion_logi
 def test_token_logprobs_chunking_does_not_change_results(small_model, monkeypatch):
     ids, mask, _ = left_padded_batch(3)
     with torch.no_grad():
-        whole = gl.token_logprobs(small_model, ids, mask, 4)
-        monkeypatch.setattr(gl, "_LOGSUMEXP_CHUNK_ELEMENTS", 1)  # one row per chunk
-        chunked = gl.token_logprobs(small_model, ids, mask, 4)
+        whole = policy.token_logprobs(small_model, ids, mask, 4)
+        monkeypatch.setattr(policy, "_LOGSUMEXP_CHUNK_ELEMENTS", 1)  # one row per chunk
+        chunked = policy.token_logprobs(small_model, ids, mask, 4)
     assert torch.equal(whole, chunked)
 
 
@@ -115,11 +115,11 @@ def test_token_logprobs_rejects_bad_sizes(small_model):
     ids, mask, _ = left_padded_batch(0)
     for bad in (0, ids.shape[1], 3.0):
         with pytest.raises(ValueError, match="num_completion_tokens"):
-            gl.token_logprobs(small_model, ids, mask, bad)
+            policy.token_logprobs(small_model, ids, mask, bad)
     with pytest.raises(ValueError, match="attention_mask"):
-        gl.token_logprobs(small_model, ids, mask[:, 1:], 2)
+        policy.token_logprobs(small_model, ids, mask[:, 1:], 2)
     with pytest.raises(ValueError, match="temperature"):
-        gl.token_logprobs(small_model, ids, mask, 2, temperature=0.0)
+        policy.token_logprobs(small_model, ids, mask, 2, temperature=0.0)
 
 
 def test_the_lm_head_reads_the_kept_positions_without_copying_its_weight():
@@ -130,8 +130,8 @@ def test_the_lm_head_reads_the_kept_positions_without_copying_its_weight():
 
     from engine import prefix
 
-    assert gl.kept_positions(6, 6) == 6 and gl.kept_positions(6, 9) == 9
-    assert gl.kept_positions(10, 3).tolist() == [7, 8, 9]
+    assert policy.kept_positions(6, 6) == 6 and policy.kept_positions(6, 9) == 9
+    assert policy.kept_positions(10, 3).tolist() == [7, 8, 9]
     vocab, hidden = 49152, 64
     model = models.prepare_for_training(models.tiny_random_model("llama", vocab_size=vocab, hidden_size=hidden),
                                         lora_rank=4, lora_alpha=8)  # the LM head frozen, as in the update
@@ -148,7 +148,7 @@ def test_the_lm_head_reads_the_kept_positions_without_copying_its_weight():
                 Largest.numel = max(Largest.numel, out.numel())
             return out
 
-    for logprobs in (gl.token_logprobs, prefix.completion_logprobs):
+    for logprobs in (policy.token_logprobs, prefix.completion_logprobs):
         Largest.numel = 0
         with Largest():
             logprobs(model, ids, torch.ones_like(ids), 4).sum().backward()
@@ -168,12 +168,12 @@ def lora_llama(vocab=VOCAB, hidden=64):
 
 def test_the_fused_head_is_taken_only_where_the_logits_are_the_heads_product_and_it_does_not_train():
     model = lora_llama()
-    assert gl.fused_head(model) is gl.hf_model(model).lm_head.weight
-    assert gl.fused_head(models.tiny_random_model("llama", vocab_size=VOCAB)) is None   # the head trains
-    assert gl.fused_head(tiny_gpt2().requires_grad_(False)) is None                     # not a PLAIN_HEAD_FAMILIES model
+    assert policy.fused_head(model) is policy.hf_model(model).lm_head.weight
+    assert policy.fused_head(models.tiny_random_model("llama", vocab_size=VOCAB)) is None   # the head trains
+    assert policy.fused_head(tiny_gpt2().requires_grad_(False)) is None   # not a PLAIN_HEAD_FAMILIES model
     biased = models.tiny_random_model("qwen2", vocab_size=VOCAB).requires_grad_(False)
     biased.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB), requires_grad=False)
-    assert gl.fused_head(biased) is None
+    assert policy.fused_head(biased) is None
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -189,9 +189,9 @@ def test_the_fused_head_gives_the_logits_paths_log_probs_entropies_and_gradients
     for fused in (True, False):
         model = lora_llama()
         if not fused:
-            monkeypatch.setattr(gl, "fused_head", lambda model: None)
-        monkeypatch.setattr(gl, "_LOGSUMEXP_CHUNK_ELEMENTS", 3 * VOCAB)
-        for logprobs in (gl.token_logprobs, prefix.completion_logprobs):
+            monkeypatch.setattr(policy, "fused_head", lambda model: None)
+        monkeypatch.setattr(policy, "_LOGSUMEXP_CHUNK_ELEMENTS", 3 * VOCAB)
+        for logprobs in (policy.token_logprobs, prefix.completion_logprobs):
             values, entropies = logprobs(model, ids, mask, 6, temperature, with_entropies=True)
             model.zero_grad()
             (values * weights).sum().backward()
@@ -216,7 +216,7 @@ def test_the_fused_head_never_holds_more_than_a_chunk_of_logits(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ids, mask, _ = left_padded_batch(2, prompt_lengths=(5, 5, 7, 3, 4, 4, 6, 2), completion_len=6)
-    monkeypatch.setattr(gl, "_LOGSUMEXP_CHUNK_ELEMENTS", 8 * VOCAB)
+    monkeypatch.setattr(policy, "_LOGSUMEXP_CHUNK_ELEMENTS", 8 * VOCAB)
 
     class MostRows(TorchDispatchMode):
         rows = 0
@@ -229,9 +229,9 @@ def test_the_fused_head_never_holds_more_than_a_chunk_of_logits(monkeypatch):
 
     model = lora_llama(hidden=8)   # the head's weight [V, 8]: 8 rows of V too
     with MostRows():
-        gl.token_logprobs(model, ids, mask, 6).sum().backward()
+        policy.token_logprobs(model, ids, mask, 6).sum().backward()
     assert MostRows.rows == 8
-    monkeypatch.setattr(gl, "fused_head", lambda model: None)
+    monkeypatch.setattr(policy, "fused_head", lambda model: None)
     with MostRows():
-        gl.token_logprobs(model, ids, mask, 6).sum().backward()
+        policy.token_logprobs(model, ids, mask, 6).sum().backward()
     assert MostRows.rows >= 8 * 7
