@@ -49,8 +49,8 @@ from run.flags_update import (LOSS_FLAGS, OPTIMIZERS, flag_dest, inert_loss_opti
                                update_settings)
 
 PRESET_KEYS = {key for preset in PRESETS.values() for key in preset}  # --help: their default is "from --preset"
-# The flags' concerns: each declares the ranges of its flags (POSITIVE_INTS, NON_NEGATIVE, OPTIONAL_COUNTS: >= 1 when
-# given, RANGES: (flag, destination, test, what it must be)), checked before each concern's own checks (check_values).
+# The flags' concerns: each declares the ranges of its flags (POSITIVE_INTS: >= 1 where given, NON_NEGATIVE, RANGES:
+# (flag, destination, test, what it must be)), checked before each concern's own checks (check_values).
 CONCERNS = (flags_model, flags_data, flags_pods, flags_rewards, flags_update, flags_generation, flags_run)
 
 
@@ -58,8 +58,7 @@ def _declared(name):
     return tuple(entry for concern in CONCERNS for entry in getattr(concern, name, ()))
 
 
-POSITIVE_INTS, NON_NEGATIVE, RANGES, OPTIONAL_COUNTS = (_declared(name) for name in (
-    "POSITIVE_INTS", "NON_NEGATIVE", "RANGES", "OPTIONAL_COUNTS"))
+POSITIVE_INTS, NON_NEGATIVE, RANGES = (_declared(name) for name in ("POSITIVE_INTS", "NON_NEGATIVE", "RANGES"))
 
 # What a run IS: a resume that changes these is refused (compare.py would credit the earlier steps to the new method).
 # Others may change: RECORDED_AT_RESUME (optimizer settings, the budget, bf16) into config.json "changes" and the
@@ -257,8 +256,8 @@ def check_values(args):
         value = getattr(args, action.dest, None)
         if action.type is float and value is not None and not math.isfinite(value):
             raise ValueError(f"{action.option_strings[0]} must be a finite number, got {value}")
-    for name in POSITIVE_INTS:
-        if getattr(args, name) < 1:
+    for name in POSITIVE_INTS:  # None: a flag without a default, not given
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in NON_NEGATIVE:
         if getattr(args, name) < 0:
@@ -266,9 +265,6 @@ def check_values(args):
     for flag, name, ok, bound in RANGES:
         if not ok(getattr(args, name)):
             raise ValueError(f"{flag} must be {bound}, got {getattr(args, name):g}")
-    for name in OPTIONAL_COUNTS:
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for check in (flags_data.check_values, flags_pods.check_values, flags_rewards.check_values,
                   flags_update.check_values, flags_run.check_values):
         check(args)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import data
 
-POSITIVE_INTS = ("max_prompt_tokens",)
-OPTIONAL_COUNTS = ("num_train_rows",)  # >= 1 when given
+POSITIVE_INTS = ("max_prompt_tokens", "num_train_rows")  # >= 1 (num_train_rows: when given)
 
 
 def add_flags(group):

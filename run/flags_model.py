@@ -7,7 +7,7 @@ import argparse
 import models
 
 NON_NEGATIVE = ("lora_rank",)
-OPTIONAL_COUNTS = ("lora_alpha",)  # >= 1 when given
+POSITIVE_INTS = ("lora_alpha",)  # >= 1 when given
 
 
 def add_flags(group):
