@@ -24,8 +24,9 @@ clipped like rho) and `policy_loss` "cispo" (CISPO: -sg(clip(rho)) A log pi, so 
 batch: `grpo_loss_sum` gives each micro-batch's numerator and `loss_denominator` the batch's normaliser.
 
 Every option of the loss is a field of one record, `LossSettings`, which travels unchanged from the flags
-(config.loss_settings) through update.update_policy to `grpo_loss_sum`: a new option is a field (its flag, help and
-checks come from the field's metadata) plus its use here.
+(config.loss_settings) through update.update_policy to `grpo_loss_sum`, and a named part of the objective here: a new
+option is a field (its flag, help and checks come from the field's metadata) plus its part (a function in one of the
+registries `grpo_loss_sum` composes) and its test.
 
 Simplification: the KL term is optional (paper and TRL default beta = 0) and uses TRL's k3 estimator.
 """
@@ -41,6 +42,8 @@ from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): the flags read LossSettings without it
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 LOSS_AGGREGATIONS = ("sequence", "token", "fixed")
@@ -83,8 +86,8 @@ def loss_option(default, help=None, flag=None, ratio_only=False, example=None, a
 
 @dataclass(frozen=True)
 class LossSettings:
-    """Every option of the loss. Add one here and use it in `grpo_loss_sum`; its default must leave the paper's loss
-    unchanged (the defaults are the paper; study.py pins a new option at its default)."""
+    """Every option of the loss. Add one here and its part to the objective (`grpo_loss_sum`'s registries); its default
+    must leave the paper's loss unchanged (the defaults are the paper; study.py pins a new option at its default)."""
     clip_eps: float = loss_option(0.2, "ratio clipped to [1 - this, 1 + --clip-eps-high]", ratio_only=True, type=float)
     clip_eps_high: float | None = loss_option(
         None, "upper clip of the ratio, 1 + this (DAPO clip-higher; default --clip-eps; acts only with "
@@ -209,6 +212,258 @@ def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: floa
     return (values >= threshold) & keep
 
 
+# ------------------------------------------------ the objective, each option a named part
+# `grpo_loss_sum` is the paper's clipped objective; every LossSettings option is a part it composes, picked by the field
+# of its name: the ratio at its level (LOG_RATIOS), its clip (`clip_range`), the policy loss (POLICY_LOSS_TERMS), the
+# adjustments of each token's policy-gradient term (TOKEN_ADJUSTMENTS), the KL term (`kl_penalty`) and the aggregation
+# (AGGREGATIONS); `mask_truncated` and `loss_tokens` shape the loss mask before it. A new option is a LossSettings
+# field (its flag comes from the field) with its function here, an entry of one of these registries, and its test.
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What the parts of one `grpo_loss_sum` call read: its settings, what the objective derives first (the loss
+    tokens, log pi there, the advantages, the ratio and its clip) and the tensors as given."""
+    settings: LossSettings
+    keep: Tensor                        # bool [B, C]: the tokens in the loss (`loss_tokens`)
+    mask: Tensor                        # `keep` in float32
+    logp: Tensor                        # log pi [B, C] in float32, 0 outside `keep`: the gradient flows through it
+    advantages: Tensor                  # [B, 1] float32
+    ratio: Tensor                       # rho = pi / pi_old: [B, C], or [B, 1] at the sequence level
+    clip: tuple[float, float]           # rho's bounds (`clip_range`)
+    old_logprobs: Tensor                # [B, C], as given
+    generated: Tensor                   # bool [B, C]: the completion tokens, before token_reject's rejection
+    ref_logprobs: Tensor | None         # [B, C] or None, as given
+    sampler_logprobs: Tensor | None
+    entropies: Tensor | None
+
+
+def grpo_loss_sum(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor,
+                  settings: LossSettings | None = None, ref_logprobs: Tensor | None = None,
+                  sampler_logprobs: Tensor | None = None, entropies: Tensor | None = None,
+                  **options) -> tuple[Tensor, dict[str, Tensor]]:
+    """Numerator of the loss of these rows (divide by `loss_denominator` of the whole update batch): per token the
+    paper's -min(rho A, clip(rho) A) + beta KL, with the parts its settings pick (above).
+
+    settings: the LossSettings (None: the paper's); options: fields of it to replace (`loss_settings`). [B, C] each:
+    logprobs, old_logprobs, completion_mask, ref_logprobs (the KL term), sampler_logprobs (an importance-sampling
+    correction), entropies (top-entropy tokens); advantages: [B], finite (checked on the host by `grpo_loss` and
+    update.update_policy: here it would be a sync). The rows' losses are summed (with the "sequence" aggregation each
+    row's mean over its tokens), so micro-batches accumulate exactly: the sum over micro-batches of grpo_loss_sum /
+    loss_denominator(all masks) is the full-batch loss. Metrics: `loss_metrics` and the adjustments' own, 0-dim
+    tensors on the device: reading one is a host sync, which the update makes once per optimizer step.
+    """
+    settings = loss_settings(settings, **options)
+    check_loss_inputs(settings, logprobs, old_logprobs, advantages, completion_mask, ref_logprobs, sampler_logprobs,
+                      entropies)
+    generated = completion_mask.bool()
+    keep = loss_tokens(completion_mask, old_logprobs, sampler_logprobs, settings).bool()
+    logp, mask = masked_float(logprobs, keep), keep.float()
+    log_ratio = LOG_RATIOS[settings.importance_sampling_level](logp - masked_float(old_logprobs, keep), mask)
+    terms = LossTerms(settings, keep, mask, logp, advantages.float()[:, None], torch.exp(log_ratio),
+                      clip_range(settings), old_logprobs, generated, ref_logprobs, sampler_logprobs, entropies)
+    per_token, clipped_sides = POLICY_LOSS_TERMS[settings.policy_loss](terms)
+    metrics = {}
+    for adjust in TOKEN_ADJUSTMENTS:  # each leaves per_token as it is at its field's default
+        per_token = adjust(per_token, terms, metrics)
+    per_token, kl = kl_penalty(per_token, terms)
+    loss_sum = AGGREGATIONS[settings.aggregation].numerator((per_token * mask).sum(-1), mask).sum()
+    return loss_sum, {**loss_metrics(terms, clipped_sides, kl), **metrics}
+
+
+def masked_float(values: Tensor, keep: Tensor) -> Tensor:
+    """`values` in float32, 0 outside `keep`: padded positions may hold anything (even inf or NaN), zeroed *before*
+    exp so that neither the value nor the gradient (0 * inf) can turn into NaN."""
+    return torch.where(keep, values.float(), 0.0)
+
+
+def check_loss_inputs(settings: LossSettings, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                      completion_mask: Tensor, ref_logprobs: Tensor | None = None,
+                      sampler_logprobs: Tensor | None = None, entropies: Tensor | None = None) -> None:
+    """A ValueError line for what `grpo_loss_sum` cannot use, before any work: a shape, an option's value, or a tensor
+    an option needs missing (ref_logprobs for kl_coef > 0, the sampler's log-probs for an importance-sampling
+    correction, the entropies for top_entropy_quantile < 1)."""
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, C], got shape {tuple(logprobs.shape)}")
+    same_shape = {"old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs}
+    for name, t in same_shape.items():
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [B] = [{logprobs.shape[0]}], got {tuple(advantages.shape)}")
+    clip_range(settings)  # both bounds > 0
+    _check_aggregation(settings.aggregation)
+    for name, value, allowed in (("importance_sampling_level", settings.importance_sampling_level,
+                                  IMPORTANCE_SAMPLING_LEVELS), ("policy_loss", settings.policy_loss, POLICY_LOSSES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if settings.kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {settings.kl_coef}")
+    if settings.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef = {settings.kl_coef} > 0 needs ref_logprobs")
+    correction = settings.importance_sampling_correction
+    if correction != "none" and (sampler_logprobs is None or sampler_logprobs.shape != logprobs.shape):
+        raise ValueError(f"importance_sampling_correction {correction!r} needs the sampler's log-probs [B, C] "
+                         "(sampling.Rollouts.sampler_logprobs)")
+    if settings.top_entropy_quantile < 1 and (entropies is None or entropies.shape != logprobs.shape):
+        raise ValueError(f"top_entropy_quantile {settings.top_entropy_quantile} needs the entropies [B, C] of the "
+                         "policy at the completion tokens (token_logprobs(..., with_entropies=True))")
+
+
+# --- the ratio rho at its level (importance_sampling_level)
+
+def token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """"token" (the paper): one ratio per token, log rho_it = log pi(o_it) - log pi_old(o_it)."""
+    return log_ratio
+
+
+def sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """"sequence" (GSPO): one ratio per row, [B, 1], exp of its mean token log-ratio, shared by its tokens (TRL's form;
+    verl writes it per token as exp(logp - sg(logp) + sg(mean)): the same value and gradient)."""
+    return log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+# importance_sampling_level -> (per-token log-ratios [B, C], the loss mask) -> the log-ratios at that level
+LOG_RATIOS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
+def clip_range(settings: LossSettings) -> tuple[float, float]:
+    """rho's bounds (1 - clip_eps, 1 + clip_eps_high): clip-higher (DAPO) widens the upper one alone; clip_eps_high
+    None: clip_eps, the paper's symmetric clip."""
+    high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
+    if not settings.clip_eps > 0 or not high > 0:
+        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {settings.clip_eps} and "
+                         f"{settings.clip_eps_high}")
+    return 1 - settings.clip_eps, 1 + high
+
+
+# --- the policy loss (policy_loss): each token's loss, and the sides of the clip its clip_ratio metrics count
+
+def ppo_clip(terms: LossTerms) -> tuple[Tensor, tuple]:
+    """"ppo_clip" (the paper's): -min(rho A, clip(rho) A). Clipped (no policy gradient): rho below the clip with
+    A < 0, above it with A > 0."""
+    adv = terms.advantages
+    return -torch.minimum(terms.ratio * adv, terms.ratio.clamp(*terms.clip) * adv), (adv < 0, adv > 0)
+
+
+def cispo(terms: LossTerms) -> tuple[Tensor, tuple]:
+    """"cispo" (MiniMax-M1's CISPO): -sg(clip(rho)) A log pi, the weight bounded and detached, so that every token keeps
+    its gradient; clipped (verl's count): every rho outside the clip."""
+    return -terms.ratio.clamp(*terms.clip).detach() * terms.advantages * terms.logp, (True, True)
+
+
+# policy_loss -> terms -> (each token's loss [B, C], (below, above): where a ratio outside the clip counts as clipped)
+POLICY_LOSS_TERMS = {"ppo_clip": ppo_clip, "cispo": cispo}
+
+
+# --- adjustments of each token's policy-gradient term, before the KL term
+
+def importance_sampling_correction(per_token: Tensor, terms: LossTerms, metrics: dict) -> Tensor:
+    """importance_sampling_correction, against the sampler-trainer mismatch (rollout_check.py): each token's
+    policy-gradient term weighted by `importance_weights` of pi_old / pi_sampler (the KL term is not); "token_reject"'s
+    rejected tokens are already out of the loss mask (`loss_tokens`). Metric "importance_weight_mean": the mean weight
+    over every completion token (token_reject: the fraction accepted; 0 without a token). "none": as it is."""
+    correction = terms.settings.importance_sampling_correction
+    if correction == "none":
+        return per_token
+    weights = importance_weights(terms.old_logprobs, terms.sampler_logprobs, correction, terms.settings.is_clip)
+    with torch.no_grad():
+        generated = terms.generated
+        metrics["importance_weight_mean"] = (weights.float() * generated).sum() / generated.sum().clamp(min=1)
+    return per_token * masked_float(weights.detach(), terms.keep)
+
+
+def top_entropy_tokens(per_token: Tensor, terms: LossTerms, metrics: dict) -> Tensor:
+    """top_entropy_quantile ("Beyond the 80/20 rule"; TRL: per_token_loss * entropy_mask, before the KL term): the
+    policy-gradient term of the tokens of `high_entropy_mask` alone; the others keep their KL term and still count in
+    the denominators. 1: every token (the paper)."""
+    quantile = terms.settings.top_entropy_quantile
+    return per_token * high_entropy_mask(terms.entropies, terms.keep, quantile) if quantile < 1 else per_token
+
+
+# In this order: (per_token, terms, metrics) -> per_token, as it is at the field's default; metrics: what it measures
+# (0-dim tensors, no gradient), by name.
+TOKEN_ADJUSTMENTS = (importance_sampling_correction, top_entropy_tokens)
+
+
+def kl_penalty(per_token: Tensor, terms: LossTerms) -> tuple[Tensor, Tensor | None]:
+    """The paper's KL term, TRL's k3 estimator KL_it = exp(ref - logp) - (ref - logp) - 1 -> (per_token + beta KL_it,
+    KL_it), beta = kl_coef: measured whenever ref_logprobs are given, added only with beta > 0 (the paper's and TRL's
+    default is 0); no ref_logprobs: (per_token, None)."""
+    if terms.ref_logprobs is None:
+        return per_token, None
+    log_ref_ratio = masked_float(terms.ref_logprobs, terms.keep) - terms.logp
+    kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+    return (per_token + terms.settings.kl_coef * kl if terms.settings.kl_coef > 0 else per_token), kl
+
+
+def loss_metrics(terms: LossTerms, clipped_sides: tuple, kl: Tensor | None) -> dict[str, Tensor]:
+    """TRL's metrics, token means over the loss tokens as 0-dim tensors on the device (the caller reads them when it
+    reads the loss: one host sync): "clip_ratio/low_mean" (rho below the clip, on the side the policy loss counts),
+    "clip_ratio/high_mean" (above), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3; 0 without
+    ref_logprobs)."""
+    with torch.no_grad():
+        num_tokens = terms.mask.sum().clamp(min=1)
+
+        def masked_mean(x: Tensor) -> Tensor:
+            return (x.float() * terms.mask).sum() / num_tokens
+
+        low = (terms.ratio < terms.clip[0]) & clipped_sides[0]
+        high = (terms.ratio > terms.clip[1]) & clipped_sides[1]
+        return {"clip_ratio/low_mean": masked_mean(low), "clip_ratio/high_mean": masked_mean(high),
+                "clip_ratio/region_mean": masked_mean(low | high), "ratio_mean": masked_mean(terms.ratio),
+                "kl": masked_mean(kl) if kl is not None else terms.logp.new_zeros(())}
+
+
+# --- the aggregation (aggregation): the numerator of each row, the normaliser of the update batch
+
+@dataclass(frozen=True)
+class Aggregation:
+    """numerator: (the row sums [B] of the per-token losses, the loss mask [B, C]) -> each row's part of
+    `grpo_loss_sum`; denominator: (the update batch's loss masks [B, C], max_completion_tokens) -> its normaliser
+    (`loss_denominator`)."""
+    numerator: Callable[[Tensor, Tensor], Tensor]
+    denominator: Callable[[list, int | None], int]
+
+
+def row_means(row_sums: Tensor, mask: Tensor) -> Tensor:
+    """"sequence" (the paper): each row's mean over its own tokens; a row with none adds 0, not NaN."""
+    return row_sums / mask.sum(-1).clamp(min=1)
+
+
+def row_totals(row_sums: Tensor, mask: Tensor) -> Tensor:
+    """"token" (DAPO) and "fixed" (Dr. GRPO): each row's sum; they differ only in the denominator."""
+    return row_sums
+
+
+def row_count(masks: list, max_completion_tokens: int | None) -> int:
+    """"sequence": the number of rows, masked ones included (as in TRL: the normaliser does not depend on what the
+    rows hold)."""
+    return sum(mask.shape[0] for mask in masks)
+
+
+def token_count(masks: list, max_completion_tokens: int | None) -> int:
+    """"token": the number of kept tokens (0 with none: the numerator is 0 too)."""
+    return int(sum(int(mask.bool().sum(-1).sum()) for mask in masks))
+
+
+def rows_times_limit(masks: list, max_completion_tokens: int | None) -> int:
+    """"fixed": rows x max_completion_tokens, the generation limit (not the padded width); masked rows count."""
+    limit = max_completion_tokens
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"aggregation 'fixed' needs max_completion_tokens >= 1, got {max_completion_tokens!r}")
+    longest = max((int(length.max()) for length in (mask.bool().sum(-1) for mask in masks) if length.numel()),
+                  default=0)
+    if longest > max_completion_tokens:
+        raise ValueError(f"a completion has {longest} tokens > max_completion_tokens = {max_completion_tokens}")
+    return row_count(masks, limit) * max_completion_tokens
+
+
+# aggregation -> its numerator and denominator
+AGGREGATIONS = {"sequence": Aggregation(row_means, row_count), "token": Aggregation(row_totals, token_count),
+                "fixed": Aggregation(row_totals, rows_times_limit)}
+
+
 def _check_aggregation(aggregation: str) -> None:
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
@@ -223,152 +478,15 @@ def loss_denominator(
 
     completion_masks: the [B, C] mask of the batch, or a list of masks (micro-batches, several rollout
     batches), after `mask_truncated` when truncated rows are masked. "sequence": number of rows;
-    "token": number of kept tokens; "fixed": rows x max_completion_tokens (the generation limit, not the
-    padded width). Masked rows still count as rows for "sequence" and "fixed" (as in TRL: those
-    normalisers do not depend on what the rows hold). It is a sum over rows, so a distributed caller
-    sums the local values over ranks. It is 0 only for "token" with no kept token (the numerator is
-    then 0 too): divide by max(denominator, 1).
+    "token": number of kept tokens; "fixed": rows x max_completion_tokens (AGGREGATIONS). It is a sum over rows,
+    so a distributed caller sums the local values over ranks. It is 0 only for "token" with no kept token (the
+    numerator is then 0 too): divide by max(denominator, 1).
     """
     _check_aggregation(aggregation)
     masks = [completion_masks] if isinstance(completion_masks, torch.Tensor) else list(completion_masks)
     if any(mask.dim() != 2 for mask in masks):
         raise ValueError(f"completion masks must be [B, C]; got shapes {[tuple(m.shape) for m in masks]}")
-    rows = sum(mask.shape[0] for mask in masks)
-    if aggregation == "sequence":
-        return rows
-    lengths = [mask.bool().sum(-1) for mask in masks]
-    if aggregation == "token":
-        return int(sum(int(length.sum()) for length in lengths))
-    limit = max_completion_tokens
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"aggregation 'fixed' needs max_completion_tokens >= 1, got {max_completion_tokens!r}")
-    longest = max((int(length.max()) for length in lengths if length.numel()), default=0)
-    if longest > max_completion_tokens:
-        raise ValueError(f"a completion has {longest} tokens > max_completion_tokens = {max_completion_tokens}")
-    return rows * max_completion_tokens
-
-
-def grpo_loss_sum(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    completion_mask: Tensor,
-    settings: LossSettings | None = None,
-    ref_logprobs: Tensor | None = None,
-    sampler_logprobs: Tensor | None = None,
-    entropies: Tensor | None = None,
-    **options,
-) -> tuple[Tensor, dict[str, float]]:
-    """Numerator of the loss of these rows: divide by `loss_denominator` of the whole update batch.
-
-    settings: the LossSettings (None: the paper's); options: fields of it to replace (`loss_settings`).
-
-    "sequence": sum_i 1/|o_i| sum_t loss_it (a row with no tokens adds 0); "token" and "fixed":
-    sum_it loss_it (they differ only in the denominator). Micro-batches therefore accumulate exactly:
-    sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) = the full-batch loss.
-    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO clip-higher; None = clip_eps).
-    importance_sampling_level "sequence" (GSPO): the ratio is exp of the row's mean token log-ratio, one per row, shared
-    by its tokens (TRL's [B, 1]; verl writes it per token as exp(logp - sg(logp) + sg(mean)): the same value and
-    gradient). policy_loss "cispo": each token's term is -sg(clipped ratio) A log pi instead of the min.
-    With importance_sampling_correction, the weights (`importance_weights` of old_logprobs and sampler_logprobs
-    [B, C], the sampler's) multiply each token's policy-gradient term, not its KL term; "token_reject" takes its
-    rejected tokens out of the mask instead (`loss_tokens`: their KL term too, and out of their row's token count).
-    Metrics: token means over this call's kept tokens, see `grpo_loss` (plus "importance_weight_mean", over every
-    completion token: the mean weight, for "token_reject" the fraction accepted), as 0-dim tensors on the device:
-    reading one is a host sync, which the update makes once per optimizer step. Advantages must be finite (checked
-    on the host by `grpo_loss` and update.update_policy: a check here would be a sync).
-    """
-    settings = loss_settings(settings, **options)
-    clip_eps, clip_eps_high, kl_coef, aggregation = (settings.clip_eps, settings.clip_eps_high, settings.kl_coef,
-                                                     settings.aggregation)
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, C], got shape {tuple(logprobs.shape)}")
-    same_shape = {
-        "old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs
-    }
-    for name, t in same_shape.items():
-        if t is not None and t.shape != logprobs.shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [B] = [{logprobs.shape[0]}], got {tuple(advantages.shape)}")
-    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if not clip_eps > 0 or not clip_high > 0:
-        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {clip_eps_high}")
-    _check_aggregation(aggregation)
-    for name, value, allowed in (("importance_sampling_level", settings.importance_sampling_level,
-                                  IMPORTANCE_SAMPLING_LEVELS), ("policy_loss", settings.policy_loss, POLICY_LOSSES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef = {kl_coef} > 0 needs ref_logprobs")
-
-    token_weights = None  # importance sampling against the sampler-trainer mismatch (rollout_check.py)
-    if settings.importance_sampling_correction != "none":
-        if sampler_logprobs is None or sampler_logprobs.shape != logprobs.shape:
-            raise ValueError(f"importance_sampling_correction {settings.importance_sampling_correction!r} needs the "
-                             "sampler's log-probs [B, C] (sampling.Rollouts.sampler_logprobs)")
-        token_weights = importance_weights(old_logprobs, sampler_logprobs, settings.importance_sampling_correction,
-                                           settings.is_clip)
-    generated = completion_mask.bool()  # before token_reject's rejection: what importance_weight_mean is over
-
-    # Padded positions may hold anything (even inf/NaN): zero them *before* exp so that neither the
-    # value nor the gradient (0 * inf) can turn into NaN.
-    keep = loss_tokens(completion_mask, old_logprobs, sampler_logprobs, settings).bool()
-    mask = keep.float()
-
-    def tokens(x: Tensor) -> Tensor:
-        return torch.where(keep, x.float(), 0.0)
-
-    logp = tokens(logprobs)
-    adv = advantages.float()[:, None]
-    log_ratio = logp - tokens(old_logprobs)
-    if settings.importance_sampling_level == "sequence":  # GSPO: [B, 1], the row's mean log-ratio (TRL's form)
-        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_high)
-    if settings.policy_loss == "cispo":  # the weight bounded and detached: every token keeps grad log pi
-        per_token = -clipped_ratio.detach() * adv * logp
-    else:
-        per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    if token_weights is not None:
-        per_token = per_token * tokens(token_weights.detach())
-    if settings.top_entropy_quantile < 1:  # TRL: per_token_loss * entropy_mask, before the KL term
-        if entropies is None or entropies.shape != logprobs.shape:
-            raise ValueError(f"top_entropy_quantile {settings.top_entropy_quantile} needs the entropies [B, C] of the "
-                             "policy at the completion tokens (token_logprobs(..., with_entropies=True))")
-        per_token = per_token * high_entropy_mask(entropies, keep, settings.top_entropy_quantile)
-    if ref_logprobs is not None:
-        log_ref_ratio = tokens(ref_logprobs) - logp
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
-    row_sums = (per_token * mask).sum(-1)
-    if aggregation == "sequence":
-        row_sums = row_sums / mask.sum(-1).clamp(min=1)  # empty completions contribute 0, not NaN
-    loss_sum = row_sums.sum()
-
-    with torch.no_grad():  # on the device: the caller reads them when it reads the loss (one host sync)
-        num_tokens = mask.sum().clamp(min=1)
-
-        def masked_mean(x: Tensor) -> Tensor:
-            return (x.float() * mask).sum() / num_tokens
-
-        # ppo_clip: the tokens the clip takes the gradient from; cispo: those whose weight is bounded (verl's).
-        signs = (adv < 0, adv > 0) if settings.policy_loss == "ppo_clip" else (True, True)
-        low = (ratio < 1 - clip_eps) & signs[0]
-        high = (ratio > 1 + clip_high) & signs[1]
-        metrics = {
-            "clip_ratio/low_mean": masked_mean(low),
-            "clip_ratio/high_mean": masked_mean(high),
-            "clip_ratio/region_mean": masked_mean(low | high),
-            "ratio_mean": masked_mean(ratio),
-            "kl": masked_mean(kl) if ref_logprobs is not None else logp.new_zeros(()),
-        }
-        if token_weights is not None:  # token_reject: the fraction of tokens accepted (0 without a token)
-            metrics["importance_weight_mean"] = (token_weights.float() * generated).sum() / generated.sum().clamp(min=1)
-    return loss_sum, metrics
+    return AGGREGATIONS[aggregation].denominator(masks, max_completion_tokens)
 
 
 def grpo_loss(

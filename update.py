@@ -8,7 +8,10 @@ the one implementation train.py and the benchmarks both call.
 - `update_policy`: mu optimizer steps, each accumulated over micro-batches whose padding columns are cut. Every
   micro-batch's loss is a *sum* (grpo_loss.grpo_loss_sum) divided by one normaliser of the whole step
   (`loss_denominator`), so the accumulated gradient is that of one batch of all kept rows whatever the micro-batch
-  size. Then gradient clipping and the optimizer step; no rows (every prompt dropped): no optimizer step.
+  size. Then gradient clipping and the optimizer step; no rows (every prompt dropped): no optimizer step. Its options
+  are named parts it calls in that order: `check_batches`, `_SamplerCheck` (the sampler gap), `checkpoint_plan`,
+  `_accumulate` (the entropies only for --top-entropy-quantile), `_gradient_norm`, `_read_step` (the step's one host
+  sync), `_finish_step` (a non-finite step skipped); the optimizers: OPTIMIZER_FACTORIES.
 
 Choices: dropout is off during the update and the log-prob pass, as in TRL (the ratio and the KL compare
 deterministic policies). Full fine-tuning in bf16 keeps fp32 master weights under bf16 autocast
@@ -33,7 +36,7 @@ import contextlib
 import functools
 import math
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -45,7 +48,6 @@ from engine import kernels
 from engine import prefix
 from engine import rollout_check
 
-OPTIMIZERS = ("adamw", "adamw8bit")
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
 # Optimizer steps taken in this process, by any torch optimizer (a hook after every step): what tells the bf16 copies
 # of a LoRA adapter (models.lora_in_base_dtype) that the fp32 masters moved, since fused AdamW and bitsandbytes' 8-bit
@@ -360,13 +362,9 @@ def _accumulate(model, optimizer, batches, settings, device, normaliser, ratios=
     step = _step_prefix(model, batches, settings, device)
     for index, batch in enumerate(batches):
         for micro in micro_batches(batch, settings.micro_batch_size, device, settings.loss.mask_truncated):
-            logprobs, entropies = _logprobs(model, micro, settings, device, step, True) \
-                if settings.loss.top_entropy_quantile < 1 else (_logprobs(model, micro, settings, device, step), None)
+            logprobs, entropies = _logprobs_and_entropies(model, micro, settings, device, step)
             if ratios is not None:
-                gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(
-                    logprobs, micro.sampler_logprobs, micro.completion_mask))
-                ratios[index][micro.rows] = rollout_check.row_mean_ratios(logprobs, micro.sampler_logprobs,
-                                                                          micro.completion_mask)
+                gap_sums = _check_sampler(gap_sums, ratios[index], logprobs, micro)
             loss_sum, metrics = micro_batch_loss(logprobs, micro, settings, entropies)
             scaled = loss_sum / normaliser
             scaled.backward()
@@ -379,6 +377,23 @@ def _accumulate(model, optimizer, batches, settings, device, normaliser, ratios=
     return loss, metric_sums, gap_sums, tokens
 
 
+def _logprobs_and_entropies(model, micro, settings, device, step):
+    """(the micro-batch's log-probs, the policy's entropies at them or None): the entropies only where
+    --top-entropy-quantile masks the loss by them."""
+    if settings.loss.top_entropy_quantile < 1:
+        return _logprobs(model, micro, settings, device, step, True)
+    return _logprobs(model, micro, settings, device, step), None
+
+
+def _check_sampler(gap_sums, ratios, logprobs, micro):
+    """The sampler check of a micro-batch (rollout_check.py): its gap sums added to `gap_sums`, each of its rows' mean
+    ratio pi / pi_sampler written into `ratios` (its batch's, on the device) -> the gap sums."""
+    gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(logprobs, micro.sampler_logprobs,
+                                                                           micro.completion_mask))
+    ratios[micro.rows] = rollout_check.row_mean_ratios(logprobs, micro.sampler_logprobs, micro.completion_mask)
+    return gap_sums
+
+
 def update_policy(model, optimizer, batches, settings, sum_over_processes=None, max_sampler_gap=None):
     """mu = settings.updates_per_batch optimizer steps on `batches` (fill_logprobs first when mu > 1 or
     kl_coef > 0) -> UpdateMetrics. A step whose loss or gradient norm is not finite is skipped (no optimizer step,
@@ -389,73 +404,156 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     first forward pass, so that step is rejected before its optimizer step (sampler_rejected; gradients dropped,
     nothing taken). Rollouts of Hugging Face generate() are checked too but never rejected: nothing to fall back to."""
     total = sum_over_processes or (lambda value: value)
-    if max_sampler_gap is not None and not total(int(any(batch.engine_made for batch in batches))):
-        max_sampler_gap = None
+    max_sampler_gap = _engine_gap_limit(batches, max_sampler_gap, total)
     rows = sum(len(batch.advantages) for batch in batches)
-    denominator = total(loss_denominator(batches, settings))
-    if total(rows) == 0:
+    denominator = total(loss_denominator(batches, settings))  # every step's normaliser: the global batch's
+    if total(rows) == 0:  # every prompt dropped
         optimizer.zero_grad(set_to_none=True)
         return UpdateMetrics(loss=0.0, grad_norm=0.0, token_means={}, rows=0, optimizer_steps=0, skipped_steps=0)
+    check_batches(batches, settings)
+    device = next(model.parameters()).device
+    check = _SamplerCheck.of(batches, device, max_sampler_gap)
+    # no kept token: the numerators are 0 too
+    normaliser = denominator.clamp(min=1) if torch.is_tensor(denominator) else max(denominator, 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    steps = _Steps()
+    plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
+    with policy.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as run:
+        for _ in range(settings.updates_per_batch):  # mu optimizer steps on the same rollouts
+            first_pass = not steps.losses  # the policy before its first optimizer step: the one that sampled
+            loss, metric_sums, gap_sums, tokens = run(functools.partial(
+                _accumulate, model, optimizer, batches, settings, device, normaliser,
+                check.ratios if check.on and first_pass else None))
+            grad_norm = _gradient_norm(params, settings.max_grad_norm)
+            loss, grad_norm, metric_sums = _read_step(loss, grad_norm, metric_sums, gap_sums, check)  # one sync
+            loss = total(loss)  # the global batch's loss: not finite if any process's is
+            steps.rejected = first_pass and check.rejects(total)
+            steps.add(loss, grad_norm, metric_sums, tokens, _finish_step(optimizer, loss, grad_norm, steps.rejected))
+            if steps.rejected:
+                break
+    return steps.metrics(rows, check)
+
+
+def _engine_gap_limit(batches, max_sampler_gap, total):
+    """max_sampler_gap where some process's batches come from the decode engine, else None: rollouts of Hugging Face
+    generate() are checked but never rejected (nothing to fall back to)."""
+    if max_sampler_gap is not None and not total(int(any(batch.engine_made for batch in batches))):
+        return None
+    return max_sampler_gap
+
+
+def check_batches(batches, settings):
+    """A ValueError line for batches the update cannot train on: without the log-probs fill_logprobs sets, without
+    the sampler's an importance-sampling correction needs, or with an advantage not finite (on the host: no sync)."""
     for name, needed in (("old_logprobs", needs_old_logprobs(settings)), ("ref_logprobs", settings.loss.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
     if settings.loss.importance_sampling_correction != "none" and any(batch.sampler_logprobs is None
                                                                       for batch in batches):
         raise ValueError("importance sampling correction needs the sampler's log-probs (sampling.Rollouts)")
-    if not all(bool(torch.isfinite(batch.advantages).all()) for batch in batches):  # on the host: no sync
+    if not all(bool(torch.isfinite(batch.advantages).all()) for batch in batches):
         raise ValueError(f"advantages contain non-finite values: {[batch.advantages.tolist() for batch in batches]}")
-    checked = all(batch.sampler_logprobs is not None for batch in batches)
-    device = next(model.parameters()).device
-    gap, ratios = rollout_check.SamplerGap(), [torch.full((len(batch.advantages),), math.nan, device=device)
-                                               for batch in batches]
-    # no kept token: the numerators are 0 too
-    normaliser = denominator.clamp(min=1) if torch.is_tensor(denominator) else max(denominator, 1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    clip = settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf
-    losses, grad_norms, token_sums, token_count, skipped, rejected = [], [], {}, 0, 0, False
-    plan = checkpoint_plan(model, batches, settings, device) if rows else (None, 0)
-    with policy.dropout_off(model, keep_checkpointing=True), _gpu_paths(model, device, settings, plan) as run:
-        for _ in range(settings.updates_per_batch):
-            first_pass = not losses  # the policy before its first optimizer step: the one that sampled
-            loss, metric_sums, gap_sums, tokens = run(functools.partial(
-                _accumulate, model, optimizer, batches, settings, device, normaliser,
-                ratios if checked and first_pass else None))
-            token_count += tokens
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-            if hasattr(grad_norm, "full_tensor"):  # sharded parameters (FSDP2): the norm over every process's shards
-                grad_norm = grad_norm.full_tensor()
-            # The step's one host sync: the loss, the gradient norm, the metrics (and, first, the sampler check).
-            on_device = [loss, grad_norm, *metric_sums.values()]
-            if gap_sums is not None:
-                on_device += [gap_sums, *ratios]
-            values = torch.cat([value.detach().float().reshape(-1) for value in on_device]).cpu()
-            loss, grad_norm = float(values[0]), float(values[1])
-            for key, value in zip(metric_sums, values[2:].tolist()):
-                token_sums[key] = token_sums.get(key, 0.0) + value
-            if gap_sums is not None:
-                gap = rollout_check.SamplerGap.from_sums(values[2 + len(metric_sums):][:len(gap_sums)].tolist())
-                ratios = list(values[2 + len(metric_sums) + len(gap_sums):].split([len(r) for r in ratios]))
-            loss = total(loss)  # the global batch's loss: not finite if any process's is
-            if max_sampler_gap is not None and first_pass:  # every process decides on the global gap alike
-                rejected = total(gap.abs_sum) / max(total(gap.tokens), 1) > max_sampler_gap
-            if rejected:  # trained on, these rollouts would move the policy by another policy's samples
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss)
-                grad_norms.append(grad_norm)
-                break
-            if math.isfinite(loss) and math.isfinite(grad_norm):
-                optimizer.step()
-            else:  # one bad batch must not write NaN into the weights (and every later checkpoint)
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-            losses.append(loss)
-            grad_norms.append(grad_norm)
-    passes = len(losses)
-    return UpdateMetrics(loss=sum(losses) / passes, grad_norm=sum(grad_norms) / passes,
-                         token_means={key: value / max(token_count, 1) for key, value in token_sums.items()},
-                         rows=rows, optimizer_steps=0 if rejected else passes - skipped, skipped_steps=skipped,
-                         tokens=token_count // passes, sampler_gap=gap if checked else None,
-                         sampler_ratios=[r.cpu() for r in ratios] if checked else None, sampler_rejected=rejected)
+
+
+@dataclass
+class _SamplerCheck:
+    """The first pass against the sampler's log-probs (rollout_check.py), on when every batch has them: the gap, per
+    batch each kept row's mean ratio pi / pi_sampler ([B], NaN: no tokens; on the device until read), and the limit
+    of the gap above which the step is rejected (None: never)."""
+    on: bool
+    gap: rollout_check.SamplerGap
+    ratios: list
+    limit: float | None
+
+    @classmethod
+    def of(cls, batches, device, limit):
+        return cls(all(batch.sampler_logprobs is not None for batch in batches), rollout_check.SamplerGap(),
+                   [torch.full((len(batch.advantages),), math.nan, device=device) for batch in batches], limit)
+
+    def rejects(self, total):
+        """Whether the mean gap over every process exceeds the limit (every process decides on the global gap alike):
+        trained on, these rollouts would move the policy by another policy's samples."""
+        return self.limit is not None and total(self.gap.abs_sum) / max(total(self.gap.tokens), 1) > self.limit
+
+
+def _gradient_norm(params, max_grad_norm):
+    """The gradient norm before clipping (on the device), the gradients clipped to max_grad_norm (<= 0: not clipped);
+    with sharded parameters (FSDP2) the norm over every process's shards."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf, foreach=True)
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+
+def _read_step(loss, grad_norm, metric_sums, gap_sums, check):
+    """The step's one host sync: the loss, the gradient norm and the metrics' sums and, on the checked first pass
+    (gap_sums), the sampler check, in one copy -> (loss, grad_norm, {metric: sum}); the sampler check's gap and rows'
+    ratios (on the host) go into `check`."""
+    on_device = [loss, grad_norm, *metric_sums.values()]
+    if gap_sums is not None:
+        on_device += [gap_sums, *check.ratios]
+    values = torch.cat([value.detach().float().reshape(-1) for value in on_device]).cpu()
+    sums = dict(zip(metric_sums, values[2:].tolist()))
+    if gap_sums is not None:
+        check.gap = rollout_check.SamplerGap.from_sums(values[2 + len(metric_sums):][:len(gap_sums)].tolist())
+        check.ratios = list(values[2 + len(metric_sums) + len(gap_sums):].split([len(r) for r in check.ratios]))
+    return float(values[0]), float(values[1]), sums
+
+
+def _finish_step(optimizer, loss, grad_norm, rejected):
+    """The optimizer step on the accumulated gradients, or none, the gradients dropped: rejected (the sampler check),
+    or a loss or gradient norm not finite (one bad batch must not write NaN into the weights, and every later
+    checkpoint) -> whether it was skipped for that."""
+    if not rejected and math.isfinite(loss) and math.isfinite(grad_norm):
+        optimizer.step()
+        return False
+    optimizer.zero_grad(set_to_none=True)
+    return not rejected
+
+
+@dataclass
+class _Steps:
+    """The update's optimizer steps as read on the host: what UpdateMetrics reports."""
+    losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    token_sums: dict = field(default_factory=dict)
+    tokens: int = 0
+    skipped: int = 0
+    rejected: bool = False
+
+    def add(self, loss, grad_norm, metric_sums, tokens, skipped):
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
+        for key, value in metric_sums.items():
+            self.token_sums[key] = self.token_sums.get(key, 0.0) + value
+        self.tokens += tokens
+        self.skipped += skipped
+
+    def metrics(self, rows, check):
+        passes = len(self.losses)
+        return UpdateMetrics(loss=sum(self.losses) / passes, grad_norm=sum(self.grad_norms) / passes,
+                             token_means={key: value / max(self.tokens, 1) for key, value in self.token_sums.items()},
+                             rows=rows, optimizer_steps=0 if self.rejected else passes - self.skipped,
+                             skipped_steps=self.skipped, tokens=self.tokens // passes,
+                             sampler_gap=check.gap if check.on else None,
+                             sampler_ratios=[r.cpu() for r in check.ratios] if check.on else None,
+                             sampler_rejected=self.rejected)
+
+
+def _adamw(params, **options):
+    """torch's AdamW over all tensors at once (foreach: a few kernels over every tensor; CUDA's default, the same
+    numbers as one tensor at a time)."""
+    return torch.optim.AdamW(params, foreach=True, **options)
+
+
+def _adamw8bit(params, **options):
+    """bitsandbytes' 8-bit AdamW (CUDA)."""
+    import bitsandbytes
+
+    return bitsandbytes.optim.AdamW8bit(params, **options)
+
+
+# --optimizer -> (the trainable parameters, lr, betas, weight_decay) -> the optimizer
+OPTIMIZER_FACTORIES = {"adamw": _adamw, "adamw8bit": _adamw8bit}
+OPTIMIZERS = tuple(OPTIMIZER_FACTORIES)
 
 
 def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw"):
@@ -463,13 +561,7 @@ def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw
     if optimizer_name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer_name!r}; expected one of {OPTIMIZERS}")
     params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = dict(lr=learning_rate, betas=ADAM_BETAS, weight_decay=weight_decay)
-    if optimizer_name == "adamw8bit":
-        import bitsandbytes
-
-        return bitsandbytes.optim.AdamW8bit(params, **kwargs)
-    # foreach: a few kernels over every tensor at once (CUDA's default; the same numbers as one tensor at a time)
-    return torch.optim.AdamW(params, foreach=True, **kwargs)
+    return OPTIMIZER_FACTORIES[optimizer_name](params, lr=learning_rate, betas=ADAM_BETAS, weight_decay=weight_decay)
 
 
 def set_hyperparameters(optimizer, learning_rate, weight_decay):

@@ -190,6 +190,35 @@ def test_unknown_levels_and_policy_losses_are_refused():
         gl.grpo_loss(logp, old, adv, mask, policy_loss="ppo")
 
 
+def test_every_option_is_a_named_part_and_a_new_adjustment_plugs_in(monkeypatch):
+    """grpo_loss_sum composes named parts: each choice of a choice option is an entry of the registry that option
+    picks from (a choice without its part, or a part without its choice, fails here); every adjustment of the
+    policy-gradient term hands it back untouched at its field's default, measuring nothing; and one more adjustment
+    in TOKEN_ADJUSTMENTS acts on the loss with no other edit (here: the policy-gradient term doubled, the KL term
+    not)."""
+    fields = {field.name: field for field in gl.dataclasses.fields(gl.LossSettings)}
+    for name, registry in (("importance_sampling_level", gl.LOG_RATIOS), ("policy_loss", gl.POLICY_LOSS_TERMS),
+                           ("aggregation", gl.AGGREGATIONS)):
+        assert tuple(registry) == tuple(fields[name].metadata["argparse"]["choices"]), name
+    logp, old, adv, mask = stale_batch(1)
+    keep, paper = mask.bool(), gl.LossSettings()
+    ratio = torch.exp(gl.masked_float(logp, keep) - gl.masked_float(old, keep))
+    terms = gl.LossTerms(paper, keep, keep.float(), gl.masked_float(logp, keep), adv.float()[:, None], ratio,
+                         gl.clip_range(paper), old, keep, None, None, None)
+    per_token, _ = gl.ppo_clip(terms)
+    for adjust in gl.TOKEN_ADJUSTMENTS:
+        measured = {}
+        assert adjust(per_token, terms, measured) is per_token and measured == {}, adjust.__name__
+    ref = old - 0.1
+    options = dict(ref_logprobs=ref, kl_coef=0.1)
+    loss, _, _ = loss_and_grad(logp, old, adv, mask, **options)
+    policy_term, _, _ = loss_and_grad(logp, old, adv, mask)
+    doubling = (*gl.TOKEN_ADJUSTMENTS, lambda per_token, terms, measured: 2 * per_token)
+    monkeypatch.setattr(gl, "TOKEN_ADJUSTMENTS", doubling)
+    doubled, _, _ = loss_and_grad(logp, old, adv, mask, **options)
+    assert policy_term != 0 and doubled == pytest.approx(loss + policy_term, rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ high-entropy tokens
 
 def trl_high_entropy_mask(entropies, mask, quantile):
