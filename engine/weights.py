@@ -144,7 +144,7 @@ def cpu_layout(weight, rows=64):
     """`weight` [out, in] re-laid out in oneDNN's blocked format for products of about `rows` rows on a CPU, or None
     where that is not possible (no oneDNN, another dtype than float32 or bf16, a CUDA tensor) or not checked equal
     to F.linear (said once). A decode step's products of 64 rows then skip laying the weight out at every call:
-    bf16 1.1-1.7x, float32 1.5-2.5x faster at the demo's shapes on 2 cores (BENCHMARKS.md, "The demo's step on a
+    bf16 1.3-1.5x, float32 1.4-2.2x faster at the demo's shapes on 2 threads (BENCHMARKS.md, "The demo's step on a
     CPU"); bf16 products give F.linear's numbers, float32 ones differ by rounding."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or \
             CPU_LAYOUT["usable"] is False or not torch.backends.mkldnn.is_available():

@@ -384,3 +384,14 @@ def test_products_tiny_compares_the_engines_laid_out_products_with_f_linear(tmp_
         assert all(row["equal"] for row in rows if row["dtype"] == "bfloat16")
     assert json.loads((tmp_path / "bench_products.json").read_text()) == result
     assert "F.linear ms" in capsys.readouterr().out
+
+
+def test_benchmarks_quotes_the_committed_products_run():
+    """BENCHMARKS.md's table of `python -m bench products` is the committed record's, row by row."""
+    root = Path(__file__).resolve().parents[1]
+    record = json.loads((root / "results" / "products" / "bench_products.json").read_text())
+    benchmarks = (root / "BENCHMARKS.md").read_text()
+    for row in record["results"]:
+        assert (f"| {row['dtype']} | {row['threads']} | {' x '.join(map(str, row['shape']))} | {row['linear_ms']} | "
+                f"{row['laid_out_ms']} | {row['ratio']}x |") in benchmarks, row
+    assert all(row["equal"] for row in record["results"] if row["dtype"] == "bfloat16")
