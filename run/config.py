@@ -31,7 +31,6 @@ import warnings
 from pathlib import Path
 
 import data
-import grpo_loss
 import models
 import rewards
 from run import flags_data, flags_generation, flags_model, flags_pods, flags_rewards, flags_run, flags_update
@@ -349,7 +348,8 @@ def method_label(args):
     words = dict(LABEL_FLAGS)
     inert = {flag_dest(option) for option in inert_loss_options(args)}  # they do nothing: the same method
     for option in LOSS_FLAGS:
-        words.setdefault(flag_dest(option), lambda value, args, flag=grpo_loss.flag_name(option): f"{flag[2:]} {value}")
+        flag = flags_update.loss_flag(option)
+        words.setdefault(flag_dest(option), lambda value, args, flag=flag: f"{flag[2:]} {value}")
     for name in inert:
         words.pop(name, None)
     variants = [describe(getattr(args, name), args) for name, describe in words.items()

@@ -22,9 +22,14 @@ RANGES = (("--learning-rate", "learning_rate", lambda value: value > 0, "> 0"),
           ("--is-clip", "is_clip", lambda value: value >= 1, ">= 1"))
 
 
+def loss_flag(option):
+    """The flag of a LossSettings field, e.g. "--loss-aggregation" for `aggregation`."""
+    return grpo_loss.flag_name(option)
+
+
 def flag_dest(option):
     """The argparse destination of a LossSettings field's flag, e.g. "loss_aggregation" for `aggregation`."""
-    return grpo_loss.flag_name(option).removeprefix("--").replace("-", "_")
+    return loss_flag(option).removeprefix("--").replace("-", "_")
 
 
 def add_flags(group):

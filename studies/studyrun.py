@@ -8,7 +8,6 @@ interrupted one continues from its checkpoint (train.py --resume) or starts over
 retried on the next call.
 """
 
-import dataclasses
 import json
 import shlex
 import shutil
@@ -17,9 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-import grpo_loss
 import rewards
-from run import runfolder
+from run import flags_update, runfolder
 
 STUDY_SYSTEM_PROMPT = "Reason inside <think> </think>, then answer inside <answer> </answer>."
 # The settings of the recorded study, all explicit (a later edit of the demo preset or of a flag's default
@@ -62,10 +60,10 @@ def registry_pins():
     weights = ["accuracy=1", "format=1", "tag_count=1"]
     weights += [f"{name}=0" for name in rewards.REWARD_TERMS if name not in ("accuracy", "format", "tag_count")]
     pins = ["--reward-weights", ",".join(weights)]
-    for option in dataclasses.fields(grpo_loss.LossSettings):
-        flag = grpo_loss.flag_name(option)
+    for option in flags_update.LOSS_FLAGS:
+        flag = flags_update.loss_flag(option)
         pinned = flag in STUDY_TRAIN_ARGS or "--no-" + flag[2:] in STUDY_TRAIN_ARGS
-        if option.metadata["help"] and not pinned and option.default is not None:
+        if not pinned and option.default is not None:
             is_bool = isinstance(option.default, bool)
             pins += [flag if option.default else "--no-" + flag[2:]] if is_bool else [flag, str(option.default)]
     return pins
