@@ -670,6 +670,9 @@ def load_split(name, split="train", *, data_dir=None, hub_id=None, num_rows=None
         template = source.prompt_template or reader.template
         check_template(template, reader.columns, name)
         rows = reader.read(split, **options)
+        if one_shot and name not in ONE_SHOT:
+            raise ValueError(f"--one-shot: dataset {name!r} has no worked example (data.ONE_SHOT); write one into "
+                             "--prompt-template (--no-one-shot)")
         example = ONE_SHOT[name] if one_shot else None
     if num_rows is not None and not (reader and reader.makes_rows):
         if num_rows > len(rows):

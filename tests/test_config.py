@@ -412,7 +412,8 @@ def test_a_reward_term_registered_after_the_run_started_does_not_join_it(tmp_pat
     weighted 0, and so is a recorded option whose default changed; a run older than that record is checked by the
     terms of its resolved weights."""
     started = vars(config.parse_args([]))
-    assert started["reward_terms"] == {name: {"weight": 1.0, "options": {}} for name in rewards.REWARD_TERMS}
+    assert started["reward_terms"] == {name: {"weight": term.weight, "options": dict(term.options)}
+                                       for name, term in rewards.REWARD_TERMS.items()}
     resume = a_checkpointed_run(tmp_path, started)
     term = rewards.RewardTerm("length_bonus", lambda completions, **kwargs: [0.0] * len(completions), 1.0,
                               {"scale": 1.0}, "added later")

@@ -66,12 +66,22 @@ def test_prompt_messages_and_one_shot(data_dir):
     assert [m["role"] for m in shot[0]["prompt"]] == ["user", "assistant", "user"]
 
 
-@pytest.mark.parametrize("name", data.DATASETS)
+@pytest.mark.parametrize("name", sorted(data.ONE_SHOT))
 def test_one_shot_examples_earn_full_reward(name):
     question, reply = data.ONE_SHOT[name]
     answer = rewards.extract_final_answer(reply)
     assert rewards.format_reward(reply) == 1.0 and rewards.tag_count_reward(reply) == 1.0
     assert rewards.accuracy_reward(reply, answer) == 1.0 and answer in reply
+
+
+def test_a_dataset_without_a_worked_example_refuses_one_shot(monkeypatch):
+    """A dataset registered without an entry in data.ONE_SHOT trains as it is, and --one-shot is refused in one line
+    naming it (not a KeyError)."""
+    monkeypatch.setitem(data.DATASET_READERS, "sums", data.DATASET_READERS["arithmetic"])
+    assert len(load("sums", "test", None, num_rows=3)) == 3
+    with pytest.raises(ValueError, match="--one-shot: dataset 'sums' has no worked example"):
+        load("sums", "test", None, num_rows=3, one_shot=True)
+    assert set(data.ONE_SHOT) <= set(data.DATASETS)
 
 
 def test_num_rows_is_a_seeded_subset(data_dir):
