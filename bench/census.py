@@ -604,6 +604,25 @@ def as_on_a_gpu(function):
     return run
 
 
+def random_batch(model, narrow, rows, temperature, generator):
+    """An update.UpdateBatch of `rows` random completions of one random prompt at the `narrow` widths, with random
+    advantages; the sampler's log-probs are the policy's own, so the update's sampler check passes and it takes its
+    optimizer step."""
+    import policy
+    import update
+
+    prompt_ids = torch.randint(3, narrow.vocab, (1, narrow.prefix + 1), generator=generator).expand(rows, -1)
+    completion_ids = torch.randint(3, narrow.vocab, (rows, narrow.completion), generator=generator)
+    kept = update.UpdateBatch(prompt_ids.clone(), torch.ones_like(prompt_ids), completion_ids,
+                              torch.ones_like(completion_ids), torch.randn(rows, generator=generator),
+                              torch.ones(rows, dtype=torch.bool))
+    with torch.no_grad(), policy.dropout_off(model):
+        ids = torch.cat([kept.prompt_ids, completion_ids], 1)
+        kept.sampler_logprobs = policy.token_logprobs(model, ids, torch.ones_like(ids), narrow.completion,
+                                                      temperature).float()
+    return kept
+
+
 @as_on_a_gpu
 def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     """Records of one update (after a warm-up update) of `rows` rows of one prompt on a `layers`-layer narrow
@@ -620,16 +639,7 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     generator = torch.Generator().manual_seed(0)
 
     def batch():
-        prompt_ids = torch.randint(3, narrow.vocab, (1, narrow.prefix + 1), generator=generator).expand(rows, -1)
-        completion_ids = torch.randint(3, narrow.vocab, (rows, narrow.completion), generator=generator)
-        kept = update.UpdateBatch(prompt_ids.clone(), torch.ones_like(prompt_ids), completion_ids,
-                                  torch.ones_like(completion_ids), torch.randn(rows, generator=generator),
-                                  torch.ones(rows, dtype=torch.bool))
-        with torch.no_grad(), policy.dropout_off(model):  # the sampler's log-probs: the policy's own
-            ids = torch.cat([kept.prompt_ids, completion_ids], 1)
-            kept.sampler_logprobs = policy.token_logprobs(model, ids, torch.ones_like(ids), narrow.completion,
-                                                          settings.temperature).float()
-        return [kept]
+        return [random_batch(model, narrow, rows, settings.temperature, generator)]
 
     def run(batches):
         update.fill_logprobs(model, batches, settings)
@@ -903,13 +913,7 @@ def host_times(args, layers, plan, repeats=5, compile_backend=None):
         optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
 
         def update_seconds():
-            prompt = torch.randint(3, HOST_NARROW.vocab, (1, HOST_NARROW.prefix + 1), generator=generator)
-            prompt = prompt.expand(HOST_ROWS, -1).clone()
-            completion = torch.randint(3, HOST_NARROW.vocab, (HOST_ROWS, HOST_NARROW.completion), generator=generator)
-            batch = update.UpdateBatch(prompt, torch.ones_like(prompt), completion, torch.ones_like(completion),
-                                       torch.randn(HOST_ROWS, generator=generator),
-                                       torch.ones(HOST_ROWS, dtype=torch.bool),
-                                       sampler_logprobs=torch.zeros(HOST_ROWS, HOST_NARROW.completion))
+            batch = random_batch(model, HOST_NARROW, HOST_ROWS, settings.temperature, generator)
             start = time.perf_counter()
             with gpu_paths.emulated("cpu"):   # the update's GPU paths: bf16 LoRA product, replay plan, kernels
                 update.fill_logprobs(model, [batch], settings)

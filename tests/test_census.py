@@ -197,8 +197,8 @@ def test_the_census_counts_the_replay_plan_and_the_decode_launches(fresh):
 
 def test_the_census_times_the_hosts_work_beside_its_counts(fresh, monkeypatch):
     """`--json` adds the host's time of setting (a)'s update and of a decode step (one thread, narrowest widths, the
-    load average beside them): positive wall times of the update it counts, which a planted 0.5 s of host work in the
-    update shows in full (a lower bound, whatever the machine's load)."""
+    load average beside them): positive wall times of whole updates (the sampler check passes, the optimizer
+    steps), which a planted 0.5 s of host work in the update shows in full (a lower bound, whatever the load)."""
     import update
 
     printed, saved = fresh
@@ -206,8 +206,11 @@ def test_the_census_times_the_hosts_work_beside_its_counts(fresh, monkeypatch):
     assert saved["host"]["repeats"] == 1 and len(saved["host"]["load_average"]) == 2
     args = census.trainer_args("a", [])
     args.census_model = saved["model"]
+    real, results = update.update_policy, []
+    monkeypatch.setattr(update, "update_policy", lambda *a, **k: results.append(real(*a, **k)) or results[-1])
     quick = census.host_times(args, 2, (0, 1), repeats=1)
-    real = update.update_policy
+    # every timed update is a whole one: the sampler check passes and the optimizer steps
+    assert len(results) == 2 and all(r.optimizer_steps == 1 and not r.sampler_rejected for r in results)
     monkeypatch.setattr(update, "update_policy", lambda *a, **k: time.sleep(0.5) or real(*a, **k))
     slowed = census.host_times(args, 2, (0, 1), repeats=1)
     assert slowed["update_host_s"] >= 0.5 > quick["update_host_s"]
