@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import common
+
 ROOT = Path(__file__).resolve().parent.parent
 SPIN = """
 import os
@@ -109,9 +111,7 @@ def bench_load(argv):
               next(r["step_s"] for r in rows if r["threads"] == count and not r["busy"]) for count in threads}
     for count, ratio in ratios.items():
         print(f"busy / quiet, --num-threads {count}: {ratio:.2f}x")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     result = dict(benchmark="load", busy=args.busy, steps=args.steps, tiny=args.tiny, cores=os.cpu_count(),
                   rows=rows, busy_over_quiet=ratios)
-    (out / "bench_load.json").write_text(json.dumps(result, indent=1))
+    common.save_json(args.out_dir, "load", result)
     return result

@@ -11,12 +11,12 @@ without oneDNN the layout is None and the row says so.
 """
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench import common
 
 # (rows, in, out) of one demo decode step's products: q|k|v stacked, o, gate|up stacked, down, the LM head
 DEMO_SHAPES = ((64, 576, 960), (64, 576, 576), (64, 576, 3072), (64, 1536, 576), (64, 576, 49152))
@@ -85,8 +85,5 @@ def bench_products(argv):
                           f"{row['laid_out_ms']} | {row['ratio']} | {row['equal']}", flush=True)
     finally:
         torch.set_num_threads(before)
-    out = Path(args.out_dir) / "bench_products.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(results=results), indent=1) + "\n")
-    print(f"records: {out}")
+    common.save_json(args.out_dir, "products", dict(results=results))
     return dict(results=results)
