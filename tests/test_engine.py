@@ -81,6 +81,30 @@ def test_compaction_and_forced_lengths_change_no_token():
     assert truncated.tolist() == (completion_mask.sum(1) == 30).tolist()
 
 
+def test_eager_decoding_runs_a_chunks_own_rows_and_drops_finished_ones_exactly():
+    """Without recorded graphs a chunk of 5 rows in a process whose chunks reach 16 runs 5 rows, not a bucket of 8;
+    finished rows leave once an eighth of them are done (8 -> 7 rows, where the buckets would wait for 4): the same
+    tokens as a loop that never drops a row. The model never picks token 15 itself (its logit 0, the others
+    scaled up), so only the forced lengths end rows."""
+    model = eos_model("llama", seed=1, logit_scale=50.0)
+    with torch.no_grad():
+        model.lm_head.weight[15] = 0
+    ids, mask = left_padded_prompts([3, 6, 5, 4, 2])
+    before = engine.STATS.row_steps
+    engine.generate(model, ids, mask, torch.arange(5), 30, [15], EOS, temperature=0.0, max_rows=16)
+    assert engine.STATS.row_steps - before == 5 * 30
+    rows, forced = torch.arange(4).repeat_interleave(2), torch.tensor([4] + [40] * 7)
+    outs, work = [], []
+    for check_every in (2, 1000):
+        before = engine.STATS.row_steps
+        outs.append(engine.generate(model, ids[:4], mask[:4], rows, 30, [15], EOS, temperature=0.0, max_rows=16,
+                                    forced_lengths=forced, check_every=check_every))
+        work.append(engine.STATS.row_steps - before)
+    assert torch.equal(outs[0], outs[1]) and work == [8 * 4 + 7 * 26, 8 * 30]
+    assert [engine.decode.next_size(alive, 36, 64, True) for alive in (36, 33, 31, 1)] == [36, 36, 31, 1]
+    assert [engine.decode.next_size(alive, 64, 64, False) for alive in (64, 33, 32, 31)] == [64, 64, 32, 32]
+
+
 def test_no_eos_ids_decode_every_row_to_the_limit():
     """eos_ids=[] (the benchmarks' fixed-length decoding): the same tokens up to each row's first EOS, then on."""
     model = eos_model("llama")

@@ -73,8 +73,22 @@ def test_sampler_logprobs_equal_the_trainers(arch, backend):
                                         rollouts.completion_ids.shape[1], 0.8)
     assert (rollouts.sampler_logprobs[~keep] == 0).all() and (rollouts.sampler_logprobs[keep] < 0).all()
     assert (trainer - rollouts.sampler_logprobs)[keep].abs().max() < 1e-5
-    gap = heldout.measure_sampler_gap(model, rollouts, 0.8)
+    gap = heldout.measure_sampler_gap(model, rollouts, 0.8, rows_checked=None)
     assert gap.tokens == int(keep.sum()) and gap.mean < 1e-5 and gap.ratio_max == pytest.approx(1, abs=1e-4)
+
+
+def test_evaluation_checks_rows_spread_over_the_chunk():
+    """rows_checked=4 of 12 rows: rows 0, 4, 7 and 11 (first and last included), their tokens alone; a sampler fault in
+    the chunk's last row alone moves the gap past the fallback limit."""
+    model = eos_model("qwen2")
+    ids, mask = left_padded_prompts([4, 7, 2, 5])
+    rollouts = rollouts_of(model, ids, mask, 3, GenerationSettings(max_new_tokens=12, temperature=0.9,
+                                                                   rollout_batch_size=12), seed=1)
+    keep = rollouts.completion_mask.bool()
+    gap = heldout.measure_sampler_gap(model, rollouts, 0.9, rows_checked=4)
+    assert gap.tokens == int(keep[[0, 4, 7, 11]].sum()) < int(keep.sum()) and gap.mean < 1e-5
+    rollouts.sampler_logprobs[11] -= 5.0 * keep[11]   # the last row's tokens scored 5 nats off
+    assert heldout.measure_sampler_gap(model, rollouts, 0.9, rows_checked=4).mean > rollout_check.LOGPROB_GAP_LIMIT
 
 
 def test_measure_with_prefix_sharing_is_the_full_forward_and_runs_the_prefix_once(monkeypatch):
