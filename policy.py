@@ -111,7 +111,7 @@ def picked_logprobs(values: Tensor, targets: Tensor, temperature: float = 1.0, w
     `head` (`fused_head`: the LM head's weight [V, H]) from values [B, C, H] hidden states, the head's product taken
     here chunk by chunk (`_head_logprobs`). In float32, chunked over rows (`_LOGSUMEXP_CHUNK_ELEMENTS`).
     with_entropies: also the entropy of each position's distribution at that temperature, [B, C], with no gradient
-    (what grpo_loss.high_entropy_mask ranks; TRL's entropy_from_logits), from the same chunks: (logprobs, entropies)."""
+    (what loss_options.high_entropy_mask ranks; TRL's entropy_from_logits), from the same chunks: (logprobs, entropies)."""
     if head is not None:
         flat = _head_logprobs().apply(values.reshape(-1, values.shape[-1]), head, targets.reshape(-1), temperature,
                                       with_entropies)

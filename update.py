@@ -42,6 +42,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import grpo_loss
+import loss_options
 import policy
 from engine import gpu_paths
 from engine import kernels
@@ -88,7 +89,7 @@ class UpdateSettings:
     updates_per_batch: int = 1      # mu
     max_grad_norm: float = 1.0      # <= 0: no clipping
     autocast_dtype: torch.dtype | None = None  # bf16 compute over fp32 weights (full fine-tuning)
-    loss: grpo_loss.LossSettings = grpo_loss.LossSettings()  # every option of the loss, passed to it unchanged
+    loss: loss_options.LossSettings = loss_options.LossSettings()  # every option of the loss, passed to it unchanged
     prefix_sharing: bool = True     # each distinct prompt token computed once (prefix.py); False: every row in full
 
 
@@ -161,7 +162,8 @@ def kept_batch(rollouts, kept, advantages):
 
 def loss_mask(batch, mask_truncated=False):
     """The completion tokens that count in the loss: completion_mask, truncated rows zeroed with mask_truncated."""
-    return grpo_loss.mask_truncated(batch.completion_mask, batch.truncated) if mask_truncated else batch.completion_mask
+    return loss_options.mask_truncated(batch.completion_mask, batch.truncated) if mask_truncated else \
+        batch.completion_mask
 
 
 def micro_batches(batch, size, device, mask_truncated=False):

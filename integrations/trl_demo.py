@@ -32,7 +32,7 @@ from pathlib import Path
 
 from run import config  # the flags, parsed and checked before the modules below that load torch
 import data
-import grpo_loss
+import loss_options
 import models
 import rewards
 from run import checkpoint, report, runfolder
@@ -80,10 +80,10 @@ WHY = {
     "dynamic_sampling": "TRL has no DAPO refill of zero-spread groups",
     "kl_coef": "TRL's KL term (beta) is not checked against train.py's here, so the demo runs TRL with beta = 0",
     "progress": "it prints a line per step, no bar",
-    **{grpo_loss.flag_name(option).removeprefix("--").replace("-", "_"):
+    **{loss_options.flag_name(option).removeprefix("--").replace("-", "_"):
        "it acts on the ratio pi / pi_old alone, which is exactly 1 with the one update per rollout batch this demo runs "
        "(--updates-per-batch is not mapped onto TRL)"
-       for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["ratio_only"]},
+       for option in dataclasses.fields(loss_options.LossSettings) if option.metadata["ratio_only"]},
 }
 
 

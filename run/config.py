@@ -307,7 +307,7 @@ def _check_device_flags(args):
 
 # The method label names what a run optimises (compare.py groups runs by it): the rule and n/m, then each flag below
 # whose value differs from the preset's default, in this order, worded by its entry ("" adds nothing); then any
-# other loss option (grpo_loss.LossSettings) as "flag value".
+# other loss option (loss_options.LossSettings) as "flag value".
 LABEL_FLAGS = {
     "loss_aggregation": lambda value, args: f"{value} loss",
     "scale_rewards": lambda value, args: f"{value} std",

@@ -97,7 +97,8 @@ def _traced(step):
 # sentence.
 ROLES = {
     "train.py": "the step (`train_step`, its `Round` record, `StepSettings`) and the loop around it",
-    "grpo_loss.py": "`LossSettings` (every option of the loss), the clipped per-token GRPO loss and its normaliser",
+    "grpo_loss.py": "the paper's clipped per-token GRPO loss in named parts and its normaliser (the options and the "
+                    "parts of later work they switch on: `loss_options.py`, not entered)",
     "policy.py": "the policy model's calls: dropout off, the completion tokens' log-probs (the LM head fused where it can)",
     "stopwatch.py": "the phases' stopwatch (`timed`)",
     "sampling.py": "n rollouts per prompt: chunks, seeds, first-EOS masks, the backend and its fallback",

@@ -19,7 +19,7 @@ import rewards
 import sampling
 import train
 import update
-from grpo_loss import LossSettings
+from loss_options import LossSettings
 from run.presets import PRESETS
 
 

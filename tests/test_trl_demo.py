@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-import grpo_loss
+import loss_options
 
 pytest.importorskip("integrations.trl_pods", exc_type=ImportError)
 
@@ -100,7 +100,7 @@ def example_argv(action):
     flag = action.option_strings[0]
     if action.nargs == 0:
         return [flag]
-    accepted = {int: 1, float: 1.5, grpo_loss.fraction: 0.5}
+    accepted = {int: 1, float: 1.5, loss_options.fraction: 0.5}
     return [flag, str(action.choices[-1] if action.choices else accepted.get(action.type, "x"))]
 
 
