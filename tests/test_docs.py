@@ -65,9 +65,9 @@ def test_readme_reading_path_is_the_traced_step_whatever_the_cpu(smollm2_tokeniz
     assert written == docs_tables.block("reading-path", reading_path.block_body(engine, hf, bf16)), \
         f"README's reading path differs from the code: run {docs_tables.COMMAND}"
     assert not re.search(r"\d+ lines|~\d", written), "README's reading path states line counts"
-    import models
+    import policy
 
-    monkeypatch.setattr(models, "native_bf16", lambda device: True)  # as on a CPU with AVX-512 BF16 or AMX
+    monkeypatch.setattr(policy, "native_bf16", lambda device: True)  # as on a CPU with AVX-512 BF16 or AMX
     assert reading_path.traced_step_files("engine", smollm2_tokenizer) == engine
 
 
