@@ -146,7 +146,7 @@ def evaluate_repeats(model, tokenizer, prompts, answers, settings, *, samples_pe
 
 
 def measure_sampler_gap(model, rollouts, temperature, micro_batch_size=8, prefix_sharing=True, rows_checked=8):
-    """The engine.rollout_check.SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched):
+    """The policy.SamplerGap of `rollouts` against `model` (one no-grad forward pass, micro-batched):
     the sampler check of evaluation, which has no update pass to read the trainer's log-probs from. Greedy rollouts
     are compared at temperature 1, as the sampler records them. rows_checked: that many rows spread evenly over the
     chunk, its first and last included (None: every row): a faulty sampler moves the mean gap of any row, and the
@@ -154,9 +154,9 @@ def measure_sampler_gap(model, rollouts, temperature, micro_batch_size=8, prefix
     distinct prompt and the prefix the rows share computed once (prefix.py, as in the update; its own code, not the
     sampler's, so a fault of the sampler's shared prefix still shows)."""
     import policy
-    from engine import prefix, rollout_check
+    from engine import prefix
 
-    device, gap = next(model.parameters()).device, rollout_check.SamplerGap()
+    device, gap = next(model.parameters()).device, policy.SamplerGap()
     count = len(rollouts.prompt_index)
     picked = torch.arange(count) if rows_checked is None or rows_checked >= count else \
         torch.linspace(0, count - 1, rows_checked).round().long().unique()
@@ -172,8 +172,8 @@ def measure_sampler_gap(model, rollouts, temperature, micro_batch_size=8, prefix
             attention = torch.cat([rollouts.prompt_mask[own], mask[:, :width]], 1)
             trainer = logprobs(model, ids.to(device), attention.to(device), width,
                                temperature if temperature > 0 else 1.0)
-            gap = gap + rollout_check.SamplerGap.of(trainer, rollouts.sampler_logprobs[part, :width],
-                                                    mask[:, :width].to(device))
+            gap = gap + policy.SamplerGap.of(trainer, rollouts.sampler_logprobs[part, :width],
+                                             mask[:, :width].to(device))
     return gap
 
 

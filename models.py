@@ -5,12 +5,13 @@ q,k,v,o,gate,up,down. The LoRA adapter also gives the reference policy for the K
 disabled = the base model), so no second model is held in memory.
 
 Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 and the adapter in fp32 (master
-weights and optimizer state), and on CUDA computes the adapter in bf16 (`lora_in_base_dtype`: three bf16 matrix
-products per projection, cast from the masters after every optimizer step; a CPU keeps peft's fp32 adapter, unless
-engine/gpu_paths.py emulates a GPU on it); --bf16 with full fine-tuning keeps fp32 master weights and
-runs the update's forward passes under bf16 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6
-(the bf16 spacing at 0.02 is ~1e-4: the step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too).
-`native_bf16`: whether a device computes in bf16 natively (what the demo preset's --bf16 auto asks).
+weights and optimizer state); `lora_in_base_dtype` has each adapted projection compute its adapter in bf16 where
+update.computes_in_bf16 says so (CUDA, a CPU with bf16 instructions, a GPU emulated on a CPU: update.lora_forward,
+three bf16 matrix products per projection, cast from the masters after every optimizer step), elsewhere peft's fp32
+adapter; --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
+autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4: the
+step rounds away). Generation then runs on the fp32 weights (correct, slower; its KV cache is fp32 too). Whether a
+device computes in bf16 natively (what the demo preset's --bf16 auto asks) is policy.native_bf16.
 
 The calls the step makes to the loaded policy (`hf_model`, `dropout_off`, the completion log-probs) are policy.py's;
 the update's GPU fast paths (fused kernels, TF32, activation checkpointing) are engine/kernels.py's.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import importlib.util
 import io
 import os
@@ -41,8 +41,8 @@ import policy
 # Imported at their first use: presets and the flags read this module's names without loading them (lazy.py).
 torch = lazy_module("torch", globals())
 transformers = lazy_module("transformers", globals())
-gpu_paths = lazy_module("engine.gpu_paths", globals())   # where the GPU's paths run (the bf16 LoRA product here)
-update = lazy_module("update", globals())   # its count of optimizer steps: when the bf16 LoRA copies are stale
+gpu_paths = lazy_module("engine.gpu_paths", globals())   # where the GPU's paths run (4-bit weights, memory)
+update = lazy_module("update", globals())   # the bf16 LoRA product that `lora_in_base_dtype` puts in place
 
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -282,17 +282,6 @@ def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def native_bf16(device) -> bool:
-    """Whether `device` has bf16 arithmetic of its own: a CUDA GPU that supports it, or a CPU with AVX-512 BF16 or
-    AMX instructions (elsewhere bf16 products are emulated: slower than float32)."""
-    if str(device).startswith("cuda"):
-        # is_bf16_supported() is True where bf16 is only emulated (T4, V100: slower than fp32); Ampere (8.0) on is native
-        return torch.cuda.is_available() and tuple(torch.cuda.get_device_capability(torch.device(device))) >= (8, 0)
-    cpu = getattr(torch, "cpu", None)
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported",
-                                                                      "_is_amx_tile_supported"))
-
-
 def compute_dtypes(bf16, lora_rank):
     """(dtype of the loaded weights, autocast dtype or None) for a run with these flags (module docstring)."""
     if not bf16:
@@ -427,83 +416,6 @@ def lora_targets(model, requested=DEFAULT_LORA_TARGETS):
     return list(requested)
 
 
-@functools.cache
-def _lora_product():
-    """The autograd function of a bf16 LoRA projection, defined at first use (this module loads without torch)."""
-    class LoRAProduct(torch.autograd.Function):
-        """x W^T (+ bias) + s (x A^T) B^T for 2-D x in the base weights' dtype, in three matrix products (the last one
-        adds the adapter's product, scaled, to the base's); A and B arrive in that dtype (`_low_precision_copies`) and
-        their gradients leave in the adapter's own dtype (fp32 master weights). W and the bias are frozen."""
-
-        @staticmethod
-        def forward(ctx, x, weight, bias, lora_a, lora_b, a_low, b_low, scaling):
-            xa = x @ a_low.t()
-            out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-            out = torch.addmm(out, xa, b_low.t(), alpha=scaling)
-            ctx.save_for_backward(x, xa, weight, a_low, b_low)
-            ctx.scaling, ctx.adapter_dtype = scaling, lora_a.dtype
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            # The scaling rides on the matrix products (addmm's alpha; beta = 0: its first argument, of the right
-            # shape, is not read): one kernel each, not a product and then a multiplication.
-            x, xa, weight, a_low, b_low = ctx.saved_tensors
-            scaled = torch.addmm(xa, grad, b_low, beta=0, alpha=ctx.scaling)   # dL/d(xA^T), [N, r]
-            grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
-            grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
-            grad_b = torch.addmm(b_low, grad.t(), xa, beta=0, alpha=ctx.scaling).to(ctx.adapter_dtype) \
-                if ctx.needs_input_grad[4] else None
-            return grad_x, None, None, grad_a, grad_b, None, None, None
-
-    return LoRAProduct
-
-
-def computes_in_bf16(device) -> bool:
-    """Whether a bf16 base's LoRA adapter is computed in bf16 on `device` (`lora_in_base_dtype`): where the GPU paths
-    run (engine/gpu_paths.py), and on a CPU with bf16 instructions of its own (`native_bf16`), whose bf16 products
-    are its fastest; elsewhere peft's float32 adapter."""
-    device = torch.device(device)
-    return device.type in gpu_paths.DEVICE_TYPES or (device.type == "cpu" and native_bf16(device))
-
-
-def _low_precision_copies(module, adapter, dtype):
-    """The adapter's A and B weights in `dtype`, cast once per change of the weights and reused by every forward until
-    then: an optimizer step (update.OPTIMIZER_STEPS: fused AdamW and bitsandbytes' 8-bit AdamW write the weights
-    without bumping their versions) or an in-place write that bumps their version (a checkpoint loaded)."""
-    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-    key = (update.OPTIMIZER_STEPS[0], a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
-    cached = module.__dict__.get("_low_precision_lora")
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, a.to(dtype), b.to(dtype))
-        module.__dict__["_low_precision_lora"] = cached
-    return cached[1], cached[2]
-
-
-def _lora_forward(module, peft_forward):
-    """The forward of a peft LoRA Linear `module`: where the input has the base weights' dtype and the adapter
-    another (bf16 base, fp32 adapter), `_lora_product` in the base dtype; elsewhere (float32 throughout, the adapter
-    off or merged, dropout active, a LoRA variant) peft's own forward, unchanged."""
-    def forward(x, *args, **kwargs):
-        adapters = module.active_adapters
-        adapter = adapters[0] if len(adapters) == 1 else None
-        base = module.base_layer
-        if (args or kwargs or not computes_in_bf16(x.device) or adapter not in module.lora_A
-                or module.disable_adapters or module.merged
-                or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
-                or x.dtype == module.lora_A[adapter].weight.dtype
-                or (module.lora_dropout[adapter].training and not isinstance(module.lora_dropout[adapter],
-                                                                             torch.nn.Identity))):
-            return peft_forward(x, *args, **kwargs)
-        a_low, b_low = _low_precision_copies(module, adapter, x.dtype)
-        flat = x.reshape(-1, x.shape[-1])
-        out = _lora_product().apply(flat, base.weight, base.bias, module.lora_A[adapter].weight,
-                                 module.lora_B[adapter].weight, a_low, b_low, module.scaling[adapter])
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-    return forward
-
-
 def lora_in_base_dtype(model):
     """Every peft LoRA Linear of `model` computes its adapter in the base weights' dtype when that is not the
     adapter's (a bf16 base with its fp32 adapter): 3 matrix products per projection where peft runs 7 kernels (the
@@ -514,11 +426,9 @@ def lora_in_base_dtype(model):
     for module in model.modules():  # only where it can act: a base in another dtype than its adapter
         if type(module) is Linear and "forward" not in module.__dict__ and any(
                 module.base_layer.weight.dtype != a.weight.dtype for a in module.lora_A.values()):
-            module.forward = _lora_forward(module, module.forward)
+            module.forward = update.lora_forward(module, module.forward)
     return model
 
-
-# ---------------------------------------------------------------- fused kernels (CUDA)
 
 
 def trainable_line(model):

@@ -11,7 +11,7 @@ static KV cache, a decode step recorded as a CUDA graph, finished rows dropped);
 to "hf" with a warning. On both, the prefix every prompt of a chunk starts with is computed once (prefix_sharing).
 Only our settings shape the distribution on both: the model's own generation_config is never consulted. Both
 return, for every generated token, its log-probability under the sampler (`sampler_logprobs`), which the update
-compares with the trainer's (rollout_check.py); an exception inside the engine falls back to eager decoding, then to
+compares with the trainer's (policy.py's sampler check); an exception inside the engine falls back to eager decoding, then to
 "hf", one warning line each (`--backend engine`: an error instead).
 Simplifications: no vLLM / paged attention, no continuous batching across chunks.
 """
@@ -25,7 +25,7 @@ import torch
 
 import engine
 import policy
-from engine import hf_generate, rollout_check
+from engine import hf_generate
 
 BACKENDS = (None, "engine", "hf")
 BACKEND_NAMES = {"engine": "the decode engine", "eager": "the decode engine without CUDA graphs",
@@ -152,11 +152,11 @@ def after_engine_error(model, backend, error, requested):
 
 def after_gap(model, gap, backend, requested, where, rejected=False):
     """After a step (or an evaluation chunk) whose rollouts came from `backend`, `gap` their sampler's log-probs
-    against the trainer's (engine/rollout_check.py): None if the sampler can be trusted, else the fallback's one-line
+    against the trainer's (policy.py's sampler check): None if the sampler can be trusted, else the fallback's one-line
     reason (the model generates with Hugging Face generate() from now on, `fall_back`). requested "engine": SamplerError
     instead (no fallback allowed). rejected: the step's update was not applied, which the line says. The gap of
     rollouts Hugging Face generated is logged but never acted on: there is nothing to fall back to."""
-    why = None if backend == "hf" else rollout_check.off_policy(gap, where, rejected)
+    why = None if backend == "hf" else policy.off_policy(gap, where, rejected)
     if why is None:
         return None
     reason = f"{BACKEND_NAMES[backend]} samples from another policy than the one trained ({why})"

@@ -152,11 +152,11 @@ def objectives_plan(seeds, num_rollouts=16, update_size=4):
 
 def objectives_train_args(native_bf16=None):
     """STUDY_TRAIN_ARGS with OBJECTIVES_SETTINGS, --bf16 where the CPU computes bf16 natively (native_bf16 None:
-    ask models.native_bf16, as the demo preset's "auto" does) and the demo's step budget."""
+    ask policy.native_bf16, as the demo preset's "auto" does) and the demo's step budget."""
     if native_bf16 is None:
-        import models
+        import policy
 
-        native_bf16 = models.native_bf16("cpu")
+        native_bf16 = policy.native_bf16("cpu")
     args = studyrun.with_settings(studyrun.STUDY_TRAIN_ARGS, OBJECTIVES_SETTINGS)
     args = tuple("--bf16" if arg == "--no-bf16" and native_bf16 else arg for arg in args)
     return args + ("--max-steps", str(OBJECTIVES_STEPS))

@@ -5,10 +5,14 @@
     python train.py --preset a [--baseline]  # paper setting (a): Qwen2.5-3B-Instruct on GSM8K, PODS 64/16
 
 One step (`train_step`): n rollouts per prompt -> rewards -> keep m per prompt by the rule, advantages over the kept
-ones -> clipped GRPO update. The run (`train`): load, then step, log, evaluate and checkpoint until the budget ends.
+ones -> clipped GRPO update -> the step's metrics line (`step_metrics`). Here: the step, its records (`StepSettings`,
+`Round`), its round strategies (`rollout_round`, `round_strategy`) and the seams where several processes differ
+(`OneProcess`). The run (`train`): run/loop.py's loop around the step (load, then step, log, evaluate and checkpoint
+until the budget ends), to which this command hands the step.
 Simplifications: a constant learning rate; rule-based rewards only; our own decode engine or HF generate (no vLLM).
 Several GPUs (settings (e), (f)): `torchrun ... -m multigpu` runs this same loop through the seams of `OneProcess`.
-The run around the step (flags, presets, checkpoints, the run folder, the metrics line): run/; more in docs/training.md.
+The run around the step (the loop, flags, presets, checkpoints, the run folder, what a run logs): run/; more in
+docs/training.md.
 """
 
 import os
@@ -26,31 +30,24 @@ if __name__ == "__main__":  # the flags parsed and checked before the imports be
     ARGS = config.parse_args_or_exit("train.py")
 
 import contextlib
-import json
 import math
-import signal
-import time
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 import data
 import eval as heldout
 import models
 import pods
+import policy
 import rewards
 import sampling
 import update
-from engine import rollout_check
-from grading import trl_call
-from run import checkpoint, completions, report, runfolder, signals
-from run.loop import evaluate_heldout, evaluation_due, load, resume  # the loop's parts around the step
-from run.metrics import PHASE_KEYS, step_metrics
+from run import checkpoint, loop
+from run.report import PHASE_KEYS
 from stopwatch import timed
 from variants import dynamic_sampling
 
-NONFINITE_STOP = 3  # consecutive steps whose update was skipped
 SELECTION_STREAM = 0x5E1EC7  # the random rule's seeds: derived_seed(batch seed, this, first chunk), no chunk's seed
 
 
@@ -223,7 +220,7 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
     scored and down-sampled, then one update (mu optimizer steps) on every kept rollout -> (the step's metrics, its
     Rounds). settings: a StepSettings. make_round: the round strategy (`rollout_round`; --dynamic-sampling and
     several processes wrap it: `round_strategy`). The update checks the sampler's log-probs before its optimizer
-    step: off-policy engine rollouts are not trained on, and generation switches to HF (engine/rollout_check.py)."""
+    step: off-policy engine rollouts are not trained on, and generation switches to HF (policy.py's sampler check)."""
     costs, made = dict.fromkeys(PHASE_KEYS, 0.0), []
     with processes.full_weights(model):  # several processes: the weights gathered once for all the step's rounds
         for index, examples in enumerate(rounds):
@@ -237,7 +234,7 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
         batches = [round_.update_batch() for round_ in made]
         update.fill_logprobs(model, batches, settings.update)
         result = update.update_policy(model, optimizer, batches, settings.update, sum_over_processes=processes.total,
-                                      max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT)
+                                      max_sampler_gap=policy.LOGPROB_GAP_LIMIT)
     for round_, ratios in zip(made, result.sampler_ratios or []):  # for the completions log
         round_.record_sampler_ratios(ratios)
     costs["peak_mem_gib"] = update.peak_memory_gib(settings.device)
@@ -246,6 +243,64 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
     # Did the rollouts come from the policy? The update's log-probs against the sampler's: else fall back to HF.
     metrics.update(sampling.after_step(model, result, scored, settings.generation.backend, f"step {step}"))
     return metrics, scored
+
+
+# ------------------------------------------------------------------------------------------ the step's metrics line
+# Paper §4's reward and accuracy curves, under TRL's names (reward, reward_std, frac_reward_zero_std, completions/...,
+# clip_ratio/..., loss, grad_norm), plus this trainer's counters and the phases' timings. Where the line goes
+# (metrics.jsonl, TensorBoard, W&B): run/report.py.
+
+def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
+    """Metrics over all n rollouts per prompt of every Round; "reward_selected" over the kept ones
+    (absent when nothing was kept); num_truncated_masked: kept rows whose loss --mask-truncated zeroed."""
+    rewards_all = torch.cat([s.rewards for s in scored])
+    kept_rewards = torch.cat([s.rewards.flatten()[s.kept_rows] for s in scored])
+    lengths = torch.cat([s.lengths for s in scored]).float()
+    group_std = rewards_all.std(dim=1) if rewards_all.shape[1] > 1 else torch.zeros(len(rewards_all))  # -n 1: 0
+    kept_std = [rewards.std() for s in scored for rewards in kept_groups(s) if len(rewards) > 1]
+    metrics = {"reward": float(rewards_all.mean()), "reward_std": float(group_std.mean()),
+               "reward_min": float(rewards_all.min()), "reward_max": float(rewards_all.max()),
+               **({"reward_selected": float(kept_rewards.mean())} if len(kept_rewards) else {}),
+               # what max-variance maximises: the spread of the kept rewards within each prompt
+               **({"reward_std_selected": float(torch.stack(kept_std).mean())} if kept_std else {}),
+               # all n rewards equal (a group of one rollout too, whose std is NaN)
+               "frac_reward_zero_std": float((rewards_all.amax(dim=1) == rewards_all.amin(dim=1)).float().mean())}
+    for name in scored[0].per_func:
+        metrics[f"rewards/{name}/mean"] = float(torch.cat([s.per_func[name] for s in scored]).nanmean())
+    metrics["rewards/grader_timeouts"] = sum(int(s.grader_timeouts.sum()) for s in scored)  # accuracy 0, unverified
+    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio":
+                    float(torch.cat([s.truncated for s in scored]).float().mean())})
+    metrics.update(result.token_means)
+    if result.sampler_gap is not None:  # the sampler's log-probs against the update's (policy.py's sampler check)
+        metrics.update(result.sampler_gap.metrics())
+    step_tokens = sum(s.prompt_tokens + int(s.lengths.sum()) for s in scored)
+    masked = sum(int(s.truncated[s.kept_rows].sum()) for s in scored) if mask_truncated else 0
+    metrics.update(loss=result.loss, grad_norm=result.grad_norm, learning_rate=optimizer.param_groups[0]["lr"],
+                   step_tokens=step_tokens, update_rows=result.rows, optimizer_steps=result.optimizer_steps,
+                   num_zero_variance_dropped=sum(s.zero_variance_dropped for s in scored), num_truncated_masked=masked,
+                   step_skipped=result.skipped_steps, **costs)
+    metrics.update(logged_metrics(scored, metrics))
+    return metrics
+
+
+def logged_metrics(scored, metrics):
+    """{name: mean of the step's values} of what the reward functions gave log_metric (TRL: the mean over the
+    logging step), under TRL's name; a name the step's line has already is one ValueError line naming the function."""
+    values = {}
+    for function, name, value in (entry for s in scored for entry in s.logged_metrics):
+        if name in metrics:
+            raise ValueError(f"reward function {function!r} logged {name!r} with log_metric, a name the step's metrics "
+                             "line has already: log it under another name")
+        values.setdefault(name, []).append(value)
+    return {name: sum(logged) / len(logged) for name, logged in values.items()}
+
+
+def kept_groups(scored_round):
+    """[each prompt's kept rewards] of a Round (prompts with none kept: empty)."""
+    num_prompts, n = scored_round.rewards.shape
+    kept = scored_round.kept_rows
+    return [scored_round.rewards.flatten()[kept[kept // n == i]] for i in range(num_prompts)]
 
 
 def selection_seed(batch_seed, first_chunk):
@@ -278,129 +333,11 @@ def round_strategy(args, processes=ONE_PROCESS, draw=None, say=None):
 
 # ------------------------------------------------------------------------------------------ the run
 
-def train(args, processes=OneProcess()):
-    """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder."""
-    run_dir = config.run_dir(args)
-    with contextlib.ExitStack() as held:
-        held.enter_context(runfolder.removed_if_left_empty(run_dir))  # left after the lock is given back
-        with runfolder.disk_full_at_start(run_dir):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if processes.is_main:
-                held.enter_context(runfolder.folder_lock(run_dir))  # one writer
-        return run(args, run_dir, processes)
-
-
-def run(args, run_dir, processes):
-    """The run in its folder: load, resume or start, then step, log, evaluate and checkpoint until the budget ends."""
-    label = config.method_label(args)
-    cpu_threads = threads.choose(args.num_threads, args.device, since=CPU_AT_START)
-    if processes.is_main:
-        print(report.start_line(label, args, run_dir, cpu_threads), flush=True)
-        if report.own_rows_line(args):
-            print(report.own_rows_line(args), flush=True)
-    tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
-    if processes.is_main:
-        print(models.trainable_line(model), flush=True)
-    state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
-    changed_now = args.changes[-1] if args.changes and args.changes[-1]["step"] is None else None
-    if changed_now:  # what this resume changed (config.RECORDED_AT_RESUME), at the step it continues from
-        changed_now["step"] = state.step
-    run_config = dict(vars(args), label=label, output_dir=str(run_dir))
-    if processes.is_main:  # strict JSON: config.parse_args lets no NaN or inf through
-        with runfolder.disk_full_at_start(run_dir):
-            checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
-    saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
-    start_step = state.step  # evaluations check the sampler until this process's own steps do (evaluate_heldout)
-    step_s, accuracy, stop = state.last_step_s, None, None  # a resume foresees its next step as the uninterrupted run
-    stuck = 0  # steps in a row that gave the update nothing to learn from (report.learning_signal)
-    last_checkpoint_s = state.elapsed_s
-
-    def draw(count):
-        """The next `count` training examples of the seeded prompt order (exact resume: state.position is saved)."""
-        indices, state.position = checkpoint.next_prompt_indices(len(train_set), count, args.seed, state.position)
-        return [train_set[i] for i in indices]
-
-    settings = step_settings(args)  # what every step reads, built once
-    make_round = round_strategy(args, processes, draw, lambda line: processes.is_main and tqdm.write(
-        f"step {state.step + 1}: {line}", file=sys.stderr))
-
-    def save():
-        nonlocal saved, last_checkpoint_s
-        state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
-        state.sampler_fallback = sampling.fallback_of(model)  # a resume does not go back to an engine it left
-        with runfolder.disk_full_said(run_dir, runfolder.checkpoint_bytes(model, optimizer)):
-            processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
-        saved, last_checkpoint_s = (state.step, state.evaluated_step), state.elapsed_s
-
-    def signalled_stop():  # the signal that reached some process (every process stops at the same point), or None
-        return signalled.get("signal", signal.SIGTERM) if processes.total(len(signalled)) else None
-
-    with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
-                             first_step=state.step + 1 if args.resume else 0, run_config=run_config,
-                             enabled=processes.is_main) as (log, write), signals.stop_on_signal() as signalled, \
-            contextlib.ExitStack() as closing:
-        if changed_now:
-            write(dict(type="resume", **changed_now))
-        if eval_set and state.step == 0 and state.evaluated_step != 0:  # a stop after it saved it already
-            if processes.is_main:
-                print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
-            accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, heldout.evaluate)
-        bar = closing.enter_context(report.progress_bar(args, state, label, args.progress and processes.is_main))
-        # A step is not started when it would probably end past --max-time-s.
-        while not (args.max_steps and state.step >= args.max_steps) and \
-                not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):
-            stop = signalled_stop()
-            if stop is not None:
-                break
-            step_start, before_s, cpu_at_step = time.perf_counter(), state.elapsed_s, threads.sample()
-            trl_call.advance(settings.rewards.trainer_state, state.step, state.position, len(train_set))  # TRL's view
-            rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
-            with signals.cuda_oom_hint(args, "the training step"), report.peak_memory_measured(args.device):
-                metrics, scored = train_step(model, tokenizer, optimizer, rounds, settings, state.step + 1,
-                                             make_round, processes)
-            if args.dynamic_sampling:
-                metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
-            metrics.update(report.learning_signal(metrics))  # "cannot_learn": nothing to learn from, and why
-            stuck = stuck + 1 if "cannot_learn" in metrics else 0
-            metrics["num_threads"] = cpu_threads.count  # what the step ran with; the next may run with other
-            changed = threads.adjust(cpu_threads, cpu_at_step, "the step")  # a line when the count changes
-            notes = report.step_notes(metrics, args, stuck, first=state.step == start_step) + [changed] * bool(changed)
-            for line in notes if processes.is_main else []:
-                tqdm.write(f"step {state.step + 1}: {line}", file=sys.stderr)  # above the progress bar
-            step_s = processes.agree(time.perf_counter() - step_start)
-            write(report.record_step(state, metrics, step_s))
-            if state.step == start_step + 1 and processes.is_main and (eta := report.eta_line(args, state, step_s)):
-                tqdm.write(eta)  # above the progress bar: the machine's pace, at once
-            if args.log_completions_interval and state.step % args.log_completions_interval == 0:
-                write(completions.completions_record(state.step, scored))  # what PODS kept, and with what advantage
-            if state.nonfinite_streak >= NONFINITE_STOP:
-                raise update.TrainingError(
-                    f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
-                    "norm; none of them changed the weights. Stopping: lower --learning-rate or --max-grad-norm.")
-            if eval_set and evaluation_due(args, state.step, before_s, state.elapsed_s):
-                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, heldout.evaluate,
-                                            check_sampler=False)  # this step's update checked the sampler
-            if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:
-                save()
-            report.show_progress(bar, args, state, metrics["reward"], accuracy)
-        bar.close()
-        stop = stop or signalled_stop()  # a signal during the last step: stopped as during any other
-        if eval_set and state.evaluated_step != state.step and stop is None:
-            evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, heldout.evaluate,
-                             check_sampler=state.step == start_step)
-            stop = signalled_stop()  # ... or during the final evaluation
-        if (args.checkpoint_interval_s >= 0 or stop) and saved != (state.step, state.evaluated_step):
-            save()  # the final state, unless saved already
-    if stop is not None:
-        if processes.is_main:
-            print(f"stopped by {signal.Signals(stop).name} after step {state.step}, saved in {run_dir}; continue "
-                  f"with --output-dir {run_dir} --resume", file=sys.stderr)
-        raise signals.Stopped(128 + stop)
-    if processes.is_main:
-        fallback = sampling.fallback_reason(model)   # the run left the decode engine: its last line says why
-        print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)
-                        + ([f"  note: the decode engine was left: {fallback}"] if fallback else [])))
-    return run_dir
+def train(args, processes=ONE_PROCESS):
+    """The training run described by `args` (config.parse_args): run/loop.py's loop around `train_step` in the run's
+    folder, holding its lock; returns the run folder."""
+    return loop.train(args, processes, train_step=train_step, step_settings=step_settings,
+                      round_strategy=round_strategy, evaluate=heldout.evaluate, cpu_at_start=CPU_AT_START)
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ Choices: dropout is off during the update and the log-prob pass, as in TRL (the 
 deterministic policies). Full fine-tuning in bf16 keeps fp32 master weights under bf16 autocast
 (`UpdateSettings.autocast_dtype`): bf16 weights cannot hold updates of lr ~ 1e-6. An optimizer step whose loss or
 gradient norm is not finite is not taken and is counted (`UpdateMetrics.skipped_steps`); the caller decides when to
-stop. The sampler check (rollout_check.py): the first pass (the policy that sampled) is compared with the sampler's
+stop. The sampler check (policy.py): the first pass (the policy that sampled) is compared with the sampler's
 log-probs at no extra forward pass (`UpdateMetrics.sampler_gap`); --importance-sampling-correction also weights the
 loss by pi_old / pi_sampler (its "token_reject" needs pi_old before the first backward: one more no-grad pass).
 The GPU's pace: every decision about the batch's layout is made on the host (micro-batch widths, token counts,
@@ -27,7 +27,8 @@ optimizer step (loss, gradient norm, metrics, the sampler check: one copy). Adam
 plain path first; one failing later in the step turns them off and the step runs again on the plain path), and as
 little checkpoint replay as the memory needs (`checkpoint_plan`: MLPs first, then whole layers, to fit
 MEMORY_CEILING): engine/kernels.py. Elsewhere the model runs as built (tests and benchmarks take the GPU paths on a
-CPU: engine/gpu_paths.py). Every optimizer step is counted (OPTIMIZER_STEPS): a bf16 base's LoRA copies follow it.
+CPU: engine/gpu_paths.py). A bf16 base's LoRA adapter is computed in bf16 there (`lora_forward`, which
+models.lora_in_base_dtype puts in place at loading), from copies that follow every optimizer step (OPTIMIZER_STEPS).
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
 processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
 """
@@ -42,15 +43,15 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import grpo_loss
+import loss_options
 import policy
 from engine import gpu_paths
 from engine import kernels
 from engine import prefix
-from engine import rollout_check
 
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
 # Optimizer steps taken in this process, by any torch optimizer (a hook after every step): what tells the bf16 copies
-# of a LoRA adapter (models.lora_in_base_dtype) that the fp32 masters moved, since fused AdamW and bitsandbytes' 8-bit
+# of a LoRA adapter (`lora_forward`) that the fp32 masters moved, since fused AdamW and bitsandbytes' 8-bit
 # AdamW write them without bumping their version counters.
 OPTIMIZER_STEPS = [0]
 
@@ -88,7 +89,7 @@ class UpdateSettings:
     updates_per_batch: int = 1      # mu
     max_grad_norm: float = 1.0      # <= 0: no clipping
     autocast_dtype: torch.dtype | None = None  # bf16 compute over fp32 weights (full fine-tuning)
-    loss: grpo_loss.LossSettings = grpo_loss.LossSettings()  # every option of the loss, passed to it unchanged
+    loss: loss_options.LossSettings = loss_options.LossSettings()  # every option of the loss, passed to it unchanged
     prefix_sharing: bool = True     # each distinct prompt token computed once (prefix.py); False: every row in full
 
 
@@ -101,7 +102,7 @@ class UpdateMetrics:
     optimizer_steps: int        # optimizer steps taken
     skipped_steps: int          # optimizer steps not taken: non-finite loss or gradient norm
     tokens: int = 0             # kept tokens the token means are over (this process; merged across processes)
-    sampler_gap: rollout_check.SamplerGap | None = None  # the sampler's log-probs vs this update's (first pass)
+    sampler_gap: policy.SamplerGap | None = None  # the sampler's log-probs vs this update's (first pass)
     sampler_ratios: list | None = None  # per batch, [B] each kept row's mean pi / pi_sampler (NaN: no tokens)
     sampler_rejected: bool = False  # the gap exceeded max_sampler_gap: no optimizer step taken (off-policy rollouts)
 
@@ -161,7 +162,8 @@ def kept_batch(rollouts, kept, advantages):
 
 def loss_mask(batch, mask_truncated=False):
     """The completion tokens that count in the loss: completion_mask, truncated rows zeroed with mask_truncated."""
-    return grpo_loss.mask_truncated(batch.completion_mask, batch.truncated) if mask_truncated else batch.completion_mask
+    return loss_options.mask_truncated(batch.completion_mask, batch.truncated) if mask_truncated else \
+        batch.completion_mask
 
 
 def micro_batches(batch, size, device, mask_truncated=False):
@@ -386,11 +388,11 @@ def _logprobs_and_entropies(model, micro, settings, device, step):
 
 
 def _check_sampler(gap_sums, ratios, logprobs, micro):
-    """The sampler check of a micro-batch (rollout_check.py): its gap sums added to `gap_sums`, each of its rows' mean
+    """The sampler check of a micro-batch (policy.py): its gap sums added to `gap_sums`, each of its rows' mean
     ratio pi / pi_sampler written into `ratios` (its batch's, on the device) -> the gap sums."""
-    gap_sums = rollout_check.add_gap_sums(gap_sums, rollout_check.gap_sums(logprobs, micro.sampler_logprobs,
+    gap_sums = policy.add_gap_sums(gap_sums, policy.gap_sums(logprobs, micro.sampler_logprobs,
                                                                            micro.completion_mask))
-    ratios[micro.rows] = rollout_check.row_mean_ratios(logprobs, micro.sampler_logprobs, micro.completion_mask)
+    ratios[micro.rows] = policy.row_mean_ratios(logprobs, micro.sampler_logprobs, micro.completion_mask)
     return gap_sums
 
 
@@ -400,7 +402,7 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
     gradients dropped). Gradients of the last step stay on the parameters. No rows (every prompt dropped): nothing
     to train on, no optimizer step (optimizer_steps = 0, loss 0). sum_over_processes: a number summed over the
     processes of a multi-process run (multigpu/); None: this process alone. max_sampler_gap: a mean sampler gap
-    (over every process) above which rollouts of the decode engine are off-policy (rollout_check): known after the
+    (over every process) above which rollouts of the decode engine are off-policy (policy.off_policy): known after the
     first forward pass, so that step is rejected before its optimizer step (sampler_rejected; gradients dropped,
     nothing taken). Rollouts of Hugging Face generate() are checked too but never rejected: nothing to fall back to."""
     total = sum_over_processes or (lambda value: value)
@@ -457,17 +459,17 @@ def check_batches(batches, settings):
 
 @dataclass
 class _SamplerCheck:
-    """The first pass against the sampler's log-probs (rollout_check.py), on when every batch has them: the gap, per
+    """The first pass against the sampler's log-probs (policy.py), on when every batch has them: the gap, per
     batch each kept row's mean ratio pi / pi_sampler ([B], NaN: no tokens; on the device until read), and the limit
     of the gap above which the step is rejected (None: never)."""
     on: bool
-    gap: rollout_check.SamplerGap
+    gap: policy.SamplerGap
     ratios: list
     limit: float | None
 
     @classmethod
     def of(cls, batches, device, limit):
-        return cls(all(batch.sampler_logprobs is not None for batch in batches), rollout_check.SamplerGap(),
+        return cls(all(batch.sampler_logprobs is not None for batch in batches), policy.SamplerGap(),
                    [torch.full((len(batch.advantages),), math.nan, device=device) for batch in batches], limit)
 
     def rejects(self, total):
@@ -493,7 +495,7 @@ def _read_step(loss, grad_norm, metric_sums, gap_sums, check):
     values = torch.cat([value.detach().float().reshape(-1) for value in on_device]).cpu()
     sums = dict(zip(metric_sums, values[2:].tolist()))
     if gap_sums is not None:
-        check.gap = rollout_check.SamplerGap.from_sums(values[2 + len(metric_sums):][:len(gap_sums)].tolist())
+        check.gap = policy.SamplerGap.from_sums(values[2 + len(metric_sums):][:len(gap_sums)].tolist())
         check.ratios = list(values[2 + len(metric_sums) + len(gap_sums):].split([len(r) for r in check.ratios]))
     return float(values[0]), float(values[1]), sums
 
@@ -577,3 +579,80 @@ def peak_memory_gib(device, reserved=False):
         peak = torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)
         return peak / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# ------------------------------------------------ a bf16 base's LoRA adapter computed in bf16
+# models.lora_in_base_dtype puts `lora_forward` in place of each peft LoRA Linear's forward when the policy is loaded:
+# where the GPU paths run (or a CPU computes bf16 natively), a bf16 base's fp32 adapter is computed in bf16, from
+# copies refreshed after every optimizer step (OPTIMIZER_STEPS), in three matrix products.
+
+class LoRAProduct(torch.autograd.Function):
+    """x W^T (+ bias) + s (x A^T) B^T for 2-D x in the base weights' dtype, in three matrix products (the last one
+    adds the adapter's product, scaled, to the base's); A and B arrive in that dtype (`_low_precision_copies`) and
+    their gradients leave in the adapter's own dtype (fp32 master weights). W and the bias are frozen."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, a_low, b_low, scaling):
+        xa = x @ a_low.t()
+        out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+        out = torch.addmm(out, xa, b_low.t(), alpha=scaling)
+        ctx.save_for_backward(x, xa, weight, a_low, b_low)
+        ctx.scaling, ctx.adapter_dtype = scaling, lora_a.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The scaling rides on the matrix products (addmm's alpha; beta = 0: its first argument, of the right
+        # shape, is not read): one kernel each, not a product and then a multiplication.
+        x, xa, weight, a_low, b_low = ctx.saved_tensors
+        scaled = torch.addmm(xa, grad, b_low, beta=0, alpha=ctx.scaling)   # dL/d(xA^T), [N, r]
+        grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
+        grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
+        grad_b = torch.addmm(b_low, grad.t(), xa, beta=0, alpha=ctx.scaling).to(ctx.adapter_dtype) \
+            if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, grad_a, grad_b, None, None, None
+
+
+def computes_in_bf16(device) -> bool:
+    """Whether a bf16 base's LoRA adapter is computed in bf16 on `device` (`lora_forward`): where the GPU paths run
+    (engine/gpu_paths.py), and on a CPU with bf16 instructions of its own (policy.native_bf16), whose bf16 products are
+    its fastest; elsewhere peft's float32 adapter."""
+    device = torch.device(device)
+    return device.type in gpu_paths.DEVICE_TYPES or (device.type == "cpu" and policy.native_bf16(device))
+
+
+def _low_precision_copies(module, adapter, dtype):
+    """The adapter's A and B weights in `dtype`, cast once per change of the weights and reused by every forward until
+    then: an optimizer step (OPTIMIZER_STEPS: fused AdamW and bitsandbytes' 8-bit AdamW write the weights without
+    bumping their versions) or an in-place write that bumps their version (a checkpoint loaded)."""
+    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+    key = (OPTIMIZER_STEPS[0], a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
+    cached = module.__dict__.get("_low_precision_lora")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, a.to(dtype), b.to(dtype))
+        module.__dict__["_low_precision_lora"] = cached
+    return cached[1], cached[2]
+
+
+def lora_forward(module, peft_forward):
+    """The forward of a peft LoRA Linear `module`: where the input has the base weights' dtype and the adapter
+    another (bf16 base, fp32 adapter), `LoRAProduct` in the base dtype; elsewhere (float32 throughout, the adapter
+    off or merged, dropout active, a LoRA variant) peft's own forward, unchanged."""
+    def forward(x, *args, **kwargs):
+        adapters = module.active_adapters
+        adapter = adapters[0] if len(adapters) == 1 else None
+        base = module.base_layer
+        if (args or kwargs or not computes_in_bf16(x.device) or adapter not in module.lora_A
+                or module.disable_adapters or module.merged
+                or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
+                or x.dtype == module.lora_A[adapter].weight.dtype
+                or (module.lora_dropout[adapter].training and not isinstance(module.lora_dropout[adapter],
+                                                                             torch.nn.Identity))):
+            return peft_forward(x, *args, **kwargs)
+        a_low, b_low = _low_precision_copies(module, adapter, x.dtype)
+        flat = x.reshape(-1, x.shape[-1])
+        out = LoRAProduct.apply(flat, base.weight, base.bias, module.lora_A[adapter].weight,
+                                module.lora_B[adapter].weight, a_low, b_low, module.scaling[adapter])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    return forward

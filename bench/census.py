@@ -71,6 +71,16 @@ def allows_tf32():
 
     return hasattr(models, "tf32_matmuls") or importlib.util.find_spec("engine.kernels") is not None
 
+
+def sampler_check():
+    """The module of the sampler check, LOGPROB_GAP_LIMIT and SamplerGap: policy.py (formerly engine/rollout_check.py;
+    older code)."""
+    import importlib
+
+    import policy
+
+    return policy if hasattr(policy, "SamplerGap") else importlib.import_module("engine.rollout_check")
+
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
 NOT_KERNELS = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                "detach", "alias", "set_", "resolve_conj", "resolve_neg", "_local_scalar_dense", "equal", "is_same_size",
@@ -630,8 +640,9 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
     from run import config
     import policy
     from engine import prefix
-    from engine import rollout_check
     import update
+
+    check = sampler_check()
 
     model = narrow_policy(args, layers, narrow).train()
     optimizer = update.make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
@@ -643,8 +654,7 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
 
     def run(batches):
         update.fill_logprobs(model, batches, settings)
-        return update.update_policy(model, optimizer, batches, settings,
-                                    max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT)
+        return update.update_policy(model, optimizer, batches, settings, max_sampler_gap=check.LOGPROB_GAP_LIMIT)
 
     run(batch())  # warm-up: the optimizer's state, the allocator
     census, batches = Census(mapping), batch()
@@ -658,8 +668,8 @@ def update_run(args, layers, narrow, mapping, rows, kind="checkpointed"):
               (prefix, "step_prefix", "step prefix forward"), (prefix, "backward_step_prefix", "step prefix backward"),
               (torch.Tensor, "backward", "backward (with checkpoint recompute)"),
               (torch.nn.utils, "clip_grad_norm_", "gradient clipping"), (optimizer, "step", "optimizer"),
-              (optimizer, "zero_grad", "optimizer"), (rollout_check.SamplerGap, "of", "sampler check"),
-              (rollout_check, "row_mean_ratios", "sampler check")]
+              (optimizer, "zero_grad", "optimizer"), (check.SamplerGap, "of", "sampler check"),
+              (check, "row_mean_ratios", "sampler check")]
     if hasattr(update, "checkpoint_plan"):  # (older code: every layer as built)
         whole, mlps = REPLAYS[kind]
         phases.append((update, "checkpoint_plan", lambda *a: (whole * layers, mlps * layers)))
@@ -896,8 +906,8 @@ def host_times(args, layers, plan, repeats=5, compile_backend=None):
     import policy
     import update
     from engine import gpu_paths
-    from engine import rollout_check
 
+    gap_limit = sampler_check().LOGPROB_GAP_LIMIT
     AttentionInterface.register("pods_host_stand_in", _attention_stand_in)
     generator = torch.Generator().manual_seed(0)
     settings = config.update_settings(args)
@@ -918,7 +928,7 @@ def host_times(args, layers, plan, repeats=5, compile_backend=None):
             with gpu_paths.emulated("cpu"):   # the update's GPU paths: bf16 LoRA product, replay plan, kernels
                 update.fill_logprobs(model, [batch], settings)
                 update.update_policy(model, optimizer, [batch], settings,
-                                     max_sampler_gap=rollout_check.LOGPROB_GAP_LIMIT)
+                                     max_sampler_gap=gap_limit)
             return time.perf_counter() - start
 
         def decode_seconds_per_step(steps=16):

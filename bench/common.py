@@ -116,7 +116,7 @@ def trainer_args(device, *, tiny, lora_rank, flags=()):
 
 
 def build_policy(name, *, tiny, device, precision, args, seed=0, **base):
-    """The policy as train.load builds it from `args` (trainer_args): LoRA, gradient checkpointing, train mode;
+    """The policy as the loop's load (run/loop.py) builds it from `args` (trainer_args): LoRA, gradient checkpointing, train mode;
     bf16, fp32 or 4-bit base weights."""
     lora = {key: value for key, value in config.model_options(args).items() if key != "load_in_4bit"}
     torch.manual_seed(seed)

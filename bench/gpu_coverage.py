@@ -34,7 +34,6 @@ EXCLUDED = (
     ("engine/gpu_paths.py", r'if torch\.device\(device\)\.type == "cuda":',
      "a real card's memory and multiprocessors (torch.cuda)"),
     ("update.py", r'if torch\.device\(device\)\.type == "cuda":', "a real card's memory statistics (torch.cuda)"),
-    ("models.py", r'if str\(device\)\.startswith\("cuda"\):', "a real card's compute capability (torch.cuda)"),
     ("engine/kernels.py", r'find_spec\("liger_kernel"\) is None', "Liger-Kernel absent on CUDA (not installed here)"),
     ("engine/kernels.py", r"from liger_kernel", "Liger-Kernel's kernels: CUDA only, not installed here"),
     ("engine/kernels.py", r"return dict\(rms_norm=lambda .*Liger", "Liger-Kernel's kernels: CUDA only, not installed here"),

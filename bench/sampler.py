@@ -1,5 +1,5 @@
-"""The sampler-trainer log-prob gap (rollout_check.py): what a correct sampler gives, what a faulty one gives, and so
-where the fallback threshold (rollout_check.LOGPROB_GAP_LIMIT) goes.
+"""The sampler-trainer log-prob gap (policy.py's sampler check): what a correct sampler gives, what a faulty one gives, and so
+where the fallback threshold (policy.LOGPROB_GAP_LIMIT) goes.
 
 The policy of the demo (SmolLM2-135M, LoRA r=16 with its B matrices randomised as after some training) samples
 rollouts of the demo's arithmetic prompts at T = 1 through sampling.generate_rollouts on each path, and the trainer's
@@ -27,7 +27,7 @@ import engine
 import engine.weights
 import eval as heldout
 import models
-from engine import rollout_check
+import policy
 import sampling
 from bench.common import print_header, print_row
 from bench.decode import perturb_adapters
@@ -87,7 +87,7 @@ def demo_policy(precision, tiny, seed):
 
 
 def gap_row(model, tokenizer, prompt_ids, prompts, settings, seed, tiny):
-    """engine.rollout_check.SamplerGap of one generation on `settings`' path."""
+    """policy.SamplerGap of one generation on `settings`' path."""
     if tiny:   # random prompt ids, no tokenizer
         ids, mask, _, logprobs, _ = sampling.sample_completions(model, prompt_ids, torch.ones_like(prompt_ids), 4,
                                                                  [], 2, settings, seed)
@@ -118,7 +118,7 @@ def bench_sampler(argv):
                                                          one_shot=True, system_prompt=demo["system_prompt"])]
     print(f"# bench sampler: {'tiny random llama' if args.tiny else 'SmolLM2-135M'} + LoRA r=16, "
           f"{args.prompts} prompts x 4 rollouts, {args.new_tokens} tokens, T = {demo['temperature']}, CPU; "
-          f"fallback above a mean gap of {rollout_check.LOGPROB_GAP_LIMIT}")
+          f"fallback above a mean gap of {policy.LOGPROB_GAP_LIMIT}")
     print_header(COLUMNS)
     rows = []
     for precision in args.precisions.split(","):
@@ -132,6 +132,6 @@ def bench_sampler(argv):
                 gap = gap_row(model, tokenizer, prompt_ids, prompts, settings, args.seed, args.tiny)
             rows.append({"precision": precision, "sampler": name, "tokens": gap.tokens, **{
                 key.split("/")[1]: value for key, value in gap.metrics().items()},
-                "falls_back": gap.mean > rollout_check.LOGPROB_GAP_LIMIT})
+                "falls_back": gap.mean > policy.LOGPROB_GAP_LIMIT})
             print_row(rows[-1], COLUMNS)
-    return {"rows": rows, "limit": rollout_check.LOGPROB_GAP_LIMIT}
+    return {"rows": rows, "limit": policy.LOGPROB_GAP_LIMIT}

@@ -5,9 +5,9 @@
     python compare.py runs/trl-demo-* runs/demo-*               # both kinds of run folder side by side
 
 It takes train.py's flags that it maps onto TRL (`--help` lists them; config.parse_args resolves them: same presets,
-seeds and budget) and loads what train.py loads (train.load: the SmolLM2-135M GGUF model with the same LoRA
+seeds and budget) and loads what train.py loads (run/loop.py's load: the SmolLM2-135M GGUF model with the same LoRA
 initialisation, the addition prompts, the held-out prompts, the same AdamW); the held-out evaluation is train.py's
-own (train.evaluate_heldout, same schedule, same fixed sample and seeds). TRL does the rest: generation
+own (run/loop.py's evaluate_heldout, same schedule, same fixed sample and seeds). TRL does the rest: generation
 (transformers' generate on all rows of the step at once), scoring with the project's reward functions (the weighted
 sum, --reward-options, the completion token ids), and the update (TRL's loss; sequence aggregation = loss_type
 "grpo"). The run folder (runs/trl-<preset>-<pods|grpo>-s<seed>-<time>) holds config.json and a metrics.jsonl with
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from run import config  # the flags, parsed and checked before the modules below that load torch
 import data
-import grpo_loss
+import loss_options
 import models
 import rewards
 from run import checkpoint, report, runfolder
@@ -40,6 +40,7 @@ from lazy import lazy_module
 
 torch = lazy_module("torch", globals())  # imported at first use (lazy.py): --help and the refusals need none
 train = lazy_module("train", globals())
+loop = lazy_module("run.loop", globals())  # train.py's loading and held-out evaluation
 heldout = lazy_module("eval", globals())  # eval.evaluate: the held-out measurement train.py's loop runs
 
 PROG = "python -m integrations.trl_demo"
@@ -49,15 +50,15 @@ UNLIMITED_STEPS = 2 ** 40  # TRL's max_steps when --max-steps is 0: --max-time-s
 # train.py's flags this demo honours at any value train.py accepts (combinations: `unsupported_combination`).
 MAPPED = frozenset((
     "preset", "baseline",
-    "model", "lora_rank", "lora_alpha", "lora_target_modules", "gradient_checkpointing",  # train.load; TRL
+    "model", "lora_rank", "lora_alpha", "lora_target_modules", "gradient_checkpointing",  # loop.load; TRL
     "dataset", "data_dir", "num_train_rows", "one_shot", "prefill_think", "max_prompt_tokens", "system_prompt",
     "num_rollouts", "update_size", "rule", "advantage_normalization", "scale_rewards",  # PODSConfig
     "reward_weights", "reward_options", "reward_function", "reward_function_timeout_s",  # the reward function
     "answer_kind",  # (reward_function)
-    "question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",  # train.load's data
+    "question_field", "answer_field", "prompt_template", "eval_dataset", "eval_fraction",  # loop.load's data
     "prompts_per_step", "loss_aggregation", "mask_truncated",  # PODSConfig
-    "learning_rate", "weight_decay", "optimizer", "max_grad_norm",  # train.load's optimizer (constant rate); TRL
-    "bf16",  # train.load's weights; TRL's autocast where train.py autocasts (full fine-tuning)
+    "learning_rate", "weight_decay", "optimizer", "max_grad_norm",  # loop.load's optimizer (constant rate); TRL
+    "bf16",  # loop.load's weights; TRL's autocast where train.py autocasts (full fine-tuning)
     "temperature", "top_p", "max_completion_tokens", "rollout_batch_size", "micro_batch_size",
     "seed", "num_threads", "max_steps", "max_time_s", "eval_interval", "eval_interval_s", "eval_samples",
     "eval_temperature",
@@ -80,10 +81,10 @@ WHY = {
     "dynamic_sampling": "TRL has no DAPO refill of zero-spread groups",
     "kl_coef": "TRL's KL term (beta) is not checked against train.py's here, so the demo runs TRL with beta = 0",
     "progress": "it prints a line per step, no bar",
-    **{grpo_loss.flag_name(option).removeprefix("--").replace("-", "_"):
+    **{loss_options.flag_name(option).removeprefix("--").replace("-", "_"):
        "it acts on the ratio pi / pi_old alone, which is exactly 1 with the one update per rollout batch this demo runs "
        "(--updates-per-batch is not mapped onto TRL)"
-       for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["ratio_only"]},
+       for option in dataclasses.fields(loss_options.LossSettings) if option.metadata["ratio_only"]},
 }
 
 
@@ -299,7 +300,7 @@ def step_logger(trainer, args, tokenizer, eval_set, write):
     the next one's). The trainer's after_log then writes train.py's metrics line of the step (update_s = the rest of
     the step, optimizer included) and runs the held-out evaluation every --eval-interval steps (after the step's
     timing: elapsed_s excludes it) every --eval-interval steps or --eval-interval-s training seconds, as train.py
-    (train.evaluation_due)."""
+    (loop.evaluation_due)."""
     from transformers import TrainerCallback
 
     state = checkpoint.TrainerState()
@@ -319,7 +320,7 @@ def step_logger(trainer, args, tokenizer, eval_set, write):
     timer = StepTimer()
 
     def evaluate():
-        train.evaluate_heldout(trainer.model, tokenizer, eval_set, args, state, write, train.OneProcess(),  # prints
+        loop.evaluate_heldout(trainer.model, tokenizer, eval_set, args, state, write, train.OneProcess(),  # prints
                                heldout.evaluate)
 
     def after_log(logs):
@@ -328,7 +329,7 @@ def step_logger(trainer, args, tokenizer, eval_set, write):
         write(line)
         print(f"step {state.step}: reward {line.get('reward', float('nan')):.3f}, generate {line['generate_s']:.1f} s, "
               f"update {line['update_s']:.1f} s, step {line['step_s']:.1f} s", flush=True)
-        if eval_set and train.evaluation_due(args, state.step, state.elapsed_s - line["step_s"], state.elapsed_s):
+        if eval_set and loop.evaluation_due(args, state.step, state.elapsed_s - line["step_s"], state.elapsed_s):
             evaluate()
 
     trainer.after_log = after_log
@@ -358,7 +359,7 @@ def _run(args, run_dir):
     checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    tokenizer, train_set, eval_set, model, optimizer = train.load(args, train.OneProcess())
+    tokenizer, train_set, eval_set, model, optimizer = loop.load(args, train.OneProcess())
     import datasets
 
     dataset = datasets.Dataset.from_list(dataset_rows(train_set))

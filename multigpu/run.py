@@ -22,8 +22,8 @@ import torch
 
 import eval as heldout
 import models
+import policy
 import train
-from engine import rollout_check
 from multigpu import distributed, sharded_checkpoint
 from run import config
 from variants import dynamic_sampling
@@ -101,7 +101,7 @@ class Processes(train.OneProcess):
 def merge_ranks(gathered):
     """[(rounds, update.UpdateMetrics, costs)] of every rank -> the same of the global batch: round g joins every
     rank's round g (tensors and lists concatenated, kept rows re-indexed, counts summed), rows summed, token means
-    token-weighted, sampler gaps summed (rollout_check.total), costs (timings, peak memory) the largest rank's. The
+    token-weighted, sampler gaps summed (policy.total), costs (timings, peak memory) the largest rank's. The
     loss (update_policy sums it over ranks), the gradient norm and the step counts are global already."""
     if len(gathered) == 1:
         return gathered[0]
@@ -112,7 +112,7 @@ def merge_ranks(gathered):
     token_means = {key: sum(r.token_means.get(key, 0.0) * r.tokens for r in results) / max(tokens, 1) for key in keys}
     gaps = [r.sampler_gap for r in results if r.sampler_gap is not None]
     result = dataclasses.replace(results[0], rows=sum(r.rows for r in results), token_means=token_means,
-                                 tokens=tokens, sampler_gap=rollout_check.total(gaps) if gaps else None)
+                                 tokens=tokens, sampler_gap=policy.total(gaps) if gaps else None)
     costs = {key: max(rank_costs[key] for _, _, rank_costs in gathered) for key in gathered[0][2]}
     return rounds, result, costs
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import data
 import models
+import policy
 import rewards
 from run import flags_data, flags_generation, flags_model, flags_pods, flags_rewards, flags_run, flags_update
 from run.presets import BASELINES, PRESETS, own_rows_settings
@@ -281,7 +282,7 @@ def check_args(args, restarted=False):
     flags_data.check_data(args)
     flags_rewards.check_functions(args)
     models.check_model_source(args.model, args.max_prompt_tokens, args.max_completion_tokens)  # nothing loaded
-    if args.bf16 and not str(args.device).startswith("cuda") and not models.native_bf16(args.device):
+    if args.bf16 and not str(args.device).startswith("cuda") and not policy.native_bf16(args.device):
         warnings.warn("--bf16 on a CPU without bf16 instructions (AVX-512 BF16, AMX): allowed, but slower than "
                       "float32 (--no-bf16)")
 
@@ -307,7 +308,7 @@ def _check_device_flags(args):
 
 # The method label names what a run optimises (compare.py groups runs by it): the rule and n/m, then each flag below
 # whose value differs from the preset's default, in this order, worded by its entry ("" adds nothing); then any
-# other loss option (grpo_loss.LossSettings) as "flag value".
+# other loss option (loss_options.LossSettings) as "flag value".
 LABEL_FLAGS = {
     "loss_aggregation": lambda value, args: f"{value} loss",
     "scale_rewards": lambda value, args: f"{value} std",

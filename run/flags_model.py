@@ -5,6 +5,7 @@ models.load_policy takes from them. The checks that need the machine are config.
 import argparse
 
 import models
+import policy
 
 NON_NEGATIVE = ("lora_rank",)
 POSITIVE_INTS = ("lora_alpha",)  # >= 1 when given
@@ -43,8 +44,8 @@ def resolve_device(args):
 
 def resolved_bf16(value, device):
     """--bf16 as a run records it: the demo preset's "auto" is whether `device` computes bf16 natively
-    (models.native_bf16); a flag given is kept."""
-    return models.native_bf16(device) if value == "auto" else bool(value)
+    (policy.native_bf16); a flag given is kept."""
+    return policy.native_bf16(device) if value == "auto" else bool(value)
 
 
 def model_options(args):

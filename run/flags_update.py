@@ -1,6 +1,6 @@
 """train.py's flags of the update (run/config.py assembles the parser): the batch each optimizer step trains on
 (prompts per rollout batch, gradient accumulation, mu) and every loss option, both in the "PODS / GRPO" group (the
-loss flags generated from grpo_loss.LossSettings' fields, `add_flags`), and the "optimizer" group
+loss flags generated from loss_options.LossSettings' fields, `add_flags`), and the "optimizer" group
 (`add_optimizer_flags`); their checks (`check_values`), and `loss_settings` / `update_settings`, the records the update
 takes."""
 
@@ -8,13 +8,13 @@ import argparse
 import dataclasses
 import warnings
 
-import grpo_loss
+import loss_options
 import models
 
 # The choices of --optimizer, written here so that --help needs no torch (a test keeps them equal to
 # update.OPTIMIZERS).
 OPTIMIZERS = ("adamw", "adamw8bit")
-LOSS_FLAGS = [option for option in dataclasses.fields(grpo_loss.LossSettings) if option.metadata["help"]]
+LOSS_FLAGS = [option for option in dataclasses.fields(loss_options.LossSettings) if option.metadata["help"]]
 POSITIVE_INTS = ("prompts_per_step", "grad_accum_steps", "updates_per_batch")
 NON_NEGATIVE = ("weight_decay", "kl_coef")
 RANGES = (("--learning-rate", "learning_rate", lambda value: value > 0, "> 0"),
@@ -24,7 +24,7 @@ RANGES = (("--learning-rate", "learning_rate", lambda value: value > 0, "> 0"),
 
 def loss_flag(option):
     """The flag of a LossSettings field, e.g. "--loss-aggregation" for `aggregation`."""
-    return grpo_loss.flag_name(option)
+    return loss_options.flag_name(option)
 
 
 def flag_dest(option):
@@ -38,9 +38,9 @@ def add_flags(group):
     add("--prompts-per-step", type=int, help="prompts per rollout batch (P): P x n rollouts are generated")
     add("--grad-accum-steps", type=int, default=1, help="rollout batches per optimizer step (GRPO-GA)")
     add("--updates-per-batch", "--mu", type=int, default=1, help="optimizer steps per rollout batch (mu)")
-    for option in LOSS_FLAGS:  # the loss options, from grpo_loss.LossSettings
+    for option in LOSS_FLAGS:  # the loss options, from loss_options.LossSettings
         kind = option.metadata["argparse"] or dict(action=argparse.BooleanOptionalAction)  # a bool: --x / --no-x
-        add(grpo_loss.flag_name(option), default=option.default, help=option.metadata["help"], **kind)
+        add(loss_options.flag_name(option), default=option.default, help=option.metadata["help"], **kind)
 
 
 def add_optimizer_flags(group):
@@ -56,7 +56,7 @@ def add_optimizer_flags(group):
 def inert_loss_options(args):
     """The loss options set away from their default whose `needs` field is at its default: they do nothing (e.g.
     --is-clip without --importance-sampling-correction)."""
-    fields = {option.name: option for option in dataclasses.fields(grpo_loss.LossSettings)}
+    fields = {option.name: option for option in dataclasses.fields(loss_options.LossSettings)}
     return [option for option in LOSS_FLAGS if option.metadata["needs"]
             and getattr(args, flag_dest(option)) != option.default
             and getattr(args, flag_dest(fields[option.metadata["needs"]])) == fields[option.metadata["needs"]].default]
@@ -66,22 +66,22 @@ def check_values(args):
     """A loss mode of an older version refused (a resumed run's config.json value is not checked by argparse),
     clip-higher only widening the clip; a warning for each loss option that cannot act with the others given."""
     correction = args.importance_sampling_correction  # a resumed run's config.json value is not checked by argparse
-    if correction in grpo_loss.REMOVED_IS_CORRECTIONS:
-        raise ValueError(f"--importance-sampling-correction {grpo_loss.REMOVED_IS_CORRECTIONS[correction]}")
-    if correction not in grpo_loss.IS_CORRECTIONS:
-        raise ValueError(f"--importance-sampling-correction must be one of {grpo_loss.IS_CORRECTIONS}, got "
+    if correction in loss_options.REMOVED_IS_CORRECTIONS:
+        raise ValueError(f"--importance-sampling-correction {loss_options.REMOVED_IS_CORRECTIONS[correction]}")
+    if correction not in loss_options.IS_CORRECTIONS:
+        raise ValueError(f"--importance-sampling-correction must be one of {loss_options.IS_CORRECTIONS}, got "
                          f"{correction!r}")
-    fields = {option.name: option for option in dataclasses.fields(grpo_loss.LossSettings)}
+    fields = {option.name: option for option in dataclasses.fields(loss_options.LossSettings)}
     for option in inert_loss_options(args):
         needed = fields[option.metadata["needs"]]
-        warnings.warn(f"{grpo_loss.flag_name(option)} {getattr(args, flag_dest(option))} does nothing with "
-                      f"{grpo_loss.flag_name(needed)} {needed.default} (left out of the method label)")
+        warnings.warn(f"{loss_options.flag_name(option)} {getattr(args, flag_dest(option))} does nothing with "
+                      f"{loss_options.flag_name(needed)} {needed.default} (left out of the method label)")
     if args.clip_eps_high is not None and not args.clip_eps_high >= args.clip_eps:
         # Clip-higher (DAPO) widens the upper bound only; a narrower one clips the ratio of every improving token.
         raise ValueError(f"--clip-eps-high {args.clip_eps_high} must be >= --clip-eps {args.clip_eps} (clip-higher "
                          "only widens the upper clip; leave it unset for the symmetric clip)")
     if args.updates_per_batch == 1:  # the ratio is exactly 1: an option acting on it alone changes nothing
-        inert = [f"{grpo_loss.flag_name(option)} {getattr(args, flag_dest(option))}" for option in LOSS_FLAGS
+        inert = [f"{loss_options.flag_name(option)} {getattr(args, flag_dest(option))}" for option in LOSS_FLAGS
                  if option.metadata["ratio_only"] and getattr(args, flag_dest(option)) not in (None, option.default)]
         if inert:
             warnings.warn(f"{', '.join(inert)} cannot act with --updates-per-batch 1 (the ratio is exactly 1); "
@@ -89,9 +89,9 @@ def check_values(args):
 
 
 def loss_settings(args):
-    """The flags of the loss as grpo_loss.LossSettings: each field from the flag of its name."""
-    return grpo_loss.LossSettings(**{option.name: getattr(args, flag_dest(option))
-                                     for option in dataclasses.fields(grpo_loss.LossSettings)})
+    """The flags of the loss as loss_options.LossSettings: each field from the flag of its name."""
+    return loss_options.LossSettings(**{option.name: getattr(args, flag_dest(option))
+                                        for option in dataclasses.fields(loss_options.LossSettings)})
 
 
 def update_settings(args):

@@ -1,8 +1,17 @@
-"""The parts of train.py's loop around the step (paper §4's protocol: a fixed held-out set evaluated during training):
-loading the run's prompts and policy (`load`), continuing from its newest checkpoint (`resume`), and the held-out
-evaluation between steps (`evaluate_heldout`, `evaluation_due`). Not the method: train.train_step is."""
+"""train.py's loop around the step (paper §4's protocol: a fixed held-out set evaluated during training; the budget
+in steps or in training seconds): `train` holds the run folder, `run` loads the prompts and the policy (`load`),
+continues from the newest checkpoint (`resume`) or starts, then steps, logs, evaluates (`evaluate_heldout`,
+`evaluation_due`) and checkpoints until the budget ends or a signal stops it. Not the method: train.train_step is,
+which train.py hands in with the rest of what the loop runs (run/ imports no command).
+Simplification: one process's loop; several processes (multigpu/) run this same loop through the seams of
+train.OneProcess.
+"""
 
+import contextlib
+import json
+import signal
 import sys
+import time
 import warnings
 
 import torch
@@ -13,7 +22,143 @@ import models
 import policy
 import sampling
 import update
-from run import checkpoint, completions, config, report, runfolder, signals
+from grading import trl_call
+from run import checkpoint, completions, config, report, runfolder, signals, threads
+from variants import dynamic_sampling
+
+NONFINITE_STOP = 3  # consecutive steps whose update was skipped
+
+
+def train(args, processes, *, train_step, step_settings, round_strategy, evaluate, cpu_at_start):
+    """The training run described by `args` (config.parse_args), holding its folder's lock; returns the run folder.
+    What it runs is handed in by train.py (run/ imports no command): processes (train.OneProcess: the seams of several
+    processes); train_step(model, tokenizer, optimizer, rounds, settings, step, make_round, processes) -> (the step's
+    metrics, its rounds); step_settings(args) -> what every step reads, built once after loading;
+    round_strategy(args, processes, draw, say) -> the step's make_round; evaluate: eval.evaluate, the held-out
+    measurement; cpu_at_start: threads.sample() before train.py's imports (the thread count is chosen from it)."""
+    run_dir = config.run_dir(args)
+    with contextlib.ExitStack() as held:
+        held.enter_context(runfolder.removed_if_left_empty(run_dir))  # left after the lock is given back
+        with runfolder.disk_full_at_start(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if processes.is_main:
+                held.enter_context(runfolder.folder_lock(run_dir))  # one writer
+        return run(args, run_dir, processes, train_step=train_step, step_settings=step_settings,
+                   round_strategy=round_strategy, evaluate=evaluate, cpu_at_start=cpu_at_start)
+
+
+def run(args, run_dir, processes, *, train_step, step_settings, round_strategy, evaluate, cpu_at_start):
+    """The run in its folder: load, resume or start, then step, log, evaluate and checkpoint until the budget ends
+    (the arguments after run_dir: `train`'s)."""
+    label = config.method_label(args)
+    cpu_threads = threads.choose(args.num_threads, args.device, since=cpu_at_start)
+    if processes.is_main:
+        print(report.start_line(label, args, run_dir, cpu_threads), flush=True)
+        if report.own_rows_line(args):
+            print(report.own_rows_line(args), flush=True)
+    tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
+    if processes.is_main:
+        print(models.trainable_line(model), flush=True)
+    state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()
+    changed_now = args.changes[-1] if args.changes and args.changes[-1]["step"] is None else None
+    if changed_now:  # what this resume changed (config.RECORDED_AT_RESUME), at the step it continues from
+        changed_now["step"] = state.step
+    run_config = dict(vars(args), label=label, output_dir=str(run_dir))
+    if processes.is_main:  # strict JSON: config.parse_args lets no NaN or inf through
+        with runfolder.disk_full_at_start(run_dir):
+            checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
+    saved = (state.step, state.evaluated_step) if args.resume else None  # what the newest checkpoint holds
+    start_step = state.step  # evaluations check the sampler until this process's own steps do (evaluate_heldout)
+    step_s, accuracy, stop = state.last_step_s, None, None  # a resume foresees its next step as the uninterrupted run
+    stuck = 0  # steps in a row that gave the update nothing to learn from (report.learning_signal)
+    last_checkpoint_s = state.elapsed_s
+
+    def draw(count):
+        """The next `count` training examples of the seeded prompt order (exact resume: state.position is saved)."""
+        indices, state.position = checkpoint.next_prompt_indices(len(train_set), count, args.seed, state.position)
+        return [train_set[i] for i in indices]
+
+    settings = step_settings(args)  # what every step reads, built once
+    make_round = round_strategy(args, processes, draw, lambda line: processes.is_main and tqdm.write(
+        f"step {state.step + 1}: {line}", file=sys.stderr))
+
+    def save():
+        nonlocal saved, last_checkpoint_s
+        state.metrics_bytes = log.tell()  # a resume cuts the log back to this size
+        state.sampler_fallback = sampling.fallback_of(model)  # a resume does not go back to an engine it left
+        with runfolder.disk_full_said(run_dir, runfolder.checkpoint_bytes(model, optimizer)):
+            processes.save_checkpoint(run_dir, state.step, model, optimizer, state, run_config, args.keep_checkpoints)
+        saved, last_checkpoint_s = (state.step, state.evaluated_step), state.elapsed_s
+
+    def signalled_stop():  # the signal that reached some process (every process stops at the same point), or None
+        return signalled.get("signal", signal.SIGTERM) if processes.total(len(signalled)) else None
+
+    with report.open_metrics(run_dir, args.report_to, keep_bytes=state.metrics_bytes if args.resume else 0,
+                             first_step=state.step + 1 if args.resume else 0, run_config=run_config,
+                             enabled=processes.is_main) as (log, write), signals.stop_on_signal() as signalled, \
+            contextlib.ExitStack() as closing:
+        if changed_now:
+            write(dict(type="resume", **changed_now))
+        if eval_set and state.step == 0 and state.evaluated_step != 0:  # a stop after it saved it already
+            if processes.is_main:
+                print(f"evaluating {len(eval_set)} held-out prompts at step 0 ...", flush=True)
+            accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, evaluate)
+        bar = closing.enter_context(report.progress_bar(args, state, label, args.progress and processes.is_main))
+        # A step is not started when it would probably end past --max-time-s.
+        while not (args.max_steps and state.step >= args.max_steps) and \
+                not (args.max_time_s and state.elapsed_s + step_s > args.max_time_s):
+            stop = signalled_stop()
+            if stop is not None:
+                break
+            step_start, before_s, cpu_at_step = time.perf_counter(), state.elapsed_s, threads.sample()
+            trl_call.advance(settings.rewards.trainer_state, state.step, state.position, len(train_set))  # TRL's view
+            rounds = [draw(args.prompts_per_step) for _ in range(args.grad_accum_steps)]  # G prompt lists
+            with signals.cuda_oom_hint(args, "the training step"), report.peak_memory_measured(args.device):
+                metrics, scored = train_step(model, tokenizer, optimizer, rounds, settings, state.step + 1,
+                                             make_round, processes)
+            if args.dynamic_sampling:
+                metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))
+            metrics.update(report.learning_signal(metrics))  # "cannot_learn": nothing to learn from, and why
+            stuck = stuck + 1 if "cannot_learn" in metrics else 0
+            metrics["num_threads"] = cpu_threads.count  # what the step ran with; the next may run with other
+            changed = threads.adjust(cpu_threads, cpu_at_step, "the step")  # a line when the count changes
+            notes = report.step_notes(metrics, args, stuck, first=state.step == start_step) + [changed] * bool(changed)
+            for line in notes if processes.is_main else []:
+                tqdm.write(f"step {state.step + 1}: {line}", file=sys.stderr)  # above the progress bar
+            step_s = processes.agree(time.perf_counter() - step_start)
+            write(report.record_step(state, metrics, step_s))
+            if state.step == start_step + 1 and processes.is_main and (eta := report.eta_line(args, state, step_s)):
+                tqdm.write(eta)  # above the progress bar: the machine's pace, at once
+            if args.log_completions_interval and state.step % args.log_completions_interval == 0:
+                write(completions.completions_record(state.step, scored))  # what PODS kept, and with what advantage
+            if state.nonfinite_streak >= NONFINITE_STOP:
+                raise update.TrainingError(
+                    f"{NONFINITE_STOP} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
+                    "norm; none of them changed the weights. Stopping: lower --learning-rate or --max-grad-norm.")
+            if eval_set and evaluation_due(args, state.step, before_s, state.elapsed_s):
+                accuracy = evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, evaluate,
+                                            check_sampler=False)  # this step's update checked the sampler
+            if args.checkpoint_interval_s >= 0 and state.elapsed_s - last_checkpoint_s >= args.checkpoint_interval_s:
+                save()
+            report.show_progress(bar, args, state, metrics["reward"], accuracy)
+        bar.close()
+        stop = stop or signalled_stop()  # a signal during the last step: stopped as during any other
+        if eval_set and state.evaluated_step != state.step and stop is None:
+            evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, evaluate,
+                             check_sampler=state.step == start_step)
+            stop = signalled_stop()  # ... or during the final evaluation
+        if (args.checkpoint_interval_s >= 0 or stop) and saved != (state.step, state.evaluated_step):
+            save()  # the final state, unless saved already
+    if stop is not None:
+        if processes.is_main:
+            print(f"stopped by {signal.Signals(stop).name} after step {state.step}, saved in {run_dir}; continue "
+                  f"with --output-dir {run_dir} --resume", file=sys.stderr)
+        raise signals.Stopped(128 + stop)
+    if processes.is_main:
+        fallback = sampling.fallback_reason(model)   # the run left the decode engine: its last line says why
+        print("\n".join(report.finish_lines(run_dir, args, state.step, state.elapsed_s)
+                        + ([f"  note: the decode engine was left: {fallback}"] if fallback else [])))
+    return run_dir
 
 
 def load(args, processes):

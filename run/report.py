@@ -1,6 +1,6 @@
 """What a training run logs and where it goes.
 
-`record_step`: one training step's metrics line (run/metrics.py's `step_metrics`: TRL's names, plus this trainer's
+`record_step`: one training step's metrics line (train.py's `step_metrics`: TRL's names, plus this trainer's
 counters update_rows, optimizer_steps, num_zero_variance_dropped, num_truncated_masked, skipped_steps, and timings)
 with the run's clock; `step_notes`: what a step says above the progress bar; `learning_signal`: whether the step gave
 the update anything to learn from (its "cannot_learn" field, and the line naming the flag to change).
@@ -33,8 +33,8 @@ torch = lazy_module("torch", globals())  # imported at first use (lazy.py): comm
 
 from run import checkpoint
 from run import completions
-from run.metrics import PHASE_KEYS, kept_groups, step_metrics  # noqa: F401  (report.step_metrics etc.)
 
+PHASE_KEYS = ("generate_s", "reward_s", "select_s", "update_s")  # a step's phases, timed by train.train_step
 TIMING_KEYS = ("elapsed_s", *PHASE_KEYS, "step_s", "peak_mem_gib")
 REPORT_TO = ("none", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
+import policy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -84,5 +85,5 @@ def varied_rewards(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def float32_demo(monkeypatch):
-    """models.native_bf16 is False in every test (train.py subprocesses: pass --no-bf16)."""
-    monkeypatch.setattr(models, "native_bf16", lambda device: False)
+    """policy.native_bf16 is False in every test (train.py subprocesses: pass --no-bf16)."""
+    monkeypatch.setattr(policy, "native_bf16", lambda device: False)

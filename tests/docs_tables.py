@@ -4,7 +4,7 @@ from train.py's parser, never by hand:
 
 - `rules` (docs/method.md): the down-sampling rules, `pods.RULES`;
 - `variant-flags` (docs/method.md): the flags that vary the method (`config.LABEL_FLAGS`) and every loss option
-  (`grpo_loss.LossSettings`, `config.LOSS_FLAGS`), with the parser's help;
+  (`loss_options.LossSettings`, `config.LOSS_FLAGS`), with the parser's help;
 - `reward-terms`, `datasets` (docs/rewards_and_data.md): `rewards.REWARD_TERMS`, `data.DATASET_READERS`;
 - `presets` (README.md), `preset-values` (docs/training.md): `presets.PRESETS` and `presets.BASELINES`;
 - `flags`, `resume` (docs/training.md): every flag of `config.build_parser()` as `--help` groups them, and what a
@@ -187,11 +187,11 @@ def resume_table():
 
 def variant_flags_table():
     """The flags that vary the method (the method label's, config.LABEL_FLAGS) and every field of
-    grpo_loss.LossSettings (by the flag that sets it): default, choices, the field, help."""
-    import grpo_loss
+    loss_options.LossSettings (by the flag that sets it): default, choices, the field, help."""
+    import loss_options
     from run import config
 
-    fields = {grpo_loss.flag_name(option): option for option in dataclasses.fields(grpo_loss.LossSettings)}
+    fields = {loss_options.flag_name(option): option for option in dataclasses.fields(loss_options.LossSettings)}
     by_dest = actions_by_dest()
     by_flag = {flag: action for action in by_dest.values() for flag in action.option_strings}
     actions = [by_dest[dest] for dest in config.LABEL_FLAGS]

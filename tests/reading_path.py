@@ -5,7 +5,7 @@ smaller) on a tiny random Llama with the demo's LoRA, traced with sys.settrace: 
 a function runs (tests/ excluded), in the order the step first enters it. Traced on the default backend (the decode
 engine, which runs on a CPU too) and on the reference Hugging Face backend (`--backend hf`), in float32 (`--no-bf16`),
 and once more on the default backend in bf16 (`--bf16`, a bf16 base), for what that precision adds. The precision is
-named, not the CPU's: the demo's `--bf16 auto` and `models.native_bf16` are pinned while tracing, so the path is the
+named, not the CPU's: the demo's `--bf16 auto` and `policy.native_bf16` are pinned while tracing, so the path is the
 same on a CPU with or without bf16 instructions.
 
     python -m tests.reading_path            # print the paths, with each file's lines and the totals
@@ -33,7 +33,7 @@ PRECISIONS = {"float32": "--no-bf16", "bf16": "--bf16"}
 def traced_step_files(backend, tokenizer=None, precision="float32"):
     """The project files (paths relative to the repository, in order of first entry) that one training step with
     the default flags (smaller sizes: TINY_SIZES) enters with --backend `backend` ("hf" or "engine") in `precision`
-    ("float32" or "bf16": the flag, the base weights' dtype and models.native_bf16 alike, whatever this CPU has).
+    ("float32" or "bf16": the flag, the base weights' dtype and policy.native_bf16 alike, whatever this CPU has).
     tokenizer: the demo model's (loaded here when None)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
@@ -42,12 +42,13 @@ def traced_step_files(backend, tokenizer=None, precision="float32"):
     from run import config
     import data
     import models
+    import policy
     import train
     import update
 
     bf16 = precision == "bf16"
-    native_bf16 = models.native_bf16
-    models.native_bf16 = lambda device: bf16  # the precision named, not the CPU's (put back below)
+    native_bf16 = policy.native_bf16
+    policy.native_bf16 = lambda device: bf16  # the precision named, not the CPU's (put back below)
     try:
         args = config.parse_args(["--backend", backend, "--device", "cpu", PRECISIONS[precision], *TINY_SIZES])
         tokenizer = tokenizer or models.load_tokenizer(args.model)
@@ -61,7 +62,7 @@ def traced_step_files(backend, tokenizer=None, precision="float32"):
         settings = train.step_settings(args)  # built once per run, before the step (the loop does so too)
         return _traced(lambda: train.train_step(model, tokenizer, optimizer, [examples], settings, step=1))
     finally:
-        models.native_bf16 = native_bf16
+        policy.native_bf16 = native_bf16
 
 
 def _traced(step):
@@ -96,18 +97,18 @@ def _traced(step):
 # What each file holds for the step (README's table); a file not named here is listed with its docstring's first
 # sentence.
 ROLES = {
-    "train.py": "the step (`train_step`, its `Round` record, `StepSettings`) and the loop around it",
-    "grpo_loss.py": "`LossSettings` (every option of the loss), the clipped per-token GRPO loss and its normaliser",
-    "policy.py": "the policy model's calls: dropout off, the completion tokens' log-probs (the LM head fused where it can)",
+    "train.py": "the step (`train_step`, its `Round` record, `StepSettings`) and its metrics line (`step_metrics`)",
+    "grpo_loss.py": "the paper's clipped per-token GRPO loss in named parts and its normaliser (the options and the "
+                    "parts of later work they switch on: `loss_options.py`, not entered)",
+    "policy.py": "the policy model's calls: dropout off, the completion tokens' log-probs (the LM head fused where it "
+                 "can); the sampler check against them (when to fall back to `generate()`)",
     "stopwatch.py": "the phases' stopwatch (`timed`)",
     "sampling.py": "n rollouts per prompt: chunks, seeds, first-EOS masks, the backend and its fallback",
     "engine/hf_generate.py": "Hugging Face generate with our settings only, the sampler's log-probs read between its warpers",
-    "run/metrics.py": "the step's metrics line",
     "rewards.py": "the registry of reward terms (accuracy, format, tag count) weighted into one total; the answers read",
     "pods.py": "the registry of down-sampling rules (max-variance: one sort + prefix sums), `select`, the advantages",
-    "update.py": "the kept rows as a batch, old/reference log-probs, micro-batches, clipping, the optimizer step",
-    "models.py": "a bf16 base's LoRA layers computed in bf16, `lora_in_base_dtype`; loading is outside the step",
-    "engine/rollout_check.py": "the sampler's log-probs against the update's: when to fall back to `generate()`",
+    "update.py": "the kept rows as a batch, old/reference log-probs, micro-batches, clipping, the optimizer step; "
+                 "a bf16 base's LoRA adapter computed in bf16 (`lora_forward`)",
     "engine/prefix.py": "each distinct token computed once: the prefix every prompt shares, each prompt once for its rows",
     "engine/decode.py": "the decode loop: the model families it runs, bucketed KV cache, finished rows dropped",
     "engine/weights.py": "LoRA merged into a copy of the weights for decoding",
@@ -157,7 +158,8 @@ def block_body(engine_files, hf_files, bf16_files):
         "order:", "", "| # | file | what it holds for the step |", "|---|---|---|", *rows, "",
         f"With `--backend hf` it enters **{len(hf_files)} files**: {described(instead)}"
         + (f" in place of {listed(left)}" if left else "") + ".", "",
-        f"In bf16 (`--bf16`, a bf16 base) it also enters {described(added)}."])
+        f"In bf16 (`--bf16`, a bf16 base) it also enters {described(added)}." if added else
+        "In bf16 (`--bf16`, a bf16 base) it enters the same files."])
 
 
 def current_body(tokenizer=None):

@@ -15,11 +15,12 @@ from run import config
 import data
 import models
 import pods
+import policy
 import rewards
 import sampling
 import train
 import update
-from grpo_loss import LossSettings
+from loss_options import LossSettings
 from run.presets import PRESETS
 
 
@@ -582,10 +583,10 @@ def test_a_resume_may_switch_prefix_sharing_which_does_not_change_what_is_traine
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_demo_computes_in_bf16_where_the_device_has_bf16_arithmetic(monkeypatch, native):
-    """The demo preset's --bf16 auto: on where models.native_bf16 says the device computes bf16 natively (the CPU's
+    """The demo preset's --bf16 auto: on where policy.native_bf16 says the device computes bf16 natively (the CPU's
     AVX-512 BF16 or AMX), else off; resolved before anything records it; a flag given wins; the paper's presets
     keep their own value."""
-    monkeypatch.setattr(models, "native_bf16", lambda device: native)
+    monkeypatch.setattr(policy, "native_bf16", lambda device: native)
     assert config.parse_args([]).bf16 is native
     assert config.parse_args(["--no-bf16"]).bf16 is False and config.parse_args(["--bf16"]).bf16 is True
     assert config.parse_args(["--preset", "a", "--device", "cpu"]).bf16 is True

@@ -13,7 +13,7 @@ import pytest
 
 from run import config
 import data
-import grpo_loss
+import loss_options
 import pods
 import rewards
 from run.presets import PRESETS
@@ -65,9 +65,9 @@ def test_readme_reading_path_is_the_traced_step_whatever_the_cpu(smollm2_tokeniz
     assert written == docs_tables.block("reading-path", reading_path.block_body(engine, hf, bf16)), \
         f"README's reading path differs from the code: run {docs_tables.COMMAND}"
     assert not re.search(r"\d+ lines|~\d", written), "README's reading path states line counts"
-    import models
+    import policy
 
-    monkeypatch.setattr(models, "native_bf16", lambda device: True)  # as on a CPU with AVX-512 BF16 or AMX
+    monkeypatch.setattr(policy, "native_bf16", lambda device: True)  # as on a CPU with AVX-512 BF16 or AMX
     assert reading_path.traced_step_files("engine", smollm2_tokenizer) == engine
 
 
@@ -154,10 +154,10 @@ def test_the_generated_tables_name_everything_their_registries_hold():
     assert [row[0].split()[0] for row in table_rows(blocks["presets"])] == [f"`{name}`" for name in PRESETS]
     assert f"| flag | {' | '.join(f'`{name}`' for name in PRESETS)} |" in blocks["preset-values"]
     fields = {row[3].split()[0] for row in table_rows(blocks["variant-flags"]) if row[3]}
-    assert fields == {f"`{field.name}`" for field in dataclasses.fields(grpo_loss.LossSettings)}
+    assert fields == {f"`{field.name}`" for field in dataclasses.fields(loss_options.LossSettings)}
     for option in config.LOSS_FLAGS:  # each choice of a loss option is named
         choices = (option.metadata["argparse"] or {}).get("choices") or ()
-        row = next(row for row in table_rows(blocks["variant-flags"]) if row[0] == f"`{grpo_loss.flag_name(option)}`")
+        row = next(row for row in table_rows(blocks["variant-flags"]) if row[0] == f"`{loss_options.flag_name(option)}`")
         assert set(re.findall(r"`(\w+)`", row[2])) == set(choices)
     every = {action.dest for action in PARSER._actions if action.dest != "help"}
     assert dests(" ".join(row[1] for row in table_rows(blocks["flags"]))) == every
@@ -199,7 +199,7 @@ def test_every_loss_option_value_has_an_update_flag_case():
 
     given = [argv for argv, _, _ in UPDATE_FLAG_CASES]
     for option in config.LOSS_FLAGS:
-        flag = grpo_loss.flag_name(option)
+        flag = loss_options.flag_name(option)
         kind = option.metadata["argparse"] or {}
         wanted = [[flag, choice] for choice in kind.get("choices", []) if choice != option.default] or [[flag]]
         for words in wanted:
@@ -339,7 +339,8 @@ def test_every_signature_the_docs_spell_out_is_the_functions():
             if not match:
                 continue
             module, function, params = match.groups()
-            candidates = MODULES.get(module, []) if module else ["data", "eval", "pods", "grpo_loss", "rewards"]
+            candidates = MODULES.get(module, []) if module else \
+                ["data", "eval", "pods", "grpo_loss", "loss_options", "rewards"]
             found = [getattr(importlib.import_module(candidate), function) for candidate in candidates
                      if hasattr(importlib.import_module(candidate), function)]
             if not found or not callable(found[0]):

@@ -222,7 +222,7 @@ def run_step(model, tokenizer, argv, monkeypatch, rounds=None, pool=EXAMPLES):
     rounds = rounds or [EXAMPLES]
     metrics, scored = train.train_step(lora, tokenizer, optimizer, rounds, train.step_settings(args), 2,
                                        train.round_strategy(args, draw=draw))
-    metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))  # as train.run does
+    metrics.update(dynamic_sampling.step_metrics(scored, sum(map(len, rounds))))  # as the loop (run/loop.py) does
     return args, metrics, scored, seen
 
 

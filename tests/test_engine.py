@@ -224,7 +224,7 @@ def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatc
     pass over the whole prompts, so a shared prefix whose K/V reach only the last row (decoding reads them from the
     first, step.attend_shared), or were computed from its tokens in reverse order, raises the gap above the
     fallback limit (a tiny Llama with peaked logits, as a trained model's)."""
-    from engine import rollout_check
+    import policy
     import sampling
 
     model = models.tiny_random_model("llama", seed=0, tie_word_embeddings=False)
@@ -255,7 +255,7 @@ def test_a_faulty_shared_prefix_is_caught_by_the_sampler_check(fault, monkeypatc
         monkeypatch.setattr(engine.step, "prefill", last_row_only)
     else:
         monkeypatch.setattr(engine.step, "run_layers", reversed_prefix)
-    assert healthy.mean < 1e-5 < rollout_check.LOGPROB_GAP_LIMIT < gap().mean
+    assert healthy.mean < 1e-5 < policy.LOGPROB_GAP_LIMIT < gap().mean
 
 
 def first_token_counts(model, temperature, top_p, draws=4096, **kw):

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-import grpo_loss
+import loss_options
 import models
 from engine import gpu_paths
 from engine import kernels as engine_kernels
@@ -53,7 +53,7 @@ def gradients_of_an_update(monkeypatch, kernels, full_bf16=False):
     batch = random_batch(4, 6, 5, VOCAB)
     batch.prompt_ids[:, :5] = batch.prompt_ids[0, :5]   # a shared prefix: prefix sharing runs
     settings = update.UpdateSettings(micro_batch_size=2, autocast_dtype=torch.bfloat16 if full_bf16 else None,
-                                     loss=grpo_loss.LossSettings(kl_coef=0.0))
+                                     loss=loss_options.LossSettings(kl_coef=0.0))
     with gpu_paths.emulated("cpu"):
         update.fill_logprobs(model, [batch], settings)
         update.update_policy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),

@@ -15,7 +15,7 @@ import torch
 import engine
 import engine.decode
 import engine.ops as ops
-import grpo_loss
+import loss_options
 import models
 import update
 from engine import gpu_paths
@@ -68,7 +68,7 @@ def batches():
 
 
 def settings(**loss):
-    return update.UpdateSettings(micro_batch_size=2, updates_per_batch=2, loss=grpo_loss.loss_settings(**loss))
+    return update.UpdateSettings(micro_batch_size=2, updates_per_batch=2, loss=loss_options.loss_settings(**loss))
 
 
 def two_steps(model, optimizer_name, step_settings, memory_bytes=None, plans=None):
@@ -135,7 +135,7 @@ def test_a_bf16_base_computes_its_adapter_in_bf16_within_tolerance_of_peft():
     """On the GPU paths a bf16 base's adapter runs as three bf16 products (models.lora_in_base_dtype): the update's
     loss and gradient stay within bf16's tolerance of peft's fp32 adapter over the same base (tests/
     test_lora_precision.py: within 0.12 of an fp32 model, relative L2)."""
-    one_step = update.UpdateSettings(micro_batch_size=2, loss=grpo_loss.LossSettings())
+    one_step = update.UpdateSettings(micro_batch_size=2, loss=loss_options.LossSettings())
     results = []
     for memory_bytes in (None, SMALL_CARD):
         model = policy(torch.bfloat16)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grpo_loss as gl
+import loss_options
 
 EPS = 0.2
 
@@ -82,11 +83,11 @@ EXAMPLE_WEIGHTS = {
 @pytest.mark.parametrize("correction", sorted(EXAMPLE_WEIGHTS))
 def test_importance_weights_equal_the_reference_each_mode_is_named_after(correction):
     old, sampler = torch.tensor([EXAMPLE_OLD]).log(), torch.tensor([EXAMPLE_SAMPLER]).log()
-    weights = gl.importance_weights(old, sampler, correction, 2.0)
+    weights = loss_options.importance_weights(old, sampler, correction, 2.0)
     assert torch.allclose(weights, torch.tensor([EXAMPLE_WEIGHTS[correction]]), atol=1e-6)
 
 
-@pytest.mark.parametrize("aggregation", gl.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", loss_options.LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("correction", sorted(EXAMPLE_WEIGHTS))
 def test_the_example_loss_and_its_denominator_per_mode(correction, aggregation):
     """A = 1, pi_old = pi (ratio 1), one row of 4 tokens and one of 2 (both with the example's weights, the second
@@ -108,14 +109,14 @@ def test_the_example_loss_and_its_denominator_per_mode(correction, aggregation):
     loss, metrics = gl.grpo_loss(logp, old, torch.ones(2), mask, aggregation=aggregation, max_completion_tokens=4,
                                  importance_sampling_correction=correction, is_clip=2.0, sampler_logprobs=sampler)
     assert loss.item() == pytest.approx(want, rel=1e-5)
-    denominator = gl.loss_denominator(gl.loss_tokens(mask, old, sampler, gl.loss_settings(
+    denominator = gl.loss_denominator(gl.loss_tokens(mask, old, sampler, loss_options.loss_settings(
         importance_sampling_correction=correction, is_clip=2.0)), aggregation, 4)
     kept_tokens = 3 if correction == "token_reject" else 6
     assert denominator == {"sequence": 2, "token": kept_tokens, "fixed": 8}[aggregation]
     assert metrics["importance_weight_mean"] == pytest.approx((sum(w) + sum(w[:2])) / 6, rel=1e-5)
 
 
-@pytest.mark.parametrize("correction, clip", [(correction, clip) for correction in gl.IS_CORRECTIONS[1:]
+@pytest.mark.parametrize("correction, clip", [(correction, clip) for correction in loss_options.IS_CORRECTIONS[1:]
                                               for clip in (2.0, 1.2)])
 def test_importance_weights_match_a_per_token_reference(correction, clip):
     """tis: min(w, C); token_mask: w where w <= C, else 0; token_reject: 1 where 1/C <= w <= C, else 0, with the
@@ -131,7 +132,7 @@ def test_importance_weights_match_a_per_token_reference(correction, clip):
 
     want = [[reference(o, s) for o, s in zip(old_row, sampler_row)]
             for old_row, sampler_row in zip(old.tolist(), sampler.tolist())]
-    weights = gl.importance_weights(old.requires_grad_(True), sampler, correction, clip)
+    weights = loss_options.importance_weights(old.requires_grad_(True), sampler, correction, clip)
     assert not weights.requires_grad and torch.allclose(weights.double(), torch.tensor(want, dtype=torch.float64))
     bound = weights[mask.bool()] == (clip if correction == "tis" else 0.0)
     assert 0 < float(bound.double().mean()) < 1   # the cap (or the mask) binds on some tokens, not on all
@@ -148,9 +149,9 @@ def test_importance_weights_match_a_per_token_reference(correction, clip):
     assert abs(loss.item() - expected) < 1e-5 and torch.allclose(x.grad, expected_grad, atol=1e-6)
     assert metrics["importance_weight_mean"] == pytest.approx(float(weights[mask.bool()].double().mean()))
     with pytest.raises(ValueError, match="clip must be >= 1"):
-        gl.importance_weights(old, sampler, correction, 0.5)
+        loss_options.importance_weights(old, sampler, correction, 0.5)
     with pytest.raises(ValueError, match="one of"):
-        gl.importance_weights(old, sampler, "none", 2.0)
+        loss_options.importance_weights(old, sampler, "none", 2.0)
     with pytest.raises(ValueError, match="needs the sampler's log-probs"):
         gl.grpo_loss(x, old, adv, mask, importance_sampling_correction=correction)
 
@@ -158,7 +159,7 @@ def test_importance_weights_match_a_per_token_reference(correction, clip):
 def test_the_removed_mask_mode_is_refused_naming_its_replacements():
     old = torch.zeros(1, 3)
     with pytest.raises(ValueError, match="'mask'.*token_mask.*token_reject"):
-        gl.importance_weights(old, old, "mask", 2.0)
+        loss_options.importance_weights(old, old, "mask", 2.0)
 
 
 def test_metrics_match_naive_counts():
@@ -273,13 +274,13 @@ def test_grpo_loss_rejects_bad_input():
 
 # --- variants: loss aggregation, clip-higher, truncated completions ---------------------------------
 
-@pytest.mark.parametrize("aggregation", gl.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", loss_options.LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("eps_high", [None, 0.28])
 def test_each_aggregation_matches_naive_loop_with_empty_and_truncated_rows(aggregation, eps_high):
     for seed in range(3):
         logp, old, ref, adv, mask = random_batch(seed)  # row 2 is an empty completion
         for truncated in (torch.zeros(5, dtype=torch.bool), torch.tensor([True, False, False, False, True])):
-            kept = gl.mask_truncated(mask, truncated)
+            kept = loss_options.mask_truncated(mask, truncated)
             lists = [t.tolist() for t in (logp, old, adv, kept, ref)]
             want, want_grad = naive_loss_and_grad(*lists, beta=0.1, eps_high=eps_high, aggregation=aggregation,
                                                   max_tokens=9)
@@ -295,17 +296,17 @@ def test_each_aggregation_matches_naive_loop_with_empty_and_truncated_rows(aggre
 def test_aggregations_differ_and_sequence_is_the_default():
     logp, old, ref, adv, mask = random_batch(6)
     losses = {a: gl.grpo_loss(logp, old, adv, mask, aggregation=a, max_completion_tokens=7)[0].item()
-              for a in gl.LOSS_AGGREGATIONS}
+              for a in loss_options.LOSS_AGGREGATIONS}
     assert losses["sequence"] == gl.grpo_loss(logp, old, adv, mask)[0].item()
     assert len(set(losses.values())) == 3
     # Same numerator for token and fixed; only the normaliser differs.
     assert losses["token"] * int(mask.sum()) == pytest.approx(losses["fixed"] * 5 * 7, rel=1e-6)
 
 
-@pytest.mark.parametrize("aggregation", gl.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", loss_options.LOSS_AGGREGATIONS)
 def test_micro_batch_numerators_over_global_denominator_equal_the_full_batch(aggregation):
     logp, old, ref, adv, mask = random_batch(8)
-    mask = gl.mask_truncated(mask, torch.tensor([False, False, False, True, False]))
+    mask = loss_options.mask_truncated(mask, torch.tensor([False, False, False, True, False]))
     kwargs = dict(kl_coef=0.05, clip_eps_high=0.3, aggregation=aggregation)
     full_x = logp.clone().requires_grad_(True)
     full, _ = gl.grpo_loss(full_x, old, adv, mask, ref_logprobs=ref, max_completion_tokens=7, **kwargs)
@@ -374,22 +375,22 @@ def test_mask_truncated_zeroes_rows_and_shrinks_only_the_token_denominator():
     _, _, _, _, mask = random_batch(0)
     truncated = torch.tensor([True, False, False, True, False])
     for dtype in (torch.long, torch.bool, torch.float32):
-        kept = gl.mask_truncated(mask.to(dtype), truncated)
+        kept = loss_options.mask_truncated(mask.to(dtype), truncated)
         assert kept.dtype == dtype and not kept[truncated].any()
         assert torch.equal(kept[~truncated], mask[~truncated].to(dtype))
-    kept = gl.mask_truncated(mask, truncated)
+    kept = loss_options.mask_truncated(mask, truncated)
     assert gl.loss_denominator(kept, "token") == int(mask.sum()) - int(mask[truncated].sum())
     assert gl.loss_denominator(kept, "sequence") == gl.loss_denominator(mask, "sequence") == 5
     assert gl.loss_denominator(kept, "fixed", 7) == 35
     with pytest.raises(ValueError, match="truncated must be a bool"):
-        gl.mask_truncated(mask, truncated.long())
+        loss_options.mask_truncated(mask, truncated.long())
     with pytest.raises(ValueError, match=r"\[B\] = \[5\]"):
-        gl.mask_truncated(mask, truncated[:3])
+        loss_options.mask_truncated(mask, truncated[:3])
 
 
 def test_loss_denominator_is_additive_and_rejects_bad_input():
     _, _, _, _, mask = random_batch(0)
-    for aggregation in gl.LOSS_AGGREGATIONS:
+    for aggregation in loss_options.LOSS_AGGREGATIONS:
         parts = [mask[:2], mask[2:4, :4], mask[4:]]
         assert gl.loss_denominator(parts, aggregation, 7) == gl.loss_denominator(mask, aggregation, 7)
     assert gl.loss_denominator(torch.zeros(3, 4), "token") == 0

@@ -130,9 +130,9 @@ def test_an_upward_import_is_caught(table, files):
         "from ..run import report\n": "run/report.py",
     }
     for source, target in planted.items():
-        imported = imported_files("engine/rollout_check.py", source, modules)
+        imported = imported_files("engine/hf_generate.py", source, modules)
         assert target in imported, source
-        assert any(line.startswith(f"engine/rollout_check.py (layer {table['engine/']}) imports {target}")
-                   for line in upward_imports({"engine/rollout_check.py": imported}, table)), source
+        assert any(line.startswith(f"engine/hf_generate.py (layer {table['engine/']}) imports {target}")
+                   for line in upward_imports({"engine/hf_generate.py": imported}, table)), source
     assert upward_imports({"sampling.py": imported_files("sampling.py", "import engine\nimport policy\n", modules)},
                           table) == []

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import models
+import policy
 
-NATIVE_BF16 = models.native_bf16  # conftest's float32_demo replaces it in every test
+NATIVE_BF16 = policy.native_bf16  # conftest's float32_demo replaces it in every test
 
 EXPECTED = {"llama": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
             "qwen2": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],

@@ -1,9 +1,11 @@
-"""The objectives of later work beside the paper's loss (grpo_loss.py): GSPO's sequence-level ratio
-(`importance_sampling_level="sequence"`), CISPO's clipped, detached weight (`policy_loss="cispo"`) and the
-high-entropy token mask (`high_entropy_mask`, `picked_logprobs(..., with_entropies=True)`), each against a hand
-computation of its reference (TRL 1.16's GRPOTrainer._compute_loss, verl's core_algos.py) on a batch where it changes
-the loss, and each shown to leave the paper's gradient unchanged where its reference says it must."""
+"""The objectives of later work beside the paper's loss (grpo_loss.py; their parts: loss_options.py): GSPO's
+sequence-level ratio (`importance_sampling_level="sequence"`), CISPO's clipped, detached weight
+(`policy_loss="cispo"`) and the high-entropy token mask (`high_entropy_mask`, `picked_logprobs(...,
+with_entropies=True)`), each against a hand computation of its reference (TRL 1.16's GRPOTrainer._compute_loss,
+verl's core_algos.py) on a batch where it changes the loss, and each shown to leave the paper's gradient unchanged
+where its reference says it must."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import grpo_loss as gl
+import loss_options
 import policy
 
 EPS = 0.2
@@ -178,7 +181,7 @@ def test_with_one_update_per_batch_each_gives_the_papers_gradient(options, aggre
     _, grad, _ = loss_and_grad(logp, logp, adv, mask, **settings, **options)
     torch.testing.assert_close(grad, paper, atol=1e-7, rtol=1e-5)
     assert paper.abs().sum() > 0
-    fields = {field.name: field for field in gl.dataclasses.fields(gl.LossSettings)}
+    fields = {field.name: field for field in dataclasses.fields(loss_options.LossSettings)}
     assert all(fields[name].metadata["ratio_only"] for name in options)
 
 
@@ -193,27 +196,33 @@ def test_unknown_levels_and_policy_losses_are_refused():
 def test_every_option_is_a_named_part_and_a_new_adjustment_plugs_in(monkeypatch):
     """grpo_loss_sum composes named parts: each choice of a choice option is an entry of the registry that option
     picks from (a choice without its part, or a part without its choice, fails here); every adjustment of the
-    policy-gradient term hands it back untouched at its field's default, measuring nothing; and one more adjustment
-    in TOKEN_ADJUSTMENTS acts on the loss with no other edit (here: the policy-gradient term doubled, the KL term
-    not)."""
-    fields = {field.name: field for field in gl.dataclasses.fields(gl.LossSettings)}
+    policy-gradient term is made only where its option is on (the paper's loss makes none; each option switched on
+    makes its own); and one more adjustment in TOKEN_ADJUSTMENTS acts on the loss with no other edit (here: the
+    policy-gradient term doubled where kl_coef is on, the KL term not)."""
+    fields = {field.name: field for field in dataclasses.fields(loss_options.LossSettings)}
     for name, registry in (("importance_sampling_level", gl.LOG_RATIOS), ("policy_loss", gl.POLICY_LOSS_TERMS),
                            ("aggregation", gl.AGGREGATIONS)):
         assert tuple(registry) == tuple(fields[name].metadata["argparse"]["choices"]), name
     logp, old, adv, mask = stale_batch(1)
-    keep, paper = mask.bool(), gl.LossSettings()
-    ratio = torch.exp(gl.masked_float(logp, keep) - gl.masked_float(old, keep))
-    terms = gl.LossTerms(paper, keep, keep.float(), gl.masked_float(logp, keep), adv.float()[:, None], ratio,
-                         gl.clip_range(paper), old, keep, None, None, None)
-    per_token, _ = gl.ppo_clip(terms)
-    for adjust in gl.TOKEN_ADJUSTMENTS:
-        measured = {}
-        assert adjust(per_token, terms, measured) is per_token and measured == {}, adjust.__name__
+    made = []
+    recording = tuple((option, lambda per_token, terms, measured, option=option: made.append(option) or per_token)
+                      for option, _ in gl.TOKEN_ADJUSTMENTS)
+    monkeypatch.setattr(gl, "TOKEN_ADJUSTMENTS", recording)
+    gl.grpo_loss(logp, old, adv, mask)
+    assert made == []  # the paper's loss
+    switched_on = dict(importance_sampling_correction=dict(importance_sampling_correction="tis",
+                                                           sampler_logprobs=old),
+                       top_entropy_quantile=dict(top_entropy_quantile=0.5, entropies=torch.rand_like(logp)))
+    for option, _ in recording:
+        made.clear()
+        gl.grpo_loss(logp, old, adv, mask, **switched_on[option])
+        assert made == [option]
+    monkeypatch.undo()
     ref = old - 0.1
     options = dict(ref_logprobs=ref, kl_coef=0.1)
     loss, _, _ = loss_and_grad(logp, old, adv, mask, **options)
     policy_term, _, _ = loss_and_grad(logp, old, adv, mask)
-    doubling = (*gl.TOKEN_ADJUSTMENTS, lambda per_token, terms, measured: 2 * per_token)
+    doubling = (*gl.TOKEN_ADJUSTMENTS, ("kl_coef", lambda per_token, terms, measured: 2 * per_token))
     monkeypatch.setattr(gl, "TOKEN_ADJUSTMENTS", doubling)
     doubled, _, _ = loss_and_grad(logp, old, adv, mask, **options)
     assert policy_term != 0 and doubled == pytest.approx(loss + policy_term, rel=1e-5)
@@ -237,15 +246,15 @@ def test_high_entropy_mask_is_trls(quantile):
     entropies = torch.rand(4, 9, generator=gen) * 3
     mask = (torch.arange(9)[None, :] < torch.tensor([9, 4, 0, 7])[:, None]).long()
     entropies[mask == 0] = 100.0  # padding: never ranked, never kept
-    ours = gl.high_entropy_mask(entropies, mask, quantile)
+    ours = loss_options.high_entropy_mask(entropies, mask, quantile)
     assert torch.equal(ours, trl_high_entropy_mask(entropies, mask, quantile))
     kept = int(ours.sum())
     if 0 < quantile < 1:  # about the top quantile of the 20 tokens
         assert kept == math.ceil(quantile * 20) or kept == math.floor(quantile * 20) + 1
     assert kept == {1.0: 20, 0.0: 1}.get(quantile, kept) and not ours[mask == 0].any()
-    assert not gl.high_entropy_mask(entropies, torch.zeros_like(mask), quantile).any()
+    assert not loss_options.high_entropy_mask(entropies, torch.zeros_like(mask), quantile).any()
     with pytest.raises(ValueError, match="in \\[0, 1\\]"):
-        gl.high_entropy_mask(entropies, mask, 1.5)
+        loss_options.high_entropy_mask(entropies, mask, 1.5)
 
 
 def test_the_entropy_mask_reads_nothing_back_from_the_device():
@@ -260,9 +269,9 @@ def test_the_entropy_mask_reads_nothing_back_from_the_device():
     for tensor in (entropies, mask):
         recorder.device.add(tensor)
     with census.host_boundary(recorder, torch.device("cpu")), recorder:
-        gl.high_entropy_mask(entropies, mask, 0.2)
+        loss_options.high_entropy_mask(entropies, mask, 0.2)
     assert not recorder.syncs and sum(recorder.ops.values()) > 0
-    on_meta = gl.high_entropy_mask(entropies.to("meta"), mask.to("meta"), 0.2)
+    on_meta = loss_options.high_entropy_mask(entropies.to("meta"), mask.to("meta"), 0.2)
     assert on_meta.device.type == "meta" and on_meta.shape == (4, 9) and on_meta.dtype == torch.bool
 
 
@@ -321,7 +330,7 @@ def test_the_objectives_studys_plan_is_todays_demo_with_one_objective_changed(na
                     "clip_eps", "loss_aggregation", "prefix_sharing"):
             assert getattr(args, key) == demo[key] or (key == "prefix_sharing" and args.prefix_sharing == "on"), key
         assert args.seed == int(name[-1])
-    paper = gl.LossSettings(clip_eps_high=0.2, max_completion_tokens=32)  # the paper's loss, as pinned
+    paper = loss_options.LossSettings(clip_eps_high=0.2, max_completion_tokens=32)  # the paper's loss, as pinned
     assert config.loss_settings(parsed["paper-n16-m4-s1"]) == paper
     assert config.method_label(parsed["paper-n16-m4-s1"]) == study.OBJECTIVES_BASELINE
     for arm, field, value in (("gspo", "importance_sampling_level", "sequence"), ("cispo", "policy_loss", "cispo"),

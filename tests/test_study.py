@@ -78,7 +78,7 @@ UNPINNED_OK = {"baseline", "load_in_4bit", "generation_copy", "prefill_think", "
 def test_every_setting_of_the_recorded_tables_is_pinned():
     """Each train.py flag is given explicitly, so a later preset or default edit cannot change the study."""
     from run import config
-    import grpo_loss
+    import loss_options
 
     parser = config.build_parser()
     unset = object()
@@ -90,7 +90,7 @@ def test_every_setting_of_the_recorded_tables_is_pinned():
     for flags, settings in plans:
         args = parser.parse_args(studyrun.train_flags("runs/x", flags, 120, settings=settings))
         unpinned = {name for name, value in vars(args).items() if value is unset}
-        unpinned -= {grpo_loss.flag_name(option)[2:].replace("-", "_")  # a loss option whose default is None (off)
+        unpinned -= {loss_options.flag_name(option)[2:].replace("-", "_")  # a loss option whose default is None (off)
                      for option in config.LOSS_FLAGS if option.default is None}
         assert unpinned <= UNPINNED_OK, f"pin these in studyrun.STUDY_TRAIN_ARGS: {sorted(unpinned - UNPINNED_OK)}"
     args = parser.parse_args(studyrun.train_flags("runs/x", runs["grpo-n4-m4-s0"], 120))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from run import completions, signals
-from run import config
+from run import config, loop
 import eval as eval_module
 import grpo_loss
 import models
@@ -139,7 +139,7 @@ def test_a_resumed_run_starts_no_step_past_its_budget(tiny_model_dir, tmp_path, 
 
     import compare
 
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=itertools.count(0.0, 1.0).__next__))
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=itertools.count(0.0, 1.0).__next__))
     argv = tiny_argv(tiny_model_dir, tmp_path / "run")
     train.main(argv)
     last = read_lines(tmp_path / "run", "train")[-1]

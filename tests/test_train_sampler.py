@@ -16,7 +16,7 @@ import engine
 import engine.weights
 import eval as heldout
 import models
-from engine import rollout_check
+import policy
 import sampling
 import train
 from run_helpers import read_lines, tiny_argv
@@ -87,7 +87,7 @@ def test_a_planted_fault_falls_back_to_hf_and_the_run_finishes(fault, step, peak
     assert [line["step"] for line in steps] == [1, 2, 3]
     fired = [line["step"] for line in steps if "sampler/fallback" in line]
     assert fired == [step] and "samples from another policy" in steps[step - 1]["sampler/fallback"]
-    assert steps[step - 1]["sampler/logprob_diff_mean"] > rollout_check.LOGPROB_GAP_LIMIT
+    assert steps[step - 1]["sampler/logprob_diff_mean"] > policy.LOGPROB_GAP_LIMIT
     assert "the step's update is not applied" in steps[step - 1]["sampler/fallback"]
     assert [line["optimizer_steps"] for line in steps] == [0 if line["step"] == step else 1 for line in steps]
     for line in steps[:step]:
@@ -109,7 +109,7 @@ def test_the_step_that_detects_a_faulty_sampler_leaves_the_weights_as_they_were(
         run_dir = train.main(tiny_argv(peaked_model_dir, tmp_path / "run", "--eval-samples", "0", "--max-steps", "1",
                                        "--learning-rate", "5e-2"))
     line = read_lines(run_dir, "train")[0]
-    assert line["sampler/logprob_diff_mean"] > rollout_check.LOGPROB_GAP_LIMIT and "sampler/fallback" in line
+    assert line["sampler/logprob_diff_mean"] > policy.LOGPROB_GAP_LIMIT and "sampler/fallback" in line
     assert line["optimizer_steps"] == 0 and line["skipped_steps"] == 0 and line["update_rows"] == 4
     weights = load_file(run_dir / "checkpoints" / "step_000001" / "adapter" / "adapter_model.safetensors")
     lora_b = [value for key, value in weights.items() if "lora_B" in key]

@@ -12,12 +12,12 @@ import warnings
 
 import pytest
 
-import grpo_loss
+import loss_options
 
 pytest.importorskip("integrations.trl_pods", exc_type=ImportError)
 
 import compare  # noqa: E402
-from run import config  # noqa: E402
+from run import config, loop  # noqa: E402
 import rewards  # noqa: E402
 import torch  # noqa: E402
 import train  # noqa: E402
@@ -35,10 +35,10 @@ def tiny_demo_argv(model_dir, out_dir, *extra):
 
 @pytest.fixture
 def nothing_loads(monkeypatch):
-    """train.load stops the test: a refusal must come before any model or data is loaded."""
+    """The loop's load stops the test: a refusal must come before any model or data is loaded."""
     def load(*args, **kwargs):
-        raise AssertionError("train.load was reached: the flag was not refused")
-    monkeypatch.setattr(train, "load", load)
+        raise AssertionError("run.loop.load was reached: the flag was not refused")
+    monkeypatch.setattr(loop, "load", load)
 
 
 @pytest.mark.parametrize("flags, n, m, rule, rows", [([], 16, 4, "max_variance", 64),
@@ -100,7 +100,7 @@ def example_argv(action):
     flag = action.option_strings[0]
     if action.nargs == 0:
         return [flag]
-    accepted = {int: 1, float: 1.5, grpo_loss.fraction: 0.5}
+    accepted = {int: 1, float: 1.5, loss_options.fraction: 0.5}
     return [flag, str(action.choices[-1] if action.choices else accepted.get(action.type, "x"))]
 
 
@@ -246,10 +246,10 @@ def test_a_folder_holding_a_run_is_refused_without_advice_to_resume(tiny_model_d
 
 def test_eval_interval_s_evaluates_on_the_training_clock_as_train_py(monkeypatch):
     """--eval-interval-s S: an evaluation after each step that crosses a multiple of S training seconds
-    (train.evaluation_due), whatever the step count."""
+    (loop.evaluation_due), whatever the step count."""
     clock, evaluated = FakeClock(), []
     monkeypatch.setattr(trl_demo.time, "perf_counter", clock)
-    monkeypatch.setattr(trl_demo.train, "evaluate_heldout", lambda model, tok, eval_set, args, state, *rest:
+    monkeypatch.setattr(loop, "evaluate_heldout", lambda model, tok, eval_set, args, state, *rest:
                         evaluated.append((state.step, state.elapsed_s)))
     trainer = types.SimpleNamespace(phase_s=dict.fromkeys(("generate_s", "reward_s", "select_s"), 0.0), model=None)
     args = types.SimpleNamespace(max_time_s=0.0, eval_interval=0, eval_interval_s=5.0)
@@ -269,13 +269,13 @@ def test_the_demo_computes_in_train_pys_precision(monkeypatch, tiny_model_dir, t
     """The demo preset computes in bf16 where the CPU has bf16 instructions (--bf16 auto), through TRL as in train.py:
     the loader gives the weights train.py's dtype (LoRA: bf16 base weights) and TRL autocasts where train.py does (full
     fine-tuning: float32 weights, bf16 autocast)."""
-    monkeypatch.setattr(trl_demo.config.models, "native_bf16", lambda device: True)
+    monkeypatch.setattr(trl_demo.config.policy, "native_bf16", lambda device: True)
     argv = tiny_demo_argv(tiny_model_dir, tmp_path / "run", "--lora-rank", str(lora_rank))
     args, like_train_py = trl_demo.parse_args(argv), config.parse_args(argv)
     assert args.bf16 is like_train_py.bf16 is True
     assert trl_demo.trl_config(args, tmp_path).bf16 is autocast
     assert (torch.bfloat16 if lora_rank else torch.float32, torch.bfloat16 if autocast else None) == \
-        __import__("models").compute_dtypes(args.bf16, args.lora_rank)  # what train.load and train.py's update use
+        __import__("models").compute_dtypes(args.bf16, args.lora_rank)  # what the loop's load and train.py's update use
 
 
 def test_help_and_the_refusals_come_before_torch_loads():

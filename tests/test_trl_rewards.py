@@ -124,7 +124,7 @@ def test_train_pys_scoring_calls_each_documented_function_as_trl_does(tmp_path, 
     settings = config.reward_settings(args)
     examples = data.build_prompt_set(args.dataset, "train", smollm2_tokenizer, source=config.data_source(args))
     assert len(examples) == 6 and all(trl_call.is_chat(e.prompt) for e in examples)
-    trl_call.advance(settings.trainer_state, 3, (0, 3), len(examples))  # as train.run does before step 4
+    trl_call.advance(settings.trainer_state, 3, (0, 3), len(examples))  # as the loop (run/loop.py) does before step 4
     index = [0, 0, 1, 1, 2, 3]
     rollouts = rollouts_of(COMPLETIONS, index)
     ours = rewards.score_rollouts(rollouts, examples, settings)
@@ -463,14 +463,12 @@ def test_what_a_function_logs_is_checked(tmp_path, body, message):
 
 
 def test_a_logged_metric_lands_in_the_step_line_unless_its_name_is_taken():
-    from run import metrics
-
     rounds = [type("Round", (), {"logged_metrics": [("f", "rate", 0.25), ("f", "rate", 0.75)]})()]
-    assert metrics.logged_metrics(rounds, {"loss": 0.1}) == {"rate": 0.5}
+    assert train.logged_metrics(rounds, {"loss": 0.1}) == {"rate": 0.5}
     rounds[0].logged_metrics.append(("g", "loss", 1.0))
     with pytest.raises(ValueError, match="reward function 'g' logged 'loss' with log_metric, a name the step's "
                                          "metrics line has already"):
-        metrics.logged_metrics(rounds, {"loss": 0.1})
+        train.logged_metrics(rounds, {"loss": 0.1})
 
 
 # ------------------------------------------------------------------------------------ the weight, from the flag on

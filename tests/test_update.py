@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import grpo_loss
+import loss_options
 import policy
 import models
 from engine import gpu_paths
 from engine import kernels
 import sampling
 import update
-from grpo_loss import LossSettings
+from loss_options import LossSettings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 256
@@ -224,7 +225,7 @@ def test_micro_batches_accumulate_to_the_full_batch_loss_gradient(aggregation, m
     attention = torch.cat([torch.ones_like(all_rows["prompt_ids"]), all_rows["completion_mask"]], 1)
     mask = all_rows["completion_mask"]
     if mask_truncated:
-        mask = grpo_loss.mask_truncated(mask, all_rows["truncated"])
+        mask = loss_options.mask_truncated(mask, all_rows["truncated"])
     frozen.zero_grad()
     logprobs = policy.token_logprobs(model, ids, attention, 6)
     expected_loss, _ = grpo_loss.grpo_loss(logprobs, logprobs.detach(), all_rows["advantages"], mask,

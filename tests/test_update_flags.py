@@ -7,6 +7,7 @@ import torch
 
 from run import config
 import grpo_loss
+import loss_options
 import policy
 import models
 import update
@@ -50,7 +51,7 @@ def direct_update(model, batch, args):
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     attention = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
     width = batch.completion_ids.shape[1]
-    mask = grpo_loss.mask_truncated(batch.completion_mask, batch.truncated) if args.mask_truncated \
+    mask = loss_options.mask_truncated(batch.completion_mask, batch.truncated) if args.mask_truncated \
         else batch.completion_mask
     params = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():
@@ -204,7 +205,7 @@ def test_every_update_flag_reaches_the_loss_and_the_step(argv, baseline, batch_o
     assert differs(expected, without), f"{argv} does not change the update of this batch: the test has no power"
 
 
-@pytest.mark.parametrize("correction", grpo_loss.IS_CORRECTIONS[1:])
+@pytest.mark.parametrize("correction", loss_options.IS_CORRECTIONS[1:])
 def test_importance_sampling_does_nothing_when_the_sampler_is_exact(correction, flag_model):
     """Sampler log-probs equal to the policy's: every ratio is 1, inside [1/C, C], so every correction gives the
     update of the paper's objective exactly."""
@@ -223,7 +224,7 @@ def test_importance_sampling_does_nothing_when_the_sampler_is_exact(correction, 
 
 def non_default_flag(option):
     """(argv, value): a LossSettings field's flag set to a value other than its default."""
-    flag, kind = grpo_loss.flag_name(option), option.metadata["argparse"]
+    flag, kind = loss_options.flag_name(option), option.metadata["argparse"]
     if option.metadata["example"] is not None:
         return [flag, str(option.metadata["example"])], option.metadata["example"]
     if not kind:  # a bool flag
@@ -237,7 +238,7 @@ def non_default_flag(option):
 
 @pytest.mark.parametrize("option", config.LOSS_FLAGS, ids=lambda option: option.name)
 def test_every_loss_option_reaches_the_loss_the_update_and_the_label(option, flag_model):
-    """Each field of grpo_loss.LossSettings that has a flag (a new loss option is tested here with no edit): a value
+    """Each field of loss_options.LossSettings that has a flag (a new loss option is tested here with no edit): a value
     other than its default, given on the command line, is that field of config.update_settings(args).loss, changes
     the method label, and changes update_policy's loss, gradient and weights exactly as grpo_loss called directly
     does (mu = 2 on stale old log-probs, so ratio-only options act), and it matters for this input."""

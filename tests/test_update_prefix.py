@@ -129,7 +129,7 @@ CASES = {  # name: (model options, batches, update settings)
     "qwen2": (dict(arch="qwen2"), lambda: [grouped_batch(FOUR_PROMPTS)], {}),
     "mu 3, old log-probs from fill_logprobs": ({}, lambda: [grouped_batch(FOUR_PROMPTS)], dict(updates_per_batch=3)),
     "kl, the reference with the adapter off": ({}, lambda: [grouped_batch(FOUR_PROMPTS)],
-                                               dict(loss=update.grpo_loss.LossSettings(kl_coef=0.3))),
+                                               dict(loss=update.loss_options.LossSettings(kl_coef=0.3))),
     "micro-batches that split prompts": ({}, lambda: [grouped_batch(FOUR_PROMPTS)], dict(micro_batch_size=3)),
     "batch scope: prompts mixed, uneven": ({}, lambda: [grouped_batch([2, 0, 2, 1, 0, 2, 3, 2, 0, 2, 1])],
                                            dict(micro_batch_size=5)),
@@ -137,7 +137,7 @@ CASES = {  # name: (model options, batches, update settings)
         {}, lambda: [grouped_batch(FOUR_PROMPTS)], dict(micro_batch_size=4)),
     "the step's prefix with mu 2, KL and gradient checkpointing": (
         dict(checkpointing=True), lambda: [grouped_batch(FOUR_PROMPTS)],
-        dict(micro_batch_size=4, updates_per_batch=2, loss=update.grpo_loss.LossSettings(kl_coef=0.3))),
+        dict(micro_batch_size=4, updates_per_batch=2, loss=update.loss_options.LossSettings(kl_coef=0.3))),
     "one prompt per step in micro-batches of 2 (the paper's presets)": (
         {}, lambda: [grouped_batch([0] * 8)], dict(micro_batch_size=2)),
     "dynamic sampling: batches sharing the step's prefix": (
@@ -160,7 +160,7 @@ def test_prefix_sharing_gives_the_update_of_every_row_in_full(case):
 
 @pytest.mark.parametrize("option", config.LOSS_FLAGS, ids=lambda option: option.name)
 def test_every_loss_option_gives_the_same_update_with_prefix_sharing(option):
-    """Each loss option (grpo_loss.LossSettings, a new one included with no edit) from the command line, mu = 2 on
+    """Each loss option (loss_options.LossSettings, a new one included with no edit) from the command line, mu = 2 on
     stale old log-probs: --prefix-sharing on and off reach UpdateSettings and give the same update."""
     argv, _ = non_default_flag(option)
     flags = ["--mu", "2", *option.metadata["acts_with"], *argv]
@@ -179,7 +179,7 @@ def test_every_loss_option_gives_the_same_update_with_prefix_sharing(option):
 
 def test_gradient_checkpointing_shares_too():
     settings = update.UpdateSettings(micro_batch_size=16, updates_per_batch=2,
-                                     loss=update.grpo_loss.LossSettings(kl_coef=0.1))
+                                     loss=update.loss_options.LossSettings(kl_coef=0.1))
     on, off = on_and_off(policy(checkpointing=True), lambda: [grouped_batch(FOUR_PROMPTS)], settings)
     assert on[3] == 2 + 2   # fill_logprobs (reference, old log-probs) and the 2 optimizer steps, one micro-batch
     assert_same_update(on, off)
@@ -196,7 +196,7 @@ def test_reentrant_checkpointing_falls_back_to_every_row_in_full_said_once():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     settings = update.UpdateSettings(micro_batch_size=5, updates_per_batch=2,
-                                     loss=update.grpo_loss.LossSettings(kl_coef=0.1))
+                                     loss=update.loss_options.LossSettings(kl_coef=0.1))
     update.prefix._SAID.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -214,7 +214,7 @@ def test_the_prefix_every_prompt_of_a_step_shares_runs_once_per_pass():
     each micro-batch runs only its prompt's own tokens and its completions (in one call where prefix.folds)."""
     model = policy()
     settings = update.UpdateSettings(micro_batch_size=4, updates_per_batch=2,
-                                     loss=update.grpo_loss.LossSettings(kl_coef=0.3))
+                                     loss=update.loss_options.LossSettings(kl_coef=0.3))
     batch = grouped_batch(FOUR_PROMPTS, prefix_tokens=6)
     suffixes = [int(batch.prompt_mask[row].sum()) - 6 for row in range(0, 16, 4)]
     completions = [max(int(batch.completion_mask[row:row + 4].sum(1).max()) - 1, 1) for row in range(0, 16, 4)]

@@ -1,6 +1,6 @@
-"""rollout_check.py and what feeds it: the sampler's log-probs of both backends equal the trainer's (Llama and Qwen2,
-n > 1, left padding, EOS mid-batch, top-p < 1, chunks splitting a prompt's rollouts); planted faults (a wrong
-temperature inside the engine, a stale merged copy, a perturbed copy) raise the gap above the limit; a failing
+"""The sampler check (policy.py's SamplerGap, LOGPROB_GAP_LIMIT, off_policy) and what feeds it: the sampler's
+log-probs of both backends equal the trainer's (Llama and Qwen2, n > 1, left padding, EOS mid-batch, top-p < 1,
+chunks splitting a prompt's rollouts); planted faults (a wrong temperature inside the engine, a stale merged copy, a perturbed copy) raise the gap above the limit; a failing
 CUDA-graph recording falls back to eager decoding with the same tokens, a failing engine to Hugging Face generate();
 --backend engine turns each fallback into an error. Slow (-m slow): the real demo model in fp32. Whole training runs
 and eval.py's guard: tests/test_train_sampler.py.
@@ -18,7 +18,6 @@ import engine.weights
 import eval as heldout
 import policy
 import models
-from engine import rollout_check
 import sampling
 from sampling import GenerationSettings, sample_completions
 
@@ -88,7 +87,7 @@ def test_evaluation_checks_rows_spread_over_the_chunk():
     gap = heldout.measure_sampler_gap(model, rollouts, 0.9, rows_checked=4)
     assert gap.tokens == int(keep[[0, 4, 7, 11]].sum()) < int(keep.sum()) and gap.mean < 1e-5
     rollouts.sampler_logprobs[11] -= 5.0 * keep[11]   # the last row's tokens scored 5 nats off
-    assert heldout.measure_sampler_gap(model, rollouts, 0.9, rows_checked=4).mean > rollout_check.LOGPROB_GAP_LIMIT
+    assert heldout.measure_sampler_gap(model, rollouts, 0.9, rows_checked=4).mean > policy.LOGPROB_GAP_LIMIT
 
 
 def test_measure_with_prefix_sharing_is_the_full_forward_and_runs_the_prefix_once(monkeypatch):
@@ -127,8 +126,8 @@ def test_gap_sums_add_and_metrics_by_hand():
     trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, -9.0]])
     sampler = torch.tensor([[-1.5, -2.0, -1.0], [-0.5, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    whole = rollout_check.SamplerGap.of(trainer, sampler, mask)
-    halves = rollout_check.total([rollout_check.SamplerGap.of(trainer[i:i + 1], sampler[i:i + 1], mask[i:i + 1])
+    whole = policy.SamplerGap.of(trainer, sampler, mask)
+    halves = policy.total([policy.SamplerGap.of(trainer[i:i + 1], sampler[i:i + 1], mask[i:i + 1])
                                   for i in range(2)])
     delta = torch.tensor([0.5, 0.0, -2.0, 0.0])
     expected = {"sampler/logprob_diff_mean": 2.5 / 4, "sampler/logprob_diff_max": 2.0,
@@ -136,7 +135,7 @@ def test_gap_sums_add_and_metrics_by_hand():
                     torch.tensor(0.5)))}
     for gap in (whole, halves):
         assert gap.metrics() == pytest.approx(expected)
-    ratios = rollout_check.row_mean_ratios(trainer, sampler, torch.tensor([[1, 1, 1], [0, 0, 0]]))
+    ratios = policy.row_mean_ratios(trainer, sampler, torch.tensor([[1, 1, 1], [0, 0, 0]]))
     assert ratios[0] == pytest.approx(float(delta[:3].exp().mean())) and ratios[1].isnan()
 
 
@@ -177,16 +176,16 @@ def test_planted_faults_raise_the_gap_above_the_limit(fault, monkeypatch):
     healthy = heldout.measure_sampler_gap(model, rollouts_of(model, ids, mask, 4, settings), 1.0)
     plant(fault, model, monkeypatch)
     faulty = heldout.measure_sampler_gap(model, rollouts_of(model, ids, mask, 4, settings), 1.0)
-    assert healthy.mean < 1e-5 < rollout_check.LOGPROB_GAP_LIMIT < faulty.mean
+    assert healthy.mean < 1e-5 < policy.LOGPROB_GAP_LIMIT < faulty.mean
     engine.release(model)
 
 
 def test_after_gap_falls_back_to_hf_once_or_raises_with_backend_engine():
     model = eos_model()
-    healthy = rollout_check.SamplerGap(10, 1e-5, 0.0, 1e-5, 1.0)
-    broken = rollout_check.SamplerGap(10, 5.0, 1.0, 2.0, 7.0)
-    assert rollout_check.off_policy(healthy, "step 1") is None   # the verdict alone: no model, no state
-    assert rollout_check.off_policy(broken, "step 1", rejected=True).endswith("the step's update is not applied")
+    healthy = policy.SamplerGap(10, 1e-5, 0.0, 1e-5, 1.0)
+    broken = policy.SamplerGap(10, 5.0, 1.0, 2.0, 7.0)
+    assert policy.off_policy(healthy, "step 1") is None   # the verdict alone: no model, no state
+    assert policy.off_policy(broken, "step 1", rejected=True).endswith("the step's update is not applied")
     assert sampling.after_gap(model, healthy, "engine", None, "step 1") is None
     assert sampling.after_gap(model, broken, "hf", None, "step 1") is None   # nothing to fall back to
     with pytest.raises(sampling.SamplerError, match=r"step 1: mean \|log-prob difference\| 0.5 > .*--backend engine"):
