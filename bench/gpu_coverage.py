@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The files the GPU paths run (the update's fast paths, the bf16 LoRA product, the decode engine and its kernels).
 FILES = ("engine/kernels.py", "engine/ops.py", "engine/triton_kernels.py", "engine/graphs.py", "engine/decode.py",
-         "engine/step.py", "engine/weights.py", "engine/gpu_paths.py", "update.py", "models.py")
+         "engine/step.py", "engine/gpu_paths.py", "update.py", "models.py")
 # (file, what, why no CPU runs it): what is a function's qualified name, or a regular expression matched against the
 # first line of a statement (the whole statement is left out: an `if` with its body, a loop) or any other line.
 EXCLUDED = (

@@ -5,7 +5,7 @@ method: how fast a CPU runs the demo's generation).
 
 Times, for each dtype (float32, bfloat16) and thread count, the products a demo decode step makes (64 rows: the
 demo's 16 rollouts x 4 prompts of a chunk; SmolLM2-135M's q|k|v, o, gate|up, down and LM head shapes) by F.linear and
-by `engine.weights.linear` over the weight's `cpu_layout` (laid out once, as the engine does whenever its weights
+by `engine.step.linear` over the weight's `cpu_layout` (laid out once, as the engine does whenever its weights
 change), the two interleaved, and prints each shape's times, the ratio and whether the numbers are equal. On a CPU
 without oneDNN the layout is None and the row says so.
 """
@@ -36,7 +36,7 @@ def per_call_ms(function, repeats):
 def compare_shape(rows, inputs, outputs, dtype, repeats, rounds=3):
     """{"linear_ms", "laid_out_ms", "ratio", "equal"} of one product shape: the medians over `rounds` interleaved
     rounds; laid_out_ms None where the CPU cannot lay the weight out."""
-    from engine import weights
+    from engine import step as weights
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, inputs, generator=generator).to(dtype)
@@ -70,7 +70,7 @@ def bench_products(argv):
         parser.error("argument --threads / --repeats: must be >= 1")
     shapes = TINY_SHAPES if args.tiny else DEMO_SHAPES
     before, results = torch.get_num_threads(), []
-    print("# products of a demo decode step: F.linear vs the weight laid out for oneDNN (engine/weights.py)")
+    print("# products of a demo decode step: F.linear vs the weight laid out for oneDNN (engine/step.py)")
     print("dtype | threads | rows x in x out | F.linear ms | laid out ms | ratio | equal")
     try:
         for count in threads:

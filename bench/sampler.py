@@ -24,7 +24,7 @@ import torch
 from run import config
 import data
 import engine
-import engine.weights
+import engine.step
 import eval as heldout
 import models
 import policy
@@ -40,12 +40,12 @@ FAULTS = ("wrong temperature", "stale copy, 1 step", "stale copy, 20 steps", "pe
 @contextlib.contextmanager
 def planted(fault, model):
     """The engine with one fault planted (FAULTS), restored afterwards."""
-    generate, refresh = engine.generate, engine.weights.refresh_copies
+    generate, refresh = engine.generate, engine.step.refresh_copies
     if fault == "wrong temperature":
         engine.generate = lambda *a, temperature, **k: generate(*a, temperature=1.25 * temperature, **k)
     elif fault.startswith("stale copy"):
         engine.engine_for(model)   # the copy is made from the current adapter ...
-        engine.weights.refresh_copies = lambda copies: None   # ... and never refreshed
+        engine.step.refresh_copies = lambda copies: None   # ... and never refreshed
         step_adapter(model, 5e-4 * int(fault.split(", ")[1].split()[0]))
     elif fault == "perturbed copy":
         def noisy(copies):
@@ -54,11 +54,11 @@ def planted(fault, model):
             for _, weight in copies:
                 noise = torch.randn(weight.shape, generator=generator).to(weight)
                 weight.add_(noise * 0.02 * weight.float().std().to(weight.dtype))
-        engine.weights.refresh_copies = noisy
+        engine.step.refresh_copies = noisy
     try:
         yield
     finally:
-        engine.generate, engine.weights.refresh_copies = generate, refresh
+        engine.generate, engine.step.refresh_copies = generate, refresh
         engine.release(model)
 
 

@@ -39,8 +39,8 @@ in every row; the top-p nucleus samples with the reference (a sort); other archi
 generate (sampling.py).
 
 Files: decode.py (the supported families, the loop, buckets), graphs.py (CUDA-graph recording, compilation), step.py
-(one decode step in plain PyTorch, the prefill, token choice), ops.py (the fused operations and their run-time
-check), triton_kernels.py (their Triton kernels), weights.py (the merged LoRA copies). sampling.py calls `generate`;
+(one decode step in plain PyTorch, the prefill, token choice, and the merged LoRA copies it multiplies), ops.py (the
+fused operations and their run-time check), triton_kernels.py (their Triton kernels). sampling.py calls `generate`;
 benchmarks also use `forced_lengths` (synthetic EOS positions).
 Beside the engine: hf_generate.py (Hugging Face generate, sampling.py's reference backend and the engine's fallback),
 prefix.py (each distinct prompt token computed once, in generation and in the update), kernels.py (the update's fused

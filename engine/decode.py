@@ -17,7 +17,6 @@ import engine.graphs as graphs
 import engine.ops as ops
 import engine.prefix as prefix
 import engine.step as decode_step
-import engine.weights as weights
 import policy
 import stopwatch
 
@@ -96,7 +95,7 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 @dataclass
 class Engine:
     """One model's decode-time callables (layers: a Layer each), cached per model and process with the weight
-    copies [(weights.CopySource, merged weight)], the step (compiled or not), its operations (`kernels`, a
+    copies [(decode_step.CopySource, merged weight)], the step (compiled or not), its operations (`kernels`, a
     step.Kernels), and the buffers (cache_len -> (rows, tensors)) and states ((rows, cache_len, sample, nucleus)
     -> (State, CUDA graph or None)) of each bucket."""
     embed: object
@@ -113,7 +112,7 @@ class Engine:
     copies: list
     step: object
     capture: bool             # record / replay CUDA graphs
-    layouts: list | None      # on a CPU: (weight, slot of its weights.cpu_layout) of every copy and the LM head
+    layouts: list | None      # on a CPU: (weight, slot of its decode_step.cpu_layout) of every copy and the LM head
     kernels: object = decode_step.PLAIN
     buffers: dict = field(default_factory=dict)
     states: dict = field(default_factory=dict)
@@ -187,13 +186,13 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
         capture = records_graphs(model, copy, quantized)
     device = hf.model.embed_tokens.weight.device
     key = (copy, backend if isinstance(backend, (str, bool)) else id(backend), bool(capture), KERNELS)
-    engine, signature = _ENGINES.setdefault(model, {}).get(key), weights.model_signature(model)
+    engine, signature = _ENGINES.setdefault(model, {}).get(key), decode_step.model_signature(model)
     fresh = engine is None or engine.signature != signature
     if fresh:
         kernels = decode_step.PLAIN if KERNELS is None and device.type not in gpu_paths.DEVICE_TYPES else \
             ops.kernels_for(device, KERNELS)
         config, copies = hf.config, []
-        # A CPU's products over weights laid out for it (weights.cpu_layout): the plain step of a CPU only, not a
+        # A CPU's products over weights laid out for it (decode_step.cpu_layout): the plain step of a CPU only, not a
         # GPU's step emulated there nor the kernels a benchmark asks for
         layouts = [] if kernels is decode_step.PLAIN and KERNELS is None and device.type == "cpu" else None
         attention = hf.model.layers[0].self_attn
@@ -202,13 +201,13 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
                               (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), config.intermediate_size,
                               layouts) for layer in hf.model.layers]
         engine = _ENGINES[model][key] = Engine(
-            hf.model.embed_tokens, layers, hf.model.norm, weights.head(hf.lm_head, layouts), hf.model.rotary_emb,
+            hf.model.embed_tokens, layers, hf.model.norm, decode_step.head(hf.lm_head, layouts), hf.model.rotary_emb,
             heads, kv_heads, head_dim, config.intermediate_size, attention.scaling, signature, copies,
             graphs.compiled(decode_step.decode_step, backend, STATS) if backend else decode_step.decode_step,
             bool(capture), layouts, kernels)
     if refresh_weights or fresh:
-        weights.refresh_copies(engine.copies)
-        weights.lay_out(engine.layouts or [])
+        decode_step.refresh_copies(engine.copies)
+        decode_step.lay_out(engine.layouts or [])
     return engine
 
 
@@ -216,11 +215,11 @@ def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size, la
     """The Layer the engine calls over one decoder layer's modules (a family's Layer); merged copies appended to
     `copies` (on a CPU, their layout slots to `layouts`)."""
     return dataclasses.replace(
-        modules, qkv=weights.projections(modules.qkv, qkv_sizes, copy, copies, stacked, layouts),
-        o=weights.projection(modules.o, copy, copies, layouts),
-        gate_up=weights.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked,
+        modules, qkv=decode_step.projections(modules.qkv, qkv_sizes, copy, copies, stacked, layouts),
+        o=decode_step.projection(modules.o, copy, copies, layouts),
+        gate_up=decode_step.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked,
                                     layouts),
-        down=weights.projection(modules.down, copy, copies, layouts))
+        down=decode_step.projection(modules.down, copy, copies, layouts))
 
 
 def records_graphs(model, copy, quantized):

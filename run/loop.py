@@ -23,7 +23,7 @@ import policy
 import sampling
 import update
 from grading import trl_call
-from run import checkpoint, completions, config, report, runfolder, signals, threads
+from run import checkpoint, completions, config, cpu_memory, report, runfolder, signals, threads
 from variants import dynamic_sampling
 
 NONFINITE_STOP = 3  # consecutive steps whose update was skipped
@@ -57,6 +57,8 @@ def run(args, run_dir, processes, *, train_step, step_settings, round_strategy, 
         if report.own_rows_line(args):
             print(report.own_rows_line(args), flush=True)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
+    if torch.device(args.device).type == "cpu":  # a step reuses the pages the step before freed (run/cpu_memory.py)
+        cpu_memory.keep_freed_memory()
     if processes.is_main:
         print(models.trainable_line(model), flush=True)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()

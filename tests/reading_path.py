@@ -111,8 +111,7 @@ ROLES = {
                  "a bf16 base's LoRA adapter computed in bf16 (`lora_forward`)",
     "engine/prefix.py": "each distinct token computed once: the prefix every prompt shares, each prompt once for its rows",
     "engine/decode.py": "the decode loop: the model families it runs, bucketed KV cache, finished rows dropped",
-    "engine/weights.py": "LoRA merged into a copy of the weights for decoding",
-    "engine/step.py": "one decode step of a Llama-family model, by hand",
+    "engine/step.py": "one decode step of a Llama-family model, by hand, over LoRA merged into a copy of the weights",
 }
 
 

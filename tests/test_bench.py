@@ -372,7 +372,7 @@ def test_the_coverage_in_benchmarks_is_the_committed_record(capsys):
 def test_products_tiny_compares_the_engines_laid_out_products_with_f_linear(tmp_path, capsys):
     """`python -m bench products`: each shape's F.linear and laid-out product timed for both dtypes; the bf16 numbers
     are F.linear's bit for bit (the engine's bf16 decode is unchanged by the layout), float32 ones within rounding."""
-    from engine import weights
+    from engine import step as weights
 
     result = cli.main(["products", "--tiny", "--threads", "1", "--repeats", "2", "--out-dir", str(tmp_path)])
     rows = result["results"]

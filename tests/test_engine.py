@@ -490,7 +490,7 @@ def test_greedy_engine_equals_hf_generate_on_the_real_demo_model(smollm2_tokeniz
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cpus_weight_layout_follows_every_refresh_and_agrees_with_f_linear(dtype, monkeypatch):
-    """On a CPU the merged copies and the LM head are laid out for oneDNN's products (engine/weights.cpu_layout),
+    """On a CPU the merged copies and the LM head are laid out for oneDNN's products (engine/step.cpu_layout),
     refreshed with the copies after an optimizer step: the sampler's log-probs equal the F.linear engine's (bf16:
     the same numbers; float32: within rounding) before and after the adapter moves. A layout that fails its check
     is one warning line and F.linear."""
@@ -513,14 +513,14 @@ def test_a_cpus_weight_layout_follows_every_refresh_and_agrees_with_f_linear(dty
     assert len(runtime.layouts) == 4 * 2 + 1 and all(slot[0] is not None for _, slot in runtime.layouts)
     engine.decode.release(model)
     with monkeypatch.context() as plain_products:
-        plain_products.setitem(engine.weights.CPU_LAYOUT, "usable", False)   # every product through F.linear
+        plain_products.setitem(engine.step.CPU_LAYOUT, "usable", False)   # every product through F.linear
         plain = logprobs()
         assert all(slot[0] is None for _, slot in engine.decode.engine_for(model, refresh_weights=False).layouts)
     engine.decode.release(model)
     assert torch.equal(laid_out[1][0], plain[0]) and torch.allclose(laid_out[1][1], plain[1], **tolerance)
     assert not torch.equal(laid_out[0][1], laid_out[1][1])   # the adapter moved the sampler
-    monkeypatch.setitem(engine.weights.CPU_LAYOUT, "usable", None)
+    monkeypatch.setitem(engine.step.CPU_LAYOUT, "usable", None)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, w, b, *rest: torch.zeros(()))  # planted
     with pytest.warns(UserWarning, match="oneDNN's weight layout is not used"):
-        assert engine.weights.cpu_layout(torch.ones(8, 4)) is None
-    assert engine.weights.CPU_LAYOUT["usable"] is False and engine.weights.cpu_layout(torch.ones(8, 4)) is None
+        assert engine.step.cpu_layout(torch.ones(8, 4)) is None
+    assert engine.step.CPU_LAYOUT["usable"] is False and engine.step.cpu_layout(torch.ones(8, 4)) is None

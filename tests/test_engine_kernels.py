@@ -1,5 +1,5 @@
-"""engine/ops.py, engine/triton_kernels.py, the families of engine/decode.py, the stacked copies of engine/weights.py: the fused
-decode step (custom ops; a CPU runs each op's reference behind it) gives the plain step's tokens and log-probs; one
+"""engine/ops.py, engine/triton_kernels.py, the families of engine/decode.py, the stacked copies of engine/step.py: the
+fused decode step (custom ops; a CPU runs each op's reference behind it) gives the plain step's tokens and log-probs; one
 step of it runs 9 operations a layer and builds no mask (counted by bench census); a fused op that disagrees with its
 reference (a planted fault in each) or raises is replaced by it with one warning line, before anything runs it, so
 the tokens stay the reference's; q|k|v and gate|up come from one merged copy each; Mistral and Phi-3 (fused

@@ -14,7 +14,7 @@ import torch
 import engine
 import engine.decode
 import engine.graphs
-import engine.weights
+import engine.step
 import eval as heldout
 import policy
 import models
@@ -151,21 +151,21 @@ def plant(fault, model, monkeypatch):
                                                                                         **k))
     elif fault == "stale copy":
         engine.engine_for(model)
-        monkeypatch.setattr(engine.weights, "refresh_copies", lambda copies: None)
+        monkeypatch.setattr(engine.step, "refresh_copies", lambda copies: None)
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if "lora_B" in name:
                     parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1))
                                    .sign())
     else:
-        refresh = engine.weights.refresh_copies
+        refresh = engine.step.refresh_copies
 
         def noisy(copies):
             refresh(copies)
             for _, weight in copies:
                 weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(2)) * weight.std())
 
-        monkeypatch.setattr(engine.weights, "refresh_copies", noisy)
+        monkeypatch.setattr(engine.step, "refresh_copies", noisy)
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -13,7 +13,7 @@ import torch
 from run import completions
 import data
 import engine
-import engine.weights
+import engine.step
 import eval as heldout
 import models
 import policy
@@ -44,13 +44,13 @@ def peaked_model_dir(tmp_path_factory, smollm2_tokenizer):
 def plant(fault, monkeypatch):
     """A fault in the engine of whatever model the run loads: sampling at 1.5 T; a merged copy refreshed once and
     never again (the optimizer moves the adapter under it); noise of the weights' std in the copy."""
-    generate, refresh = engine.generate, engine.weights.refresh_copies
+    generate, refresh = engine.generate, engine.step.refresh_copies
     if fault == "wrong temperature":
         monkeypatch.setattr(engine, "generate",
                             lambda *a, temperature, **k: generate(*a, temperature=1.5 * temperature, **k))
     elif fault == "stale copy":
         refreshed = []
-        monkeypatch.setattr(engine.weights, "refresh_copies",
+        monkeypatch.setattr(engine.step, "refresh_copies",
                             lambda copies: None if refreshed else refreshed.append(refresh(copies)))
     else:
         def noisy(copies):
@@ -58,7 +58,7 @@ def plant(fault, monkeypatch):
             for _, weight in copies:
                 weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(2)) * weight.std())
 
-        monkeypatch.setattr(engine.weights, "refresh_copies", noisy)
+        monkeypatch.setattr(engine.step, "refresh_copies", noisy)
 
 
 def test_a_healthy_run_logs_the_gap_every_step(peaked_model_dir, tmp_path):
