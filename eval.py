@@ -150,9 +150,9 @@ def measure_sampler_gap(model, rollouts, temperature, micro_batch_size=8, prefix
     the sampler check of evaluation, which has no update pass to read the trainer's log-probs from. Greedy rollouts
     are compared at temperature 1, as the sampler records them. rows_checked: that many rows spread evenly over the
     chunk, its first and last included (None: every row): a faulty sampler moves the mean gap of any row, and the
-    demo's first evaluation checks 8 of its 64 rows in ~0.5 s where all of them took ~4 s. prefix_sharing: each
-    distinct prompt and the prefix the rows share computed once (prefix.py, as in the update; its own code, not the
-    sampler's, so a fault of the sampler's shared prefix still shows)."""
+    demo's first evaluation checks 8 of its 64 rows, an eighth of the ~4 s all of them took on 2 cores.
+    prefix_sharing: each distinct prompt and the prefix the rows share computed once (prefix.py, as in the update;
+    its own code, not the sampler's, so a fault of the sampler's shared prefix still shows)."""
     import policy
     from engine import prefix
 

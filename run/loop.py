@@ -205,8 +205,8 @@ def check_held_out_fits(eval_set, tokens, args, model_config):
 def evaluate_heldout(model, tokenizer, eval_set, args, state, write, processes, measure, check_sampler=True):
     """Held-out accuracy of the current policy by `measure` (eval.evaluate, the measurement, which train.py passes in:
     run/ imports no command), logged (fixed sample and seed: runs are compared paired). check_sampler: eval.py's
-    check of the first chunk (a forward pass, ~14 s for 64 demo prompts on 2 cores); run() makes it only before this
-    process's first training step, as every step's update checks the sampler after."""
+    check of 8 rows of the first chunk (a forward pass; all 64 of the demo's took ~4 s on 2 cores); run() makes it
+    only before this process's first training step, as every step's update checks the sampler after."""
     examples, first_chunk, chunk = processes.eval_share(eval_set, args.rollout_batch_size)
     settings = config.generation_settings(args, temperature=args.eval_temperature, rollout_batch_size=chunk)
     samples = []  # graded completions, for the completions log

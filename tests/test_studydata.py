@@ -117,7 +117,8 @@ def test_the_committed_bf16_demo_runs_reproduce_their_comparison_with_float32(ca
 
 @pytest.mark.parametrize("folder, table, baseline", [
     ("demo-16", "demo.md", "PODS max_variance 16/4"), ("demo-lr", "lr.md", "PODS max_variance 16/4, lr 5e-4"),
-    ("demo-16-bf16", "demo.md", "PODS max_variance 16/4, bf16, code of 2026-11-27")])
+    ("demo-16-bf16", "demo.md", "PODS max_variance 16/4, bf16, code of 2026-11-27"),
+    ("demo-16-host", "demo.md", "PODS max_variance 16/4, bf16, code of 2026-11-28 morning")])
 def test_the_committed_runs_of_the_16_step_demo_reproduce_their_tables(capsys, folder, table, baseline):
     """results/demo-16: today's default demo, 3 seeds, natively and with torch held to AVX2 kernels; results/demo-lr:
     the runs behind its learning rate; results/demo-16-bf16: the bf16 demo on 3 seeds with today's code and the code
@@ -137,6 +138,36 @@ def test_the_committed_runs_of_the_16_step_demo_reproduce_their_tables(capsys, f
         demo = PRESETS["demo"]
         assert {(r.config["max_steps"], r.config["max_time_s"]) for r in runs} == {(demo["max_steps"], 0.0)}
         assert sorted(r.seed for r in runs) == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_demo_times_in_benchmarks_are_the_committed_runs():
+    """BENCHMARKS.md's table of the demo before and after the page and padding-row changes: each row's accuracies,
+    evaluation seconds, mean step and its phases and whole-command time recomputed from results/demo-16-host, and the
+    averages and paired ratios quoted below it."""
+    folder = ROOT / "results" / "demo-16-host"
+    benchmarks = " ".join((ROOT / "BENCHMARKS.md").read_text().split())
+    names = {"before-s": "seed {}, before", "s": "seed {}, after", "fp32-before-s": "float32 seed {}, before",
+             "fp32-s": "float32 seed {}, after"}
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    whole = {}
+    for path in sorted(folder.glob("*.json")):
+        record = json.loads(path.read_text())
+        prefix, seed = path.stem.rstrip("0123456789"), int(path.stem[-1])
+        bold = "" if prefix.endswith("before-s") else "**"   # the changed code's time in bold
+        minutes, seconds = divmod(round(record["command_s"]), 60)
+        row = (f"| {names[prefix].format(seed)} | {' '.join(f'{a:.2f}' for a in record['evaluations']['accuracy'])} | "
+               f"{' / '.join(f'{t:.1f}' for t in record['eval_s'])} | {mean(record['step_s']):.2f}: "
+               f"{mean(record['generate_s']):.2f} + {mean(record['update_s']):.2f} | "
+               f"{bold}{minutes} min {seconds} s{bold} |")
+        assert row in benchmarks, row
+        whole[path.stem] = record["command_s"]
+    before, after = [whole[f"before-s{s}"] for s in range(3)], [whole[f"s{s}"] for s in range(3)]
+    clock = lambda s: f"{int(s // 60)} min {round(s % 60)} s"  # noqa: E731
+    ratios = ", ".join(f"{a / b:.2f}" for a, b in zip(after, before))
+    assert (f"bf16: {clock(sum(before) / 3)} -> {clock(sum(after) / 3)} on average, "
+            f"{sum(a / b for a, b in zip(after, before)) / 3:.2f}x paired ({ratios})") in benchmarks
+    assert f"{clock(sum(whole[f'fp32-s{s}'] for s in range(3)) / 3)} over the 3 seeds" in benchmarks
+    assert f"({whole['fp32-s0'] / whole['fp32-before-s0']:.2f}x)" in benchmarks
 
 
 def test_the_committed_objectives_runs_reproduce_their_table(capsys):
