@@ -632,8 +632,7 @@ def main(argv=None, load_sharded=None):
         return saved
     dtype = getattr(torch, args.dtype) if args.dtype else None
     threads.choose(args.num_threads, args.device, since=CPU_AT_START)  # 0: what the machine has free (run/threads.py)
-    if torch.device(args.device).type == "cpu":  # a chunk reuses the pages the chunk before freed (run/cpu_memory.py)
-        cpu_memory.keep_freed_memory()
+    cpu_memory.keep_freed_memory(args.device)  # on a CPU a chunk reuses the pages the chunk before freed
     tokenizer = models.load_tokenizer(settings["model"])
     try:
         # seed 0: the fixed held-out sample train.py evaluates on (the sampling seed is separate).

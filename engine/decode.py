@@ -400,9 +400,10 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
             alive = (~state.done).nonzero().flatten()   # the loop's only host synchronisation
             if len(alive) == 0 or step + 1 == max_new_tokens:
                 break
-            if next_size(len(alive), size, max_rows, exact) < size:   # drop finished rows
+            smaller = next_size(len(alive), size, max_rows, exact)
+            if smaller < size:   # drop finished rows
                 record(result, logprobs, state, row_ids, step + 1)
-                size = next_size(len(alive), size, max_rows, exact)
+                size = smaller
                 state, graph, row_ids = compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags)
         record(result, logprobs, state, row_ids, step + 1)
     return (result[:rows], logprobs[:rows]) if return_logprobs else result[:rows]

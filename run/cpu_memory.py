@@ -23,8 +23,13 @@ HEAP_BLOCKS_UP_TO = 2 ** 30   # a larger block still gets its own mapping (and g
 NEVER_TRIM = 2 ** 31 - 1      # an int: mallopt's value argument
 
 
-def keep_freed_memory():
-    """Freed blocks up to 1 GiB kept in this process for reuse (glibc); returns whether the allocator took it."""
+def keep_freed_memory(device):
+    """Freed blocks up to 1 GiB kept in this process for reuse (glibc) when `device`, where the run computes, is the
+    CPU; returns whether the allocator took it (False on any other device)."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

@@ -57,8 +57,7 @@ def run(args, run_dir, processes, *, train_step, step_settings, round_strategy, 
         if report.own_rows_line(args):
             print(report.own_rows_line(args), flush=True)
     tokenizer, train_set, eval_set, model, optimizer = load(args, processes)
-    if torch.device(args.device).type == "cpu":  # a step reuses the pages the step before freed (run/cpu_memory.py)
-        cpu_memory.keep_freed_memory()
+    cpu_memory.keep_freed_memory(args.device)  # on a CPU a step reuses the pages the step before freed
     if processes.is_main:
         print(models.trainable_line(model), flush=True)
     state = resume(run_dir, model, optimizer, args, processes) if args.resume else checkpoint.TrainerState()

@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, {root!r})
 if {keep}:
     from run import cpu_memory
-    assert cpu_memory.keep_freed_memory()
+    assert cpu_memory.keep_freed_memory("cpu")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
     block = np.ones(2 ** 23)
@@ -38,3 +38,9 @@ def test_freed_blocks_are_reused_not_faulted_in_again():
     # block's pages serve the nine after it.
     plain, kept = faults(False), faults(True)
     assert kept * 4 < plain, (plain, kept)
+
+
+def test_a_run_on_another_device_leaves_the_allocator_as_it_is():
+    from run import cpu_memory
+
+    assert cpu_memory.keep_freed_memory("meta") is False

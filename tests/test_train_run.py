@@ -33,9 +33,9 @@ def test_run_writes_metrics_config_and_loadable_adapter(tiny_model_dir, tmp_path
     from run import cpu_memory
 
     kept = []   # a CPU run keeps freed memory for its next step, once, after loading (run/cpu_memory.py)
-    monkeypatch.setattr(cpu_memory, "keep_freed_memory", lambda: kept.append(1) or True)
+    monkeypatch.setattr(cpu_memory, "keep_freed_memory", lambda device: kept.append(str(device)) or True)
     run_dir = train.main(tiny_argv(tiny_model_dir, tmp_path / "run"))
-    assert kept == [1]
+    assert kept == ["cpu"]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["label"] == "PODS max_variance 4/2" and config["num_rollouts"] == 4 and config["seed"] == 0
     steps, evals = read_lines(run_dir, "train"), read_lines(run_dir, "eval")
