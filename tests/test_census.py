@@ -17,7 +17,7 @@ import torch
 import bench.__main__ as cli
 import policy
 import models
-from bench import census, common
+from bench import census, common, host_time
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,11 +208,11 @@ def test_the_census_times_the_hosts_work_beside_its_counts(fresh, monkeypatch):
     args.census_model = saved["model"]
     real, results = update.update_policy, []
     monkeypatch.setattr(update, "update_policy", lambda *a, **k: results.append(real(*a, **k)) or results[-1])
-    quick = census.host_times(args, 2, (0, 1), repeats=1)
+    quick = host_time.host_times(args, 2, (0, 1), repeats=1)
     # every timed update is a whole one: the sampler check passes and the optimizer steps
     assert len(results) == 2 and all(r.optimizer_steps == 1 and not r.sampler_rejected for r in results)
     monkeypatch.setattr(update, "update_policy", lambda *a, **k: time.sleep(0.5) or real(*a, **k))
-    slowed = census.host_times(args, 2, (0, 1), repeats=1)
+    slowed = host_time.host_times(args, 2, (0, 1), repeats=1)
     assert slowed["update_host_s"] >= 0.5 > quick["update_host_s"]
 
 
