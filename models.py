@@ -445,14 +445,14 @@ def trainable_line(model):
 
 def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
     """A random-weight 2-layer model (hidden 64) of a real architecture, for tests and CPU benchmarks."""
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "phi3": Phi3Config,
-                  "gemma2": Gemma2Config}[arch]
+                  "gemma2": Gemma2Config, "qwen3": Qwen3Config}[arch]
     settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                     bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    if arch == "gemma2":
+    if arch in ("gemma2", "qwen3"):   # their configs' head_dim does not follow hidden_size / heads
         settings.update(head_dim=16)
     settings.update(overrides)
     torch.manual_seed(seed)

@@ -59,7 +59,8 @@ class Layer:
     """One decoder layer in the order a decode step runs it: the norms, the projections and the MLP's activation.
     As a family finds it (`FAMILIES`), qkv and gate_up are the modules whose outputs, concatenated, are q|k|v and
     gate|up (three and two, or one already fused); as the engine calls it (`build_layer`), qkv: x -> (q, k, v),
-    gate_up: x -> (gate, up), o and down: x -> output, over merged copies or the modules themselves."""
+    gate_up: x -> (gate, up), o and down: x -> output, over merged copies or the modules themselves. q_norm and
+    k_norm (None: none) run over each head of q and k before rotary."""
     input_norm: object
     qkv: object
     o: object
@@ -67,6 +68,8 @@ class Layer:
     gate_up: object
     down: object
     act: object
+    q_norm: object = None
+    k_norm: object = None
 
 
 def separate_projections(layer):
@@ -74,6 +77,12 @@ def separate_projections(layer):
     attention, mlp = layer.self_attn, layer.mlp
     return Layer(layer.input_layernorm, (attention.q_proj, attention.k_proj, attention.v_proj), attention.o_proj,
                  layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, mlp.act_fn)
+
+
+def normed_heads(layer):
+    """Qwen3: Llama's layout, q and k RMS-normed per head (q_norm, k_norm) before rotary."""
+    attention = layer.self_attn
+    return dataclasses.replace(separate_projections(layer), q_norm=attention.q_norm, k_norm=attention.k_norm)
 
 
 def fused_projections(layer):
@@ -85,10 +94,11 @@ def fused_projections(layer):
 
 # The model families the engine decodes (paper §4 trains Qwen2.5 and Llama-3): model_type (transformers config) ->
 # where its layer keeps its modules. A family whose layer is pre-norm RMSNorm (HF's LlamaRMSNorm formula, which the
-# fused norm computes and checks), rotary attention with grouped query heads and a gated MLP is one entry here; any
-# other model type generates through Hugging Face generate (sampling.py says so in one line).
+# fused norm computes and checks), rotary attention with grouped query heads (optionally normed per head) and a gated
+# MLP is one entry here; any other model type generates through Hugging Face generate (sampling.py says so in one
+# line).
 FAMILIES = {"llama": separate_projections, "qwen2": separate_projections, "mistral": separate_projections,
-            "phi3": fused_projections}
+            "phi3": fused_projections, "qwen3": normed_heads}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 

@@ -76,6 +76,12 @@ def rotate(x, cos, sin):
     return torch.cat([rotated * cos + rotate_half(rotated) * sin, kept], -1)
 
 
+def head_norm(x, norm, head_dim):
+    """The norm module over each head of x [B, T, heads * hd] (Qwen3's q_norm / k_norm: RMSNorm over head_dim,
+    after the projection and before rotary), the same shape."""
+    return norm(x.unflatten(-1, (-1, head_dim))).flatten(-2)
+
+
 def rotary_cache_write(q, k, v, cos, sin, key_cache, value_cache, slots):
     """q [B, T, Hq * hd], k and v [B, T, Hkv * hd] (views of one projection's output) -> q rotated [B, Hq, T, hd];
     k rotated and v are written into cache columns `slots` [T] of key_cache / value_cache [B, Hkv, L, hd]."""
@@ -230,6 +236,8 @@ def run_layers(dec, hidden, positions, keys, values, slots, attention, kernels=P
     x = None
     for layer, layer_keys, layer_values in zip(dec.layers, keys, values):
         q, k, v = layer.qkv(kernels.add_rms_norm(x, hidden, layer.input_norm))
+        if layer.q_norm is not None:
+            q, k = head_norm(q, layer.q_norm, dec.head_dim), head_norm(k, layer.k_norm, dec.head_dim)
         q = kernels.rotary_cache_write(q, k, v, cos, sin, layer_keys, layer_values, slots)
         normed = kernels.add_rms_norm(layer.o(attention(q, layer_keys, layer_values)), hidden, layer.post_norm)
         x = layer.down(kernels.act_mul(*layer.gate_up(normed), layer.act))

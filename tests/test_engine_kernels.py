@@ -2,11 +2,12 @@
 fused decode step (custom ops; a CPU runs each op's reference behind it) gives the plain step's tokens and log-probs; one
 step of it runs 9 operations a layer and builds no mask (counted by bench census); a fused op that disagrees with its
 reference (a planted fault in each) or raises is replaced by it with one warning line, before anything runs it, so
-the tokens stay the reference's; q|k|v and gate|up come from one merged copy each; Mistral and Phi-3 (fused
-projections, partial rotary) decode as generate() does; every Triton kernel compiles to sm_90 machine code, and the
-Triton kernels themselves, under its interpreter on CPU tensors (a fresh process, ~10 s), equal their references (at
-shapes where a dropped RMSNorm eps or rotary read at another row's position shows), pass the run-time check and,
-with the engine taking the GPU paths (engine/gpu_paths.py), decode generate()'s tokens through the split attention."""
+the tokens stay the reference's; q|k|v and gate|up come from one merged copy each; Mistral, Phi-3 (fused
+projections, partial rotary) and Qwen3 (q and k normed per head) decode as generate() does; every Triton kernel
+compiles to sm_90 machine code, and the Triton kernels themselves, under its interpreter on CPU tensors (a fresh
+process, ~10 s), equal their references (at shapes where a dropped RMSNorm eps or rotary read at another row's
+position shows), pass the run-time check and, with the engine taking the GPU paths (engine/gpu_paths.py), decode
+generate()'s tokens through the split attention."""
 
 import collections
 import json
@@ -203,11 +204,13 @@ def phi3_model(**overrides):
     return AutoModelForCausalLM.from_config(Phi3Config(**dict(settings, **overrides)), dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("family", ["mistral", "phi3", "phi3 partial rotary", "phi3 + LoRA"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "phi3 partial rotary", "phi3 + LoRA", "qwen3",
+                                    "qwen3 + LoRA"])
 @pytest.mark.parametrize("kernels", [None, "fused"])
 def test_every_family_decodes_generates_tokens(family, kernels, monkeypatch):
     """Mistral's layout is Llama's; Phi-3 keeps q|k|v and gate|up fused in one projection each and may rotate part
-    of a head: greedy tokens equal HF generate's, with and without a LoRA adapter on its fused projections."""
+    of a head; Qwen3 RMS-norms q and k per head before rotary (random norm weights here, so q's and k's norms
+    differ): greedy tokens equal HF generate's, with and without a LoRA adapter on every projection."""
     from peft import LoraConfig, get_peft_model
     from test_engine import run
 
@@ -219,11 +222,17 @@ def test_every_family_decodes_generates_tokens(family, kernels, monkeypatch):
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS,
             tie_word_embeddings=False), dtype=torch.float32).eval()
+    elif family.startswith("qwen3"):
+        model = eos_model("qwen3")
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    parameter.uniform_(0.2, 2.0, generator=generator)
     else:
         model = phi3_model(**({"partial_rotary_factor": 0.5} if "partial" in family else {}))
     if "LoRA" in family:
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj",
-                                                                                     "gate_up_proj", "down_proj"]))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=models.lora_targets(model)))
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if "lora_B" in name:
@@ -235,7 +244,7 @@ def test_every_family_decodes_generates_tokens(family, kernels, monkeypatch):
     fast = run(model, ids, mask, 2, 12, temperature=0.0)
     reference = run(model, ids, mask, 2, 12, temperature=0.0, backend="hf")
     assert all(torch.equal(a, b) for a, b in zip(fast, reference))
-    if "LoRA" in family:
+    if "LoRA" in family:   # q|k|v (64 + 2 x 32 rows) and o, merged
         assert [tuple(weight.shape) for _, weight in engine.decode.engine_for(model).copies[:2]] == [(128, 64),
                                                                                                      (64, 64)]
 
@@ -243,7 +252,7 @@ def test_every_family_decodes_generates_tokens(family, kernels, monkeypatch):
 def test_the_families_are_listed_once():
     from engine.decode import FAMILIES
 
-    assert engine.decode.SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "qwen2", "mistral", "phi3")
+    assert engine.decode.SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "qwen2", "mistral", "phi3", "qwen3")
 
 
 def test_prompts_padded_inside_are_refused():

@@ -1,5 +1,5 @@
 """The sampler check (policy.py's SamplerGap, LOGPROB_GAP_LIMIT, off_policy) and what feeds it: the sampler's
-log-probs of both backends equal the trainer's (Llama and Qwen2, n > 1, left padding, EOS mid-batch, top-p < 1,
+log-probs of both backends equal the trainer's (Llama, Qwen2, Qwen3, n > 1, left padding, EOS mid-batch, top-p < 1,
 chunks splitting a prompt's rollouts); planted faults (a wrong temperature inside the engine, a stale merged copy, a perturbed copy) raise the gap above the limit; a failing
 CUDA-graph recording falls back to eager decoding with the same tokens, a failing engine to Hugging Face generate();
 --backend engine turns each fallback into an error. Slow (-m slow): the real demo model in fp32. Whole training runs
@@ -53,7 +53,7 @@ def rollouts_of(model, ids, mask, n, settings, seed=0):
                              torch.arange(len(ids)).repeat_interleave(n), logprobs, backend)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("backend", ["engine", "hf"])
 def test_sampler_logprobs_equal_the_trainers(arch, backend):
     """softmax(logits / T) before the top-p cut, per generated token, 0 after the first EOS: the trainer's
