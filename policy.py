@@ -209,7 +209,7 @@ def _head_logprobs():
 
 # Families whose causal LM's logits are lm_head(hidden states) and nothing more (no soft-cap, no scale): the update
 # may take the head's product itself (`fused_head`).
-PLAIN_HEAD_FAMILIES = ("llama", "qwen2", "mistral", "phi3")
+PLAIN_HEAD_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "qwen3")
 
 
 def fused_head(model) -> Tensor | None:

@@ -21,8 +21,7 @@ replayed per token.
   attention, SiLU x up and the sampler's whole step are one Triton kernel each (triton_kernels.py), 9 operations a
   decoder layer instead of 44; each is compared with its plain PyTorch reference on every bucket's shapes before the
   bucket runs, and one that disagrees or fails runs its reference from then on (one warning line). The CPU runs
-  the reference. Model families (decode.FAMILIES): Llama, Qwen2, Mistral, Phi-3, Qwen3; others go through HF
-  generate.
+  the reference. Model families: decode.FAMILIES (docs/generation.md's table); others go through HF generate.
 - Weights: LoRA is merged into a separate copy of the adapted projections, q|k|v and gate|up stacked (one GEMM
   each), refreshed at every call (Qwen2.5-3B: 2.77 B params, 5.5 GB in bf16). The training weights are never
   touched (peft's in-place merge_adapter() / unmerge_adapter() would leave a bf16 rounding error in the frozen

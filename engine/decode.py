@@ -73,20 +73,20 @@ class Layer:
 
 
 def separate_projections(layer):
-    """Llama, Qwen2, Mistral: separate q, k, v and gate, up projections (the merged copy stacks them)."""
+    """Separate q, k, v and gate, up projections (the merged copy stacks them)."""
     attention, mlp = layer.self_attn, layer.mlp
     return Layer(layer.input_layernorm, (attention.q_proj, attention.k_proj, attention.v_proj), attention.o_proj,
                  layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, mlp.act_fn)
 
 
 def normed_heads(layer):
-    """Qwen3: Llama's layout, q and k RMS-normed per head (q_norm, k_norm) before rotary."""
+    """Separate projections (`separate_projections`), q and k RMS-normed per head (q_norm, k_norm) before rotary."""
     attention = layer.self_attn
     return dataclasses.replace(separate_projections(layer), q_norm=attention.q_norm, k_norm=attention.k_norm)
 
 
 def fused_projections(layer):
-    """Phi-3: q|k|v and gate|up already one projection each (its rotary may cover part of a head)."""
+    """q|k|v and gate|up already one projection each (rotary may cover part of a head)."""
     attention, mlp = layer.self_attn, layer.mlp
     return Layer(layer.input_layernorm, (attention.qkv_proj,), attention.o_proj, layer.post_attention_layernorm,
                  (mlp.gate_up_proj,), mlp.down_proj, mlp.activation_fn)

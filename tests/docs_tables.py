@@ -9,13 +9,14 @@ from train.py's parser, never by hand:
 - `presets` (README.md), `preset-values` (docs/training.md): `presets.PRESETS` and `presets.BASELINES`;
 - `flags`, `resume` (docs/training.md): every flag of `config.build_parser()` as `--help` groups them, and what a
   resume may change (`config.RUN_IDENTITY`, `config.RECORDED_AT_RESUME`);
+- `engine-families` (docs/generation.md): the model types the decode engine runs, `engine.decode.FAMILIES`;
 - `reading-path` (README.md): the files one training step enters (tests/reading_path.py, a traced step).
 
     python -m tests.docs_tables              # print every block
     python -m tests.docs_tables --write      # rewrite every block in the docs
 
 tests/test_docs.py checks that each block equals what this gives today, so a new rule, reward term, loss option,
-dataset, preset or flag is its registry entry (or its flag) and `--write`: no other edit of the docs. The one-line
+dataset, engine family, preset or flag is its registry entry (or its flag) and `--write`: no other edit of the docs. The one-line
 summaries come from the registries (a rule's, a reward term's, a dataset's `summary`) and the parser (each flag's help).
 """
 
@@ -232,6 +233,18 @@ def reward_terms_table():
          f"`{term.func.__name__}`", cell(term.summary)] for name, term in rewards.REWARD_TERMS.items()])
 
 
+def engine_families_table():
+    """Each layout of engine.decode.FAMILIES with the model types that have it (the layout function's docstring)."""
+    from engine.decode import FAMILIES
+
+    layouts = {}
+    for model_type, layout in FAMILIES.items():
+        layouts.setdefault(layout, []).append(model_type)
+    return table(["model type (its config's `model_type`)", "layout", "what the engine finds in a decoder layer"], [
+        [", ".join(f"`{name}`" for name in names), f"`{layout.__name__}`", cell(inspect.getdoc(layout))]
+        for layout, names in layouts.items()])
+
+
 def datasets_table():
     import data
 
@@ -308,6 +321,7 @@ BLOCKS = {
     "variant-flags": ("docs/method.md", variant_flags_table),
     "reward-terms": ("docs/rewards_and_data.md", reward_terms_table),
     "datasets": ("docs/rewards_and_data.md", datasets_table),
+    "engine-families": ("docs/generation.md", engine_families_table),
     "preset-values": ("docs/training.md", preset_values_table),
     "flags": ("docs/training.md", flags_table),
     "resume": ("docs/training.md", resume_table),

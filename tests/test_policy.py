@@ -176,6 +176,21 @@ def test_the_fused_head_is_taken_only_where_the_logits_are_the_heads_product_and
     assert policy.fused_head(biased) is None
 
 
+@pytest.mark.parametrize("family", policy.PLAIN_HEAD_FAMILIES)
+def test_each_plain_head_familys_logits_are_the_heads_product(family):
+    """What PLAIN_HEAD_FAMILIES claims of each family (a tiny random model, LoRA, its head frozen): the hidden states
+    `kept_outputs` hands over with the fused head, times that head, are the model's own logits."""
+    model = models.prepare_for_training(models.tiny_random_model(family, vocab_size=VOCAB), lora_rank=4,
+                                        lora_alpha=8)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        hidden, head = policy.kept_outputs(model, 4, **inputs)
+        logits = model(**inputs).logits[:, -4:]
+    assert head is policy.hf_model(model).lm_head.weight
+    assert torch.allclose(hidden @ head.T, logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_fused_head_gives_the_logits_paths_log_probs_entropies_and_gradients(monkeypatch, temperature):
     """token_logprobs and prefix.completion_logprobs of a LoRA model, with the head fused (in chunks of 3 positions)
