@@ -444,18 +444,16 @@ def trainable_line(model):
 
 
 def tiny_random_model(arch="llama", vocab_size=49152, seed=0, **overrides):
-    """A random-weight 2-layer model (hidden 64) of a real architecture, for tests and CPU benchmarks."""
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
-
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "phi3": Phi3Config,
-                  "gemma2": Gemma2Config, "qwen3": Qwen3Config}[arch]
+    """A random-weight 2-layer model (hidden 64) of a real architecture (any transformers model_type: "llama",
+    "qwen2", "qwen3", "phi3", "gemma2", ...), for tests and CPU benchmarks."""
     settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                     bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    if arch in ("gemma2", "qwen3"):   # their configs' head_dim does not follow hidden_size / heads
-        settings.update(head_dim=16)
     settings.update(overrides)
+    # some configs (Gemma-2, Qwen3) default to a head_dim of their own, not hidden_size / heads
+    settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config_cls(**settings), dtype=torch.float32)
+    config = transformers.AutoConfig.for_model(arch, **settings)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
