@@ -249,10 +249,6 @@ def test_train_py_under_torchrun_points_to_the_multigpu_entry_and_the_entry_need
     assert str(stop.value.code).startswith("python -m multigpu: error: training runs under torchrun")
 
 
-def test_the_one_process_path_loads_no_multigpu_module():
-    code = ("import sys, train, eval, compare, study\nfrom run import config\n"
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('multigpu', 'bench')], sys.modules")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 def test_the_decode_engine_decodes_fsdp_weights_eagerly_and_as_the_plain_model_does():

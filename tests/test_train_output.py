@@ -15,9 +15,12 @@ import eval as eval_module
 from run_helpers import ROOT, tiny_argv
 
 # train.py as a user runs it, in a fresh interpreter (nothing imported by other tests), then whether bitsandbytes
-# was imported along the way.
+# was imported along the way, and which modules of several processes or the benchmarks were, once the other commands
+# are imported too (the one-process path loads none).
 RUN_TRAIN = ("import runpy, sys; sys.argv = ['train.py'] + sys.argv[1:]; runpy.run_path('train.py', "
-             "run_name='__main__'); print('bitsandbytes imported:', 'bitsandbytes' in sys.modules)")
+             "run_name='__main__'); print('bitsandbytes imported:', 'bitsandbytes' in sys.modules); "
+             "import eval, compare, study; print('multigpu or bench imported:', sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('multigpu', 'bench')))")
 
 
 def run_train(argv, env=None, timeout=300):
@@ -43,7 +46,8 @@ def test_a_run_prints_what_it_does_and_where_its_results_are_and_nothing_else(ti
     assert [int(m.group(1)) for m in map(re.compile(r"step (\d+): held-out accuracy 0\.\d\d, format ").match, lines)
             if m] == [0, 1, 2]
     assert any(re.fullmatch(rf"done: 2 steps, \d+ s of training -> {re.escape(str(run_dir))}", line) for line in lines)
-    assert lines[-1] == "bitsandbytes imported: False"  # a LoRA run in fp32 needs none of it
+    assert lines[-2:] == ["bitsandbytes imported: False",  # a LoRA run in fp32 needs none of it
+                          "multigpu or bench imported: []"]
     # The printed commands run as printed on this run folder.
     commands = {line.split("#")[0].split(":", 1)[-1].strip() for line in lines if "   # " in line}
     assert {c.split()[1] for c in commands} == {"compare.py", "eval.py"} and len(commands) == 3
