@@ -13,7 +13,7 @@ Measured numbers, with the command that made them, are recorded in BENCHMARKS.md
   prefix     the demo's update with prefix sharing off / on (each distinct token once), ratios  bench/prefix.py
   evalprefix held-out evaluation with prefix sharing off vs on: time ratio, same completions bench/eval_prefix.py
   census     kernels, host syncs, bytes, FLOPs and a GPU roofline of the update and a decode step   bench/census.py
-             (and the host's time of both, --host-repeats)                                       bench/host_time.py
+             (the host's time of both, --host-repeats: bench/host_time.py; the narrow policy: bench/narrow.py)
   update     setting (a)'s update, its speed changes switched on in turn: time, GPU busy         bench/update_speed.py
   coverage   the lines of the files a GPU runs that the default test suite executes (no GPU)      bench/gpu_coverage.py
   load       a demo step beside 16 busy processes against the quiet machine, per --num-threads   bench/load.py

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from bench.census import Narrow, narrow_policy, random_batch, sampler_check
+from bench.narrow import Narrow, narrow_policy, random_batch, sampler_check
 
 # The widths at which the host's time is taken: small enough that no operation computes for long, so what is left
 # is the Python, dispatcher and autograd work a GPU would wait for (the same operations as the counted run's).

@@ -4,7 +4,7 @@ CPU), for every loss option (the paper's, GSPO, CISPO, the high-entropy tokens, 
 and both optimizers: no operation mixes the device's tensors with the host's, no shape or dtype disagrees, and the
 host reads the device where the design says and nowhere else: once per optimizer step in the update, every
 CHECK_EVERY decode steps and for the results in generation (the run-time checks of the fused kernels, once per model
-or bucket, read what they compare). Narrow widths (bench.census.Narrow), 20 completion tokens. By default a covering
+or bucket, read what they compare). Narrow widths (bench.narrow.Narrow), 20 completion tokens. By default a covering
 set (each preset, loss option and optimizer at least once); `-m slow` runs the whole cross product. A tensor left on
 the host, and a read inside the update's loop, are planted and fail. --load-in-4bit cannot move to `meta`
 (bitsandbytes' 4-bit parameters do not): tests/test_gpu_paths.py runs it on a CPU taking the GPU paths."""
