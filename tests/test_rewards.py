@@ -235,7 +235,25 @@ def test_adversarial_inputs_never_raise_and_are_graded_within_the_graders_limits
             if elapsed_s > worst_s:
                 worst_s, worst_case = elapsed_s, completion[:60]
     assert worst_s <= limit_s, f"slowest case {worst_case!r} took {worst_s:.2f} s"
-    assert timed_out <= 5, f"{timed_out} of {len(ADVERSARIAL)} cases reached sympy and timed out twice"
+    assert timed_out <= 2, f"{timed_out} of {len(ADVERSARIAL)} cases reached sympy and timed out twice"
+
+
+@pytest.mark.parametrize("answer", ["(10^{10})!", "\\binom{10^{12}}{10^6}", "\\binom{123456}{2}",
+                                    "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}^{10^{9}}", "x^{10^{9}}",
+                                    "9^{9^9}", "10^{1234567}", "123456!"])
+def test_numbers_no_answer_needs_are_graded_zero_without_sympy(answer, monkeypatch):
+    """Powers, factorials and binomials of numbers that would hold a grading worker to its limit twice: refused up
+    front (rewards.pathological), as prediction and as gold; sympy is never asked."""
+    monkeypatch.setattr(rewards.grader, "verify_pairs", lambda *a, **k: pytest.fail("sympy was asked"))
+    assert rewards.pathological(answer)
+    assert accuracy_reward(formatted(answer), "5") == 0.0 and accuracy_reward(formatted("5"), answer) == 0.0
+
+
+@pytest.mark.parametrize("answer", ["\\binom{5}{2}", "(n+1)!", "5!", "x^{2^n}", "2^{10}", "10^{12}",
+                                    "\\frac{10!}{2^{5}}", "(x^2+1)^{3}"])
+def test_answers_of_the_usual_size_are_not_refused(answer):
+    assert not rewards.pathological(answer)
+    assert accuracy_reward(formatted(answer), answer) == 1.0
 
 
 def test_adversarial_batch_off_the_main_thread():
