@@ -16,8 +16,9 @@ from train.py's parser, never by hand:
     python -m tests.docs_tables --write      # rewrite every block in the docs
 
 tests/test_docs.py checks that each block equals what this gives today, so a new rule, reward term, loss option,
-dataset, engine family, preset or flag is its registry entry (or its flag) and `--write`: no other edit of the docs. The one-line
-summaries come from the registries (a rule's, a reward term's, a dataset's `summary`) and the parser (each flag's help).
+dataset, engine family, preset or flag is its registry entry (or its flag) and `--write`: no other edit of the docs.
+The one-line summaries come from the registries (a rule's, a reward term's, a dataset's `summary`, a layout's
+docstring) and the parser (each flag's help).
 """
 
 import argparse
