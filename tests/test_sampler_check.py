@@ -2,8 +2,8 @@
 log-probs of both backends equal the trainer's (Llama, Qwen2, Qwen3, n > 1, left padding, EOS mid-batch, top-p < 1,
 chunks splitting a prompt's rollouts); planted faults (a wrong temperature inside the engine, a stale merged copy, a
 perturbed copy) raise the gap above the limit; a failing CUDA-graph recording falls back to eager decoding with the
-same tokens, a failing engine to Hugging Face generate(); --backend engine turns each fallback into an error. Slow (-m slow): the real demo model in fp32. Whole training runs
-and eval.py's guard: tests/test_train_sampler.py.
+same tokens, a failing engine to Hugging Face generate(); --backend engine turns each fallback into an error.
+Slow (-m slow): the real demo model in fp32. Whole training runs and eval.py's guard: tests/test_train_sampler.py.
 """
 
 import warnings
