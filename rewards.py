@@ -165,13 +165,15 @@ def _nesting_depth(text):
 
 # Numeric towers (9^9^9, 10**10**10, (10^{10})^{10^{10}}), anything raised to a number's power (M^{10^{9}}), any
 # three nested exponent groups (e^{e^{e^{x}}}), exponents of 6+ digits (10^{1234567}, 1e1234567), factorials of 5+
-# digits or of a power ((10^{10})!) and binomials of a power or of 5+ digits (\binom{10^{12}}{k}): numbers no answer
-# needs (none of MATH's 8,000 answers has one), each of which held a grading worker to its time limit, twice.
+# digits or of a number's power ((10^{10})!) and binomials of a number's power or of 5+ digits (\binom{10^{12}}{k}):
+# numbers no answer needs (none of MATH's 8,000 answers has one), each able to hold a grading worker to its time
+# limit, twice.
 _POWER_TOWER = re.compile(r"\d\s*[})]*\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d+(?:\.\d+)?\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d"
                           r"|\^\s*\{\s*[-+]?\d+\s*(?:\^|\*\*)\s*\{?\s*[-+]?\d"
                           r"|\^\s*\{[^{}]*\^\s*\{[^{}]*\^")
 _HUGE_EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*[-+]?\d{6,}|\d[eE][-+]?\d{6,}|\d{5,}\s*!"
-                            r"|\([^()]*\^[^()]*\)\s*!|\{[^{}]*\^[^{}]*\}\s*!|\\[dt]?binom\s*\{[^{}]*(?:\^|\d{5,})")
+                            r"|\([^()]*\d\s*\^[^()]*\)\s*!|\{[^{}]*\d\s*\^[^{}]*\}\s*!"
+                            r"|\\[dt]?binom\s*\{[^{}]*(?:\d\s*\^|\d{5,})")
 
 
 def pathological(text):

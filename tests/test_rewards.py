@@ -249,8 +249,8 @@ def test_numbers_no_answer_needs_are_graded_zero_without_sympy(answer, monkeypat
     assert accuracy_reward(formatted(answer), "5") == 0.0 and accuracy_reward(formatted("5"), answer) == 0.0
 
 
-@pytest.mark.parametrize("answer", ["\\binom{5}{2}", "(n+1)!", "5!", "x^{2^n}", "2^{10}", "10^{12}",
-                                    "\\frac{10!}{2^{5}}", "(x^2+1)^{3}"])
+@pytest.mark.parametrize("answer", ["\\binom{5}{2}", "\\binom{n^2}{2}", "(n+1)!", "(n^2)!", "5!", "x^{2^n}",
+                                    "2^{10}", "10^{12}", "\\frac{10!}{2^{5}}", "(x^2+1)^{3}"])
 def test_answers_of_the_usual_size_are_not_refused(answer):
     assert not rewards.pathological(answer)
     assert accuracy_reward(formatted(answer), answer) == 1.0
