@@ -160,14 +160,13 @@ def measure_sampler_gap(model, rollouts, temperature, micro_batch_size=8, prefix
     count = len(rollouts.prompt_index)
     picked = torch.arange(count) if rows_checked is None or rows_checked >= count else \
         torch.linspace(0, count - 1, rows_checked).round().long().unique()
-    rows = rollouts.prompt_index[picked]
     with torch.no_grad(), policy.dropout_off(model):
         logprobs = prefix.logprobs_function(model, prefix_sharing)
-        for start in range(0, len(rows), micro_batch_size):
+        for start in range(0, len(picked), micro_batch_size):
             part = picked[start:start + micro_batch_size]
+            own = rollouts.prompt_index[part]   # the rows' prompts
             mask = rollouts.completion_mask[part]
             width = max(1, int(mask.sum(1).max()))
-            own = rows[start:start + micro_batch_size]
             ids = torch.cat([rollouts.prompt_ids[own], rollouts.completion_ids[part, :width]], 1)
             attention = torch.cat([rollouts.prompt_mask[own], mask[:, :width]], 1)
             trainer = logprobs(model, ids.to(device), attention.to(device), width,

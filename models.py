@@ -430,7 +430,6 @@ def lora_in_base_dtype(model):
     return model
 
 
-
 def trainable_line(model):
     """What trains, in one line (train.py prints it once the policy is loaded): the adapter's rank and targets and
     peft's count of trainable parameters, or the full model's."""

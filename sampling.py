@@ -11,8 +11,8 @@ static KV cache, a decode step recorded as a CUDA graph, finished rows dropped);
 to "hf" with a warning. On both, the prefix every prompt of a chunk starts with is computed once (prefix_sharing).
 Only our settings shape the distribution on both: the model's own generation_config is never consulted. Both
 return, for every generated token, its log-probability under the sampler (`sampler_logprobs`), which the update
-compares with the trainer's (policy.py's sampler check); an exception inside the engine falls back to eager decoding, then to
-"hf", one warning line each (`--backend engine`: an error instead).
+compares with the trainer's (policy.py's sampler check); an exception inside the engine falls back to eager decoding,
+then to "hf", one warning line each (`--backend engine`: an error instead).
 Simplifications: no vLLM / paged attention, no continuous batching across chunks.
 """
 

@@ -390,8 +390,7 @@ def _logprobs_and_entropies(model, micro, settings, device, step):
 def _check_sampler(gap_sums, ratios, logprobs, micro):
     """The sampler check of a micro-batch (policy.py): its gap sums added to `gap_sums`, each of its rows' mean
     ratio pi / pi_sampler written into `ratios` (its batch's, on the device) -> the gap sums."""
-    gap_sums = policy.add_gap_sums(gap_sums, policy.gap_sums(logprobs, micro.sampler_logprobs,
-                                                                           micro.completion_mask))
+    gap_sums = policy.add_gap_sums(gap_sums, policy.gap_sums(logprobs, micro.sampler_logprobs, micro.completion_mask))
     ratios[micro.rows] = policy.row_mean_ratios(logprobs, micro.sampler_logprobs, micro.completion_mask)
     return gap_sums
 

@@ -1,5 +1,5 @@
-"""The sampler-trainer log-prob gap (policy.py's sampler check): what a correct sampler gives, what a faulty one gives, and so
-where the fallback threshold (policy.LOGPROB_GAP_LIMIT) goes.
+"""The sampler-trainer log-prob gap (policy.py's sampler check): what a correct sampler gives, what a faulty one
+gives, and so where the fallback threshold (policy.LOGPROB_GAP_LIMIT) goes.
 
 The policy of the demo (SmolLM2-135M, LoRA r=16 with its B matrices randomised as after some training) samples
 rollouts of the demo's arithmetic prompts at T = 1 through sampling.generate_rollouts on each path, and the trainer's

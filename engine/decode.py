@@ -227,8 +227,8 @@ def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size, la
     return dataclasses.replace(
         modules, qkv=decode_step.projections(modules.qkv, qkv_sizes, copy, copies, stacked, layouts),
         o=decode_step.projection(modules.o, copy, copies, layouts),
-        gate_up=decode_step.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies, stacked,
-                                    layouts),
+        gate_up=decode_step.projections(modules.gate_up, (intermediate_size, intermediate_size), copy, copies,
+                                        stacked, layouts),
         down=decode_step.projection(modules.down, copy, copies, layouts))
 
 

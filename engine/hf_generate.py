@@ -3,8 +3,8 @@ decode engine cannot run, and every fallback from it, generates with.
 
 Only our settings shape the distribution: the model's own generation_config is never consulted
 (`neutral_generation_config`); temperature and top-p are generate()'s own warpers, with the sampler's log-prob of each
-token read between them (`SamplerLogprobs`), which the update compares with its own (policy.py's sampler check). The prefix
-every row starts with runs once, its KV cache repeated to every row (`shared_prefix_cache`).
+token read between them (`SamplerLogprobs`), which the update compares with its own (policy.py's sampler check). The
+prefix every row starts with runs once, its KV cache repeated to every row (`shared_prefix_cache`).
 """
 
 import inspect

@@ -320,8 +320,8 @@ def step_logger(trainer, args, tokenizer, eval_set, write):
     timer = StepTimer()
 
     def evaluate():
-        loop.evaluate_heldout(trainer.model, tokenizer, eval_set, args, state, write, train.OneProcess(),  # prints
-                               heldout.evaluate)
+        loop.evaluate_heldout(trainer.model, tokenizer, eval_set, args, state, write, train.ONE_PROCESS,  # prints
+                              heldout.evaluate)
 
     def after_log(logs):
         line = {"type": "train", "step": state.step, "elapsed_s": state.elapsed_s, **timer.phases,
@@ -359,7 +359,7 @@ def _run(args, run_dir):
     checkpoint.write_text_atomic(run_dir / "config.json", json.dumps(run_config, indent=1, allow_nan=False))
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    tokenizer, train_set, eval_set, model, optimizer = loop.load(args, train.OneProcess())
+    tokenizer, train_set, eval_set, model, optimizer = loop.load(args, train.ONE_PROCESS)
     import datasets
 
     dataset = datasets.Dataset.from_list(dataset_rows(train_set))

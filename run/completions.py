@@ -3,8 +3,8 @@
 For every --log-completions-interval-th step, <out>/completions/step_XXXXXX.jsonl holds each prompt once (marked when
 --dynamic-sampling set it aside) and each rollout with its completion, every reward function's value and the
 weighted total, whether its answer comparison timed out twice (accuracy 0, unverified), length, truncation, whether
-the rule kept it, the advantage the loss used, its mean ratio pi / pi_sampler (policy.py's sampler check) and, under "logged",
-the columns a reward function gave TRL's log_extra;
+the rule kept it, the advantage the loss used, its mean ratio pi / pi_sampler (policy.py's sampler check) and, under
+"logged", the columns a reward function gave TRL's log_extra;
 eval_step_XXXXXX.jsonl holds a sample of each evaluation's completions and
 grades. `rollout_table` prints one prompt's rollouts sorted by reward (`python eval.py rollouts RUN`); report.py's
 sinks send the same to TensorBoard as text and to W&B as a table. Files are written atomically (checkpoint.py), and a

@@ -21,7 +21,6 @@ The one-line summaries come from the registries (a rule's, a reward term's, a da
 docstring) and the parser (each flag's help).
 """
 
-import argparse
 import dataclasses
 import inspect
 import re

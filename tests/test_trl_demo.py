@@ -20,7 +20,6 @@ import compare  # noqa: E402
 from run import config, loop  # noqa: E402
 import rewards  # noqa: E402
 import torch  # noqa: E402
-import train  # noqa: E402
 from integrations import trl_demo  # noqa: E402
 from run_helpers import ROOT, read_lines  # noqa: E402
 
