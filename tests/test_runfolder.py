@@ -23,6 +23,11 @@ def test_a_live_holder_refuses_the_folder_and_a_dead_ones_lock_is_taken_over(tmp
     lock = tmp_path / runfolder.LOCK_FILE
     try:
         lock.write_text(f"{socket.gethostname()} {holder.pid}\n")
+        written = lock.stat().st_mtime  # an older lock's format: no start time, so /proc decides (could_be_a_run)
+        assert runfolder.could_be_a_run(holder.pid, written), (  # what it read, should this ever fail again
+            f"lock written at {written}; btime {Path('/proc/stat').read_text().split('btime')[1].split()[0]}; "
+            f"holder started {runfolder.process_start(holder.pid)} ticks after it; "
+            f"{Path(f'/proc/{holder.pid}/cmdline').read_bytes()}")
         with pytest.raises(ValueError, match=rf"in use by another train.py run \(process {holder.pid}\)"):
             with runfolder.folder_lock(tmp_path):
                 pass
