@@ -249,8 +249,6 @@ def test_train_py_under_torchrun_points_to_the_multigpu_entry_and_the_entry_need
     assert str(stop.value.code).startswith("python -m multigpu: error: training runs under torchrun")
 
 
-
-
 def test_the_decode_engine_decodes_fsdp_weights_eagerly_and_as_the_plain_model_does():
     """Sharded over a 1-process gloo group: FSDP is detected (on CUDA no graph would be recorded over weights
     FSDP re-allocates), and the engine's rollouts inside full_weights_for_generation equal the plain model's."""
