@@ -1,25 +1,20 @@
-"""The GRPO-PODS objective (paper §3.1-3.2): the clipped per-token loss of the kept rollouts and its normaliser. The
-log-probabilities it takes (of the policy, pi_old, the reference) are policy.py's `token_logprobs`.
+"""The GRPO-PODS objective (paper §3.1-3.2): the clipped per-token loss of the kept rollouts and its normaliser.
 
-Objective per kept rollout i with advantage A_i and tokens t = 1..|o_i| (paper eq. for GRPO-PODS):
+Per kept rollout i with advantage A_i and tokens t = 1..|o_i| (paper eq. for GRPO-PODS):
 
     J = mean_i  1/|o_i| sum_t  min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i)  -  beta * KL_it
     rho_it = exp(log pi(o_it) - log pi_old(o_it)),  KL_it = exp(ref - logp) - (ref - logp) - 1   (k3)
 
-`grpo_loss` returns -J. In the paper's setting (one gradient step per batch, pi_old = pi) call it with
-old_logprobs = logprobs.detach(): then rho = 1 and grad(-J) = -mean_i 1/|o_i| sum_t A_i grad log pi(o_it)
-(+ the KL gradient), the plain REINFORCE-with-baseline policy gradient; the clip only matters for
-additional updates on the same batch.
+`grpo_loss` returns -J. With one gradient step per batch (the paper's setting) pi_old = pi: rho = 1 and the gradient
+is the plain REINFORCE-with-baseline policy gradient; the clip only matters for further updates on the same batch.
 
-Each part of the objective is named (`grpo_loss_sum` composes them): the ratio at its level (`token_log_ratio`), its
-clip (`clip_range`, with DAPO's clip-higher), the policy loss (`ppo_clip`), the adjustments of each token's term
-(TOKEN_ADJUSTMENTS), the KL term (`kl_penalty`) and the aggregation ("sequence": `row_means` over `row_count`). Every
-option of the loss is a field of one record, loss_options.LossSettings (the defaults: the paper's objective), and the
-parts of later work that an option switches to (GSPO's sequence-level ratio, CISPO, DAPO's and Dr. GRPO's
-aggregations, the importance-sampling corrections, the high-entropy tokens, the truncated rows' mask) are
-loss_options.py's: the registries here map the option's value to its part. The trainer accumulates micro-batches, so
-"token" and "fixed" normalise over the whole update batch: `grpo_loss_sum` gives each micro-batch's numerator and
-`loss_denominator` the batch's normaliser.
+`grpo_loss_sum` composes named parts: the ratio at its level (LOG_RATIOS), its clip (`clip_range`), the policy loss
+(POLICY_LOSS_TERMS), adjustments of each token's term (TOKEN_ADJUSTMENTS), the KL term (`kl_penalty`) and the
+aggregation (AGGREGATIONS). Every option is a field of loss_options.LossSettings (defaults: the paper's objective);
+the parts of later work an option switches on (GSPO, CISPO, DAPO / Dr. GRPO aggregations, importance-sampling
+corrections, high-entropy tokens) are loss_options.py's. A new option: a field, its part there, an entry in one
+registry here, and its test. The trainer accumulates micro-batches, so `grpo_loss_sum` gives each one's numerator and
+`loss_denominator` the whole batch's normaliser.
 
 Simplification: the KL term is optional (paper and TRL default beta = 0) and uses TRL's k3 estimator.
 """
@@ -41,9 +36,8 @@ PAPER = LossSettings()  # the paper's objective: every option at its default
 
 def loss_tokens(completion_mask: Tensor, old_logprobs: Tensor | None, sampler_logprobs: Tensor | None,
                 settings: LossSettings) -> Tensor:
-    """The tokens that count in the loss and in its denominators (`loss_denominator`): completion_mask, with the
-    tokens "token_reject" rejects zeroed (as verl's rollout_rs changes response_mask); other corrections: unchanged.
-    Per token, so a multi-process denominator is still the sum of each process's."""
+    """The tokens that count in the loss and its denominator: completion_mask, with the tokens "token_reject"
+    rejects zeroed (as verl's rollout_rs changes response_mask); per token, so processes' denominators still add up."""
     if settings.importance_sampling_correction != "token_reject" or not completion_mask.numel():
         return completion_mask
     if old_logprobs is None or sampler_logprobs is None:
@@ -53,19 +47,10 @@ def loss_tokens(completion_mask: Tensor, old_logprobs: Tensor | None, sampler_lo
     return completion_mask * accepted.to(completion_mask.dtype)   # all three on one device (no copy, no sync)
 
 
-# ------------------------------------------------ the objective, each option a named part
-# `grpo_loss_sum` is the paper's clipped objective; every LossSettings option is a part it composes, picked by the field
-# of its name: the ratio at its level (LOG_RATIOS), its clip (`clip_range`), the policy loss (POLICY_LOSS_TERMS), the
-# adjustments of each token's policy-gradient term (TOKEN_ADJUSTMENTS), the KL term (`kl_penalty`) and the aggregation
-# (AGGREGATIONS); loss_options.mask_truncated and `loss_tokens` shape the loss mask before it. A new option is a
-# LossSettings field (its flag comes from the field) with its part in loss_options.py, an entry of one of these
-# registries, and its test.
-
-
 @dataclass(frozen=True)
 class LossTerms:
-    """What the parts of one `grpo_loss_sum` call read: its settings, what the objective derives first (the loss
-    tokens, log pi there, the advantages, the ratio and its clip) and the tensors as given."""
+    """What the parts of one `grpo_loss_sum` call read: its settings, what the objective derives first and the
+    tensors as given."""
     settings: LossSettings
     keep: Tensor                        # bool [B, C]: the tokens in the loss (`loss_tokens`)
     mask: Tensor                        # `keep` in float32
@@ -84,17 +69,14 @@ def grpo_loss_sum(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, co
                   settings: LossSettings | None = None, ref_logprobs: Tensor | None = None,
                   sampler_logprobs: Tensor | None = None, entropies: Tensor | None = None,
                   **options) -> tuple[Tensor, dict[str, Tensor]]:
-    """Numerator of the loss of these rows (divide by `loss_denominator` of the whole update batch): per token the
-    paper's -min(rho A, clip(rho) A) + beta KL, with the parts its settings pick (above).
+    """Numerator of the loss of these rows (divide by `loss_denominator` of the whole update batch): per token
+    the paper's -min(rho A, clip(rho) A) + beta KL, with the parts its settings pick.
 
-    settings: the LossSettings (None: the paper's); options: fields of it to replace (`loss_settings`). [B, C] each:
-    logprobs, old_logprobs, completion_mask, ref_logprobs (the KL term), sampler_logprobs (an importance-sampling
-    correction), entropies (top-entropy tokens); advantages: [B], finite (checked on the host by `grpo_loss` and
-    update.update_policy: here it would be a sync). The rows' losses are summed (with the "sequence" aggregation each
-    row's mean over its tokens), so micro-batches accumulate exactly: the sum over micro-batches of grpo_loss_sum /
-    loss_denominator(all masks) is the full-batch loss. Metrics: `loss_metrics` and the adjustments' own, 0-dim
-    tensors on the device: reading one is a host sync, which the update makes once per optimizer step.
-    """
+    settings: a LossSettings (None: the paper's); options: fields of it to replace. [B, C] each: logprobs,
+    old_logprobs, completion_mask, ref_logprobs (KL), sampler_logprobs (an importance-sampling correction), entropies
+    (top-entropy tokens); advantages: [B], finite (checked on the host by the callers: here it would be a sync). Rows'
+    losses are summed, so the sum over micro-batches of grpo_loss_sum / loss_denominator(all masks) is the full-batch
+    loss. Metrics: 0-dim tensors on the device (reading one is a host sync, made once per optimizer step)."""
     if settings is None or options:  # the paper's, or some of its fields replaced
         settings = loss_settings(settings, **options)
     check_loss_inputs(settings, logprobs, old_logprobs, advantages, completion_mask, ref_logprobs, sampler_logprobs,
@@ -116,17 +98,16 @@ def grpo_loss_sum(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, co
 
 
 def masked_float(values: Tensor, keep: Tensor) -> Tensor:
-    """`values` in float32, 0 outside `keep`: padded positions may hold anything (even inf or NaN), zeroed *before*
-    exp so that neither the value nor the gradient (0 * inf) can turn into NaN."""
+    """`values` in float32, 0 outside `keep`, zeroed *before* exp: padding may hold inf or NaN, and neither the
+    value nor the gradient (0 * inf) may turn into NaN."""
     return torch.where(keep, values.float(), 0.0)
 
 
 def check_loss_inputs(settings: LossSettings, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                       completion_mask: Tensor, ref_logprobs: Tensor | None = None,
                       sampler_logprobs: Tensor | None = None, entropies: Tensor | None = None) -> None:
-    """A ValueError line for what `grpo_loss_sum` cannot use, before any work: a shape, an option's value, or a tensor
-    an option needs missing (ref_logprobs for kl_coef > 0, the sampler's log-probs for an importance-sampling
-    correction, the entropies for top_entropy_quantile < 1)."""
+    """A ValueError line for what `grpo_loss_sum` cannot use, before any work: a shape, an option's value, or a
+    tensor an option needs missing."""
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, C], got shape {tuple(logprobs.shape)}")
     same_shape = {"old_logprobs": old_logprobs, "completion_mask": completion_mask, "ref_logprobs": ref_logprobs}
@@ -166,8 +147,8 @@ LOG_RATIOS = {"token": token_log_ratio, "sequence": loss_options.sequence_log_ra
 
 
 def clip_range(settings: LossSettings) -> tuple[float, float]:
-    """rho's bounds (1 - clip_eps, 1 + clip_eps_high): clip-higher (DAPO) widens the upper one alone; clip_eps_high
-    None: clip_eps, the paper's symmetric clip."""
+    """rho's bounds (1 - clip_eps, 1 + clip_eps_high): DAPO's clip-higher widens the upper one alone (None: the
+    paper's symmetric clip)."""
     high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
     if not settings.clip_eps > 0 or not high > 0:
         raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {settings.clip_eps} and "
@@ -178,8 +159,8 @@ def clip_range(settings: LossSettings) -> tuple[float, float]:
 # --- the policy loss (policy_loss): each token's loss, and the sides of the clip its clip_ratio metrics count
 
 def ppo_clip(terms: LossTerms) -> tuple[Tensor, tuple]:
-    """"ppo_clip" (the paper's): -min(rho A, clip(rho) A). Clipped (no policy gradient): rho below the clip with
-    A < 0, above it with A > 0."""
+    """"ppo_clip" (the paper's): -min(rho A, clip(rho) A); clipped (no gradient): rho below the clip with A < 0,
+    above it with A > 0."""
     adv = terms.advantages
     return -torch.minimum(terms.ratio * adv, terms.ratio.clamp(*terms.clip) * adv), (adv < 0, adv > 0)
 
@@ -188,17 +169,15 @@ def ppo_clip(terms: LossTerms) -> tuple[Tensor, tuple]:
 POLICY_LOSS_TERMS = {"ppo_clip": ppo_clip, "cispo": loss_options.cispo}
 
 
-# --- adjustments of each token's policy-gradient term, before the KL term: each of later work (loss_options.py),
-# made only where its option is on (not at its default, the paper's). In this order: (option, adjustment), the
-# adjustment (per_token, terms, metrics) -> per_token; metrics: what it measures (0-dim tensors, no gradient), by name.
+# --- adjustments of each token's term before the KL term, made only where their option is on (loss_options.py):
+# (option, adjustment (per_token, terms, metrics) -> per_token), in this order; metrics: 0-dim tensors, by name.
 TOKEN_ADJUSTMENTS = (("importance_sampling_correction", loss_options.importance_sampling_correction),
                      ("top_entropy_quantile", loss_options.top_entropy_tokens))
 
 
 def kl_penalty(per_token: Tensor, terms: LossTerms) -> tuple[Tensor, Tensor | None]:
-    """The paper's KL term, TRL's k3 estimator KL_it = exp(ref - logp) - (ref - logp) - 1 -> (per_token + beta KL_it,
-    KL_it), beta = kl_coef: measured whenever ref_logprobs are given, added only with beta > 0 (the paper's and TRL's
-    default is 0); no ref_logprobs: (per_token, None)."""
+    """TRL's k3 estimator KL_it = exp(ref - logp) - (ref - logp) - 1 -> (per_token + beta KL_it, KL_it): measured
+    whenever ref_logprobs are given, added only with beta = kl_coef > 0 (the paper's default is 0)."""
     if terms.ref_logprobs is None:
         return per_token, None
     log_ref_ratio = masked_float(terms.ref_logprobs, terms.keep) - terms.logp
@@ -207,10 +186,8 @@ def kl_penalty(per_token: Tensor, terms: LossTerms) -> tuple[Tensor, Tensor | No
 
 
 def loss_metrics(terms: LossTerms, clipped_sides: tuple, kl: Tensor | None) -> dict[str, Tensor]:
-    """TRL's metrics, token means over the loss tokens as 0-dim tensors on the device (the caller reads them when it
-    reads the loss: one host sync): "clip_ratio/low_mean" (rho below the clip, on the side the policy loss counts),
-    "clip_ratio/high_mean" (above), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3; 0 without
-    ref_logprobs)."""
+    """TRL's metrics, token means as 0-dim tensors on the device: "clip_ratio/low_mean", "clip_ratio/high_mean",
+    "clip_ratio/region_mean" (on the sides the policy loss counts), "ratio_mean", "kl" (0 without ref_logprobs)."""
     with torch.no_grad():
         num_tokens = terms.mask.sum().clamp(min=1)
 
@@ -228,9 +205,8 @@ def loss_metrics(terms: LossTerms, clipped_sides: tuple, kl: Tensor | None) -> d
 
 @dataclass(frozen=True)
 class Aggregation:
-    """numerator: (the row sums [B] of the per-token losses, the loss mask [B, C]) -> each row's part of
-    `grpo_loss_sum`; denominator: (the update batch's loss masks [B, C], max_completion_tokens) -> its normaliser
-    (`loss_denominator`)."""
+    """numerator: (row sums [B] of the per-token losses, mask [B, C]) -> each row's part of `grpo_loss_sum`;
+    denominator: (the batch's masks, max_completion_tokens) -> its normaliser (`loss_denominator`)."""
     numerator: Callable[[Tensor, Tensor], Tensor]
     denominator: Callable[[list, int | None], int]
 
@@ -241,8 +217,7 @@ def row_means(row_sums: Tensor, mask: Tensor) -> Tensor:
 
 
 def row_count(masks: list, max_completion_tokens: int | None) -> int:
-    """"sequence": the number of rows, masked ones included (as in TRL: the normaliser does not depend on what the
-    rows hold)."""
+    """"sequence": the number of rows, masked ones included (as TRL: the normaliser ignores what rows hold)."""
     return sum(mask.shape[0] for mask in masks)
 
 
@@ -264,12 +239,9 @@ def loss_denominator(
 ) -> int:
     """The normaliser of the whole update batch: `grpo_loss_sum` of every micro-batch / this = the loss.
 
-    completion_masks: the [B, C] mask of the batch, or a list of masks (micro-batches, several rollout
-    batches), after loss_options.mask_truncated when truncated rows are masked. "sequence": number of rows;
-    "token": number of kept tokens; "fixed": rows x max_completion_tokens (AGGREGATIONS). It is a sum over rows,
-    so a distributed caller sums the local values over ranks. It is 0 only for "token" with no kept token (the
-    numerator is then 0 too): divide by max(denominator, 1).
-    """
+    completion_masks: one [B, C] mask or a list of them (micro-batches), after loss_options.mask_truncated where it
+    applies. "sequence": rows; "token": kept tokens; "fixed": rows x max_completion_tokens. A sum over rows (several
+    processes sum theirs); 0 only for "token" with no kept token (the numerator is 0 too): divide by max(it, 1)."""
     _check_aggregation(aggregation)
     masks = [completion_masks] if isinstance(completion_masks, torch.Tensor) else list(completion_masks)
     if any(mask.dim() != 2 for mask in masks):
@@ -288,21 +260,11 @@ def grpo_loss(
     entropies: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO loss -J of one whole batch (see module docstring) and TRL-named metrics.
-
-    settings / options: as in `grpo_loss_sum`, e.g. grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1).
-
-    logprobs/old_logprobs/ref_logprobs/completion_mask: [B, C]; advantages: [B]. Computed in float32.
-    = grpo_loss_sum / max(loss_denominator, 1). With the default aggregation each sequence is averaged
-    over its own masked tokens (a row with no tokens counts as 0), then the B sequences are averaged.
-    With old_logprobs = logprobs.detach() the gradient is exactly the policy gradient
-    -mean_i A_i/|o_i| sum_t grad log pi (tested). Tokens in the clipped region (rho > 1+eps_high with
-    A > 0, rho < 1-eps with A < 0) get no policy-gradient term (only the KL term's, when kl_coef > 0).
-
-    Metrics (masked token means): "clip_ratio/low_mean" (rho < 1-eps and A < 0), "clip_ratio/high_mean"
-    (rho > 1+eps_high and A > 0), "clip_ratio/region_mean" (either), "ratio_mean", "kl" (k3, 0.0 when
-    no ref_logprobs).
-    """
+    """Clipped GRPO loss -J of one whole batch (module docstring) and TRL-named metrics, in float32:
+    grpo_loss_sum / max(loss_denominator, 1). settings / options: as in `grpo_loss_sum`, e.g.
+    grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1). [B, C] tensors, advantages [B]. With
+    old_logprobs = logprobs.detach() the gradient is the policy gradient -mean_i A_i/|o_i| sum_t grad log pi
+    (tested)."""
     settings = loss_settings(settings, **options)
     if not bool(torch.isfinite(advantages).all()):
         raise ValueError(f"advantages contain non-finite values: {advantages.tolist()}")

@@ -6,7 +6,7 @@ disabled = the base model), so no second model is held in memory.
 
 Precision (`compute_dtypes`): --bf16 with LoRA keeps the frozen base weights in bf16 and the adapter in fp32 (master
 weights and optimizer state); `lora_in_base_dtype` has each adapted projection compute its adapter in bf16 where
-update.computes_in_bf16 says so (CUDA, a CPU with bf16 instructions, a GPU emulated on a CPU: update.lora_forward,
+engine/lora_bf16.computes_in_bf16 says so (CUDA, a CPU with bf16 instructions, an emulated GPU: its lora_forward,
 three bf16 matrix products per projection, cast from the masters after every optimizer step), elsewhere peft's fp32
 adapter; --bf16 with full fine-tuning keeps fp32 master weights and runs the update's forward passes under bf16
 autocast (update.py), since bf16 weights cannot hold updates of lr ~ 1e-6 (the bf16 spacing at 0.02 is ~1e-4: the
@@ -42,7 +42,8 @@ import policy
 torch = lazy_module("torch", globals())
 transformers = lazy_module("transformers", globals())
 gpu_paths = lazy_module("engine.gpu_paths", globals())   # where the GPU's paths run (4-bit weights, memory)
-update = lazy_module("update", globals())   # the bf16 LoRA product that `lora_in_base_dtype` puts in place
+lora_bf16 = lazy_module("engine.lora_bf16", globals())   # the bf16 LoRA product `lora_in_base_dtype` puts in place
+update = lazy_module("update", globals())   # its optimizer-step counter (update.OPTIMIZER_STEPS)
 
 SMOLLM2_ALIAS = "smollm2-135m-offline"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -426,7 +427,7 @@ def lora_in_base_dtype(model):
     for module in model.modules():  # only where it can act: a base in another dtype than its adapter
         if type(module) is Linear and "forward" not in module.__dict__ and any(
                 module.base_layer.weight.dtype != a.weight.dtype for a in module.lora_A.values()):
-            module.forward = update.lora_forward(module, module.forward)
+            module.forward = lora_bf16.lora_forward(module, module.forward, update.OPTIMIZER_STEPS)
     return model
 
 

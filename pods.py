@@ -1,37 +1,15 @@
-"""Down-sampling rules of PODS (paper §3.2-3.3, Lemma 1, Algorithm 2, Theorems 1-2).
+"""Down-sampling rules of PODS (paper §3.2-3.3, Lemma 1, Algorithm 2, Theorems 1-2): of n rollouts per prompt, keep
+m, picked from the rewards alone, and give the kept ones group-relative advantages.
 
-PODS generates n rollouts per prompt and trains on a subset of m of them. This module picks that subset
-from the rewards alone, and gives the kept rollouts their group-relative advantages.
+Lemma 1: some maximum-variance m-subset is always "the k highest + the (m-k) lowest" for some k in 0..m, so
+`max_variance_indices` (Algorithm 2) scores all m+1 candidates with one sort and prefix sums of r and r^2, O(n log n)
+per row; with binary rewards this is Theorem 2 (m/2 ones + m/2 zeros, given enough of each). Also: the ablation's
+baselines, the advantages over the kept subset (§3.2), and `select_across_prompts`, the cross-prompt scope the paper
+leaves as future work. `select` is what a step calls; `RULES` is the rules' registry (docs/method.md).
 
-- `max_variance_indices` is the paper's rule (Algorithm 2). Lemma 1: some maximum-variance m-subset of
-  real numbers is always "the k highest + the (m-k) lowest" for some k in 0..m. So one sort plus prefix
-  sums of r and r^2 score all m+1 candidates at once, O(n log n) per row, vectorised over rows and over k.
-  Theorem 2 follows for binary rewards: with enough of each value, the optimum is m/2 ones + m/2 zeros.
-- `random_indices`, `percentile_indices`, `max_reward_indices` are the baselines of the paper's ablation;
-  `downsample(..., "none")` keeps every rollout (m == n), i.e. plain GRPO.
-- `group_advantages` / `selected_advantages` / `masked_advantages`: GRPO advantages (r - mean) / (std + eps) with
-  the *unbiased* sample std and eps = 1e-4 (the authors' code, TRL), over the selected subset (paper §3.2,
-  normalize="selected", the default) or the full group of n (normalize="group", the appendix ablation).
-  `scale_rewards` "group" (the paper), "batch" (one std over the whole batch's statistics sets, TRL's
-  scale_rewards="batch") or "none" (centred only, Dr. GRPO); `masked_advantages` takes any kept mask (uneven
-  counts per prompt: the batch selection scope).
-- `zero_variance_prompts` flags prompts whose n rewards are all equal (zero advantages under any subset) so the
-  trainer can drop them.
-- `select_across_prompts` is the cross-prompt scope the paper names as future work ("applying the
-  max-variance rule within each prompt and then selecting a balanced subset across prompts"); its
-  exact rule is in its docstring.
-- `select` is what a training step calls: the rule, the scope and the zero-variance option in one place.
-- `RULES` is the registry of down-sampling rules (name -> `SelectionRule`), filled by `@register_rule`: the flag's
-  choices, `downsample`, the batch scope's check, the docs table and the tests' parametrisation read it, so a new
-  rule is one decorated function here plus its own test (docs/method.md, "Extending pods").
-
-Simplifications: rewards are one scalar per rollout (already summed over reward functions); ties are
-broken deterministically (stable sort by reward, then position; the smallest k among equal-variance
-candidates) rather than randomly.
-
-All index-returning functions take rewards of shape (..., n) and return a LongTensor (..., m) of
-distinct positions along the last dim. Deterministic rules return them in ascending-reward order
-(max_reward: descending); random_indices in random order.
+Simplifications: one scalar reward per rollout (already summed over reward functions); ties broken deterministically
+(stable sort by reward, then position; the smallest k among equal-variance candidates), not randomly. Rules return
+distinct positions (..., m) in ascending-reward order (max_reward: descending; random: random).
 """
 
 from __future__ import annotations
@@ -84,31 +62,20 @@ def _sorted_ascending(rewards: Tensor) -> tuple[Tensor, Tensor]:
 @register_rule("max_variance", "a maximum-variance m-subset of each row (the paper's rule, Algorithm 2)",
                batch_scope=True)
 def max_variance_indices(rewards: Tensor, m: int) -> Tensor:
-    """Indices (..., m) of a maximum-variance m-subset of each row of rewards (..., n) (Algorithm 2).
-
-    Candidate k keeps the k highest and the (m-k) lowest rewards; these never overlap since m <= n.
-    Its sum of squared deviations is S2 - S1^2/m with S1, S2 the sums of r and r^2 over the subset,
-    taken from prefix sums of the sorted row. Maximising that maximises the variance (either
-    normaliser). Only the m lowest and m highest sorted values can be chosen, so the prefix sums run
-    over those 2m "ends". Sums are in float64 on values shifted by one of the row's own values (so
-    every term is bounded by the row's range): cancellation cannot pick a wrong k for
-    float32/bfloat16 inputs. Scores within 1e-12 x (sum of squares of the ends) of the best count as
-    tied and the smallest such k wins, so equal-variance candidates resolve the same way everywhere.
-    """
+    """Indices (..., m) of a maximum-variance m-subset of each row of rewards (..., n) (Algorithm 2): candidate k (the k
+    highest + the m-k lowest) scores S2 - S1^2/m from prefix sums, in float64 on values shifted by one of the row's own
+    so cancellation cannot pick a wrong k. Scores within 1e-12 x (the ends' sum of squares) of the best count as tied;
+    the smallest k wins."""
     n = check_rewards(rewards, m, check_finite=False)  # finiteness is checked on the ends below
     sorted_r, order = _sorted_ascending(rewards)
-    if 2 * m < n:  # ends = [m lowest, m highest], in sorted order
-        ends = torch.cat([sorted_r[..., :m], sorted_r[..., n - m :]], dim=-1).to(torch.float64)
-    else:
-        ends = sorted_r.to(torch.float64)
+    ends = torch.cat([sorted_r[..., :m], sorted_r[..., n - m :]], dim=-1) if 2 * m < n else sorted_r
+    ends = ends.to(torch.float64)  # [m lowest, m highest]: the only values a candidate can hold
     width = ends.shape[-1]
     x = ends - ends[..., m - 1 : m]  # variance is shift invariant; shifting avoids cancellation
-    # Prefix sums of x and x^2 with a leading 0: (..., width+1).
     prefix1 = torch.nn.functional.pad(x.cumsum(-1), (1, 0))
     prefix2 = torch.nn.functional.pad((x * x).cumsum(-1), (1, 0))
     total_ss = prefix2[..., width:]
-    # sort puts NaN and +-inf at the ends of a row (either end for CUDA's signed NaNs), so they are
-    # in `ends` and make its sums non-finite.
+    # sort puts NaN and +-inf at a row's ends, so a non-finite reward makes these sums non-finite
     if not bool(torch.isfinite(total_ss).all()):
         raise_non_finite(rewards)
     k = torch.arange(m + 1, device=x.device)
@@ -136,11 +103,8 @@ def random_indices(rewards: Tensor, m: int, generator: torch.Generator | None = 
 @register_rule("percentile", "the rewards at sorted positions `floor((2j+1)·n / (2m))`, j = 0..m−1 (the (j+0.5)/m "
                "quantiles; always distinct)")
 def percentile_indices(rewards: Tensor, m: int) -> Tensor:
-    """The rewards at the (j + 0.5)/m quantiles, j = 0..m-1, of each sorted row.
-
-    Exact definition: sorted position floor((2j + 1) * n / (2m)). Consecutive positions differ by at
-    least n/m >= 1, so they are distinct, and the last is < n. m == n keeps everything.
-    """
+    """The rewards at sorted positions floor((2j + 1) n / (2m)), j = 0..m-1: the (j + 0.5)/m quantiles of each row
+    (distinct, as consecutive positions differ by n/m >= 1)."""
     n = check_rewards(rewards, m)
     _, order = _sorted_ascending(rewards)
     j = torch.arange(m, device=rewards.device)
@@ -163,13 +127,8 @@ def all_indices(rewards: Tensor, m: int) -> Tensor:
     return torch.arange(n, device=rewards.device).expand(rewards.shape).clone()
 
 
-def downsample(
-    rewards: Tensor, m: int, rule: str, generator: torch.Generator | None = None
-) -> Tensor:
-    """Single entry point: indices (..., m) of the rollouts to train on under `rule` (a name in RULES).
-
-    "none" is plain GRPO and requires m == n; it returns arange(n) for every row.
-    """
+def downsample(rewards: Tensor, m: int, rule: str, generator: torch.Generator | None = None) -> Tensor:
+    """Indices (..., m) of the rollouts to train on under `rule`, a name in RULES."""
     if rule not in RULES:
         raise ValueError(f"unknown down-sampling rule {rule!r}; expected one of {tuple(RULES)}")
     entry = RULES[rule]
@@ -211,19 +170,12 @@ def select_across_prompts(rewards: Tensor, m: int, rule: str = "max_variance",
                           generator: torch.Generator | None = None) -> Tensor:
     """Batch selection scope: bool mask [P, n] of the rollouts to train on, m x P slots in all.
 
-    rule: what fills each prompt's budget, one of `batch_scope_rules()` (the budgets are always those below).
-
-    Rule. Prompts whose n rewards are all equal get nothing (any subset of them has zero advantages).
-    The other P' prompts share M' = min(m P, P' n) slots as evenly as possible: q = M' // P' each, and
-    q + 1 for r = M' mod P' of them; each fills its budget with its max-variance subset (Lemma 1). The r
-    extra slots go to the prompts whose within-group sum of squared deviations grows most from q to
-    q + 1 (ties: lower prompt index). This maximises exactly the total within-group sum of squared
-    deviations, sum_i sum_{j kept} (r_ij - mean_i)^2 (the squared norm of the centred advantages),
-    over all selections of M' rollouts with no slot on a zero-variance prompt and per-prompt counts
-    that differ by at most one: the counts are fixed up to which r prompts get q + 1, and that choice
-    is separable (tested against brute force). With no zero-variance prompt it equals the prompt
-    scope (m each). Cost: O(P n log n): a few vectorised max-variance calls. The trainer trains on
-    mask.sum() rows (fewer than m P only when P' n < m P; 0 when every prompt has zero variance).
+    Prompts whose n rewards are all equal get nothing; the other P' share M' = min(m P, P' n) slots: q = M' // P' each,
+    q + 1 for the r = M' mod P' whose sum of squared deviations grows most from q to q + 1 (ties: lower index), each
+    filling its budget with `rule` (one of `batch_scope_rules()`). With max-variance this exactly maximises the total
+    within-group sum of squared deviations (the centred advantages' squared norm) over selections of M' rollouts, none
+    on a zero-variance prompt, counts differing by at most one: only which r prompts get q + 1 is free, and that choice
+    is separable (tested against brute force). With no zero-variance prompt it is the prompt scope.
     """
     _check_batch_rule(rule)
     budgets = batch_budgets(rewards, m)
@@ -255,14 +207,10 @@ class SelectSettings:
 def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", scale_rewards: str = "group",
            scope: str = "prompt", drop_zero_variance: bool = False,
            generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, int]:
-    """What one rollout batch trains on, from rewards [P, n]: (kept, advantages, number of prompts dropped), the
-    input of update.kept_batch.
-
-    The paper (scope "prompt", nothing dropped): kept [P, m] indices by `rule`, advantages [P, m]. Otherwise a bool
-    mask [P, n] and advantages [P, n] (0 where not kept). drop_zero_variance leaves out the prompts whose n
-    rewards are all equal (zero advantages under any subset): with scope "prompt" the others keep m each; scope
-    "batch" (select_across_prompts over m x P slots) never gives such prompts a slot, so their slots go to the
-    others either way and the flag only counts them."""
+    """What one rollout batch trains on, from rewards [P, n]: (kept, advantages, number of prompts dropped). The paper
+    (scope "prompt", nothing dropped): kept [P, m] indices, advantages [P, m]; otherwise a bool mask [P, n] and
+    advantages [P, n] (0 where not kept). drop_zero_variance leaves out prompts whose n rewards are all equal; scope
+    "batch" never gives them a slot anyway, so there the flag only counts them."""
     _check_batch_rule(rule, scope)
     if scope == "prompt" and not drop_zero_variance:
         kept = downsample(rewards, m, rule, generator=generator)
@@ -281,8 +229,6 @@ def select(rewards: Tensor, m: int, rule: str, *, normalize: str = "selected", s
         advantages[prompts] = masked_advantages(group, group_keep, normalize, scale_rewards).to(advantages.dtype)
     return keep, advantages, dropped
 
-
-# ------------------------------------------------------------------ advantages over the kept subset (§3.2)
 
 def check_rewards(rewards: Tensor, m: int | None = None, check_finite: bool = True) -> int:
     """Validate rewards (..., n) and subset size m; return n. Raises ValueError naming the problem."""
@@ -307,18 +253,15 @@ def check_rewards(rewards: Tensor, m: int | None = None, check_finite: bool = Tr
 
 def raise_non_finite(rewards: Tensor) -> None:
     bad = rewards[~torch.isfinite(rewards)]
-    raise ValueError(
-        f"rewards contain {bad.numel()} non-finite value(s) (e.g. {bad[0].item()}) "
-        f"in a tensor of shape {tuple(rewards.shape)}"
-    )
+    raise ValueError(f"rewards contain {bad.numel()} non-finite value(s) (e.g. {bad[0].item()}) "
+                     f"in a tensor of shape {tuple(rewards.shape)}")
 
+
+# ------------------------------------------------------------------ advantages over the kept subset (§3.2)
 
 def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
-    """GRPO advantages (r - mean) / (std + eps) along the last dim, with the unbiased sample std.
-
-    Computed in float32 (float64 stays float64). A group of one has no baseline, so its advantage is 0
-    (the unbiased std of one sample is undefined; we never return NaN).
-    """
+    """GRPO advantages (r - mean) / (std + eps) along the last dim, unbiased std, in float32 (float64 stays float64).
+    A group of one has no baseline: advantage 0, never NaN."""
     k = check_rewards(rewards)
     if not eps > 0:
         raise ValueError(f"eps must be > 0 so the division is defined, got {eps}")
@@ -330,17 +273,12 @@ def group_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
     return (r - mean) / (std + eps)
 
 
-def masked_advantages(
-    rewards: Tensor, keep: Tensor, normalize: str = "selected", scale_rewards: str = "group", eps: float = 1e-4
-) -> Tensor:
-    """Advantages (..., n) of the rollouts where `keep` (..., n, bool) is True; 0 elsewhere.
-
-    Statistics set of each prompt: its kept rewards (normalize="selected", paper §3.2) or all n
-    (normalize="group"). Advantage = (r - mean of the set) / (std + eps), std (unbiased) of the set
-    (scale_rewards="group"), of the union of every prompt's set (="batch"), or no division (="none").
-    A set of one has no baseline: advantage 0. Statistics in float64; returns float32 (float64 input:
-    float64). Works for any number of kept rollouts per prompt (the batch selection scope).
-    """
+def masked_advantages(rewards: Tensor, keep: Tensor, normalize: str = "selected", scale_rewards: str = "group",
+                      eps: float = 1e-4) -> Tensor:
+    """Advantages (..., n) where `keep` (..., n, bool) is True, 0 elsewhere: (r - mean) / (std + eps) over each
+    prompt's kept rewards (normalize="selected", the paper) or all n ("group", the appendix ablation); unbiased std of
+    that set (scale_rewards="group", the paper), of all sets ("batch", TRL) or 1 ("none", Dr. GRPO). A set of one:
+    advantage 0. Statistics in float64; returns float32 (float64 input: float64)."""
     check_rewards(rewards)
     if normalize not in NORMALIZE_MODES:
         raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
@@ -365,28 +303,19 @@ def masked_advantages(
     return advantages.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
 
-def selected_advantages(
-    rewards: Tensor, indices: Tensor, normalize: str = "selected", eps: float = 1e-4, scale_rewards: str = "group"
-) -> Tensor:
-    """Advantages (..., m) of the rollouts `indices` (..., m) picked from `rewards` (..., n).
-
-    normalize="selected" (default, paper §3.2): mean/std of the m kept rewards.
-    normalize="group" (appendix ablation): mean/std of all n rewards, then gather the kept ones.
-    scale_rewards: see `masked_advantages` ("group" = the paper).
-    """
+def selected_advantages(rewards: Tensor, indices: Tensor, normalize: str = "selected", eps: float = 1e-4,
+                        scale_rewards: str = "group") -> Tensor:
+    """Advantages (..., m) of the rollouts `indices` (..., m) picked from `rewards` (..., n), statistics as in
+    `masked_advantages` (normalize="selected": of the m kept, the paper; "group": of all n)."""
     n = check_rewards(rewards)
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.long:
         raise ValueError(f"indices must be a LongTensor, got {getattr(indices, 'dtype', type(indices))}")
     if indices.shape[:-1] != rewards.shape[:-1] or indices.dim() != rewards.dim():
-        raise ValueError(
-            f"indices shape {tuple(indices.shape)} does not match rewards shape {tuple(rewards.shape)} "
-            "in the leading dims"
-        )
+        raise ValueError(f"indices shape {tuple(indices.shape)} does not match rewards shape {tuple(rewards.shape)} "
+                         "in the leading dims")
     if indices.shape[-1] == 0:
         raise ValueError("indices select no rollouts (m = 0)")
     if indices.numel() > 0 and (int(indices.min()) < 0 or int(indices.max()) >= n):
-        raise ValueError(
-            f"indices must lie in [0, {n}), got range [{int(indices.min())}, {int(indices.max())}]"
-        )
+        raise ValueError(f"indices must lie in [0, {n}), got range [{int(indices.min())}, {int(indices.max())}]")
     keep = torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device).scatter(-1, indices, True)
     return masked_advantages(rewards, keep, normalize, scale_rewards, eps).gather(-1, indices)

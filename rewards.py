@@ -1,23 +1,12 @@
 """Rule-based rewards of the PODS paper (Appendix A.1): accuracy, format and tag count, summed with weights.
 
-accuracy: the final answer is the content of the last `<answer>...</answer>` block, else the last
-`\\boxed{...}`, else the last number in the text (the fallback order of the authors' grader). It is
-compared with the ground truth by Hugging Face's math-verify (sympy based), or as a letter when the ground
-truth is a multiple-choice letter A-D. format: the whole completion is `<think>\\n...\\n</think>\\n<answer>\\n
-...\\n</answer>`. tag count: 0.25 per tag string present exactly once (the open-r1 definition).
-
-Grading never hangs and never raises, on any thread. Cheap fast paths (here, with the reading of the answer)
-decide most items without sympy: letters, plain numbers compared exactly as fractions (GSM8K never needs sympy),
-and pre-filters that score 0 on inputs able to stall sympy in C code (`9^9^9^9`, deep nesting, over-long
-answers). The rest go to grading/grader.py: a verdict cache, then math-verify in worker processes under a per-comparison
-limit of the worker's CPU time (VERIFY_TIMEOUT_S, once more 4x longer after a time-out), so a busy machine does not
-turn a correct answer into 0; an item that times out twice scores 0 and is counted (`RewardResult.grader_timeouts`,
-the step's rewards/grader_timeouts).
-Simplification: completions longer than MAX_COMPLETION_CHARS are graded on their tail.
-
-Reward terms are a registry, `REWARD_TERMS` (name -> `RewardTerm`: TRL-shaped function, default weight, its own
-options), filled by `@register_reward`: train.py computes every registered term, --reward-weights changes weights and
---reward-options sets options by name, so a new term is one decorated function here plus its own test.
+accuracy: the last `<answer>` block, else the last `\\boxed{}`, else the last number (the authors' grader's order),
+compared with the ground truth by math-verify, or as a letter A-D. format: the completion is exactly
+`<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>`. tag count: 0.25 per tag present exactly once (open-r1's).
+Grading never hangs or raises: fast paths decide most items without sympy and score 0 on inputs that can stall it;
+the rest go to math-verify workers (grading/grader.py), and an item timed out twice scores 0 and is counted.
+Simplification: completions longer than MAX_COMPLETION_CHARS are graded on their tail. The terms are a registry,
+`REWARD_TERMS`, filled by `@register_reward`: train.py computes every registered term.
 """
 
 from __future__ import annotations
@@ -37,19 +26,32 @@ from grading import grader, trl_call
 if TYPE_CHECKING:  # torch is imported where it is used: grading alone does not need it
     import torch
 
-VERIFY_TIMEOUT_S = 0.5  # CPU seconds of the grading worker per comparison (a MATH one takes ~5 ms), whatever else
-# runs on the machine; a time-out is retried once with grader.RETRY_FACTOR times as much. grade_accuracy reads it at
-# call time (rewards.VERIFY_TIMEOUT_S = 2.0 raises it).
+VERIFY_TIMEOUT_S = 0.5  # worker CPU (not wall) seconds per comparison, a MATH one takes ~5 ms; read at call time
 THINK_PREFILL = "<think>\n"  # what data.render_prompts(prefill_think=True) appends to the prompt
-
-# ------------------------------------------------- the final answer, and the comparisons that need no sympy
-
 MAX_COMPLETION_CHARS = 100_000  # longer completions: only the tail (where the answer is) is graded
 MAX_ANSWER_CHARS = 1_000  # longest MATH answer is 159 characters; longer "answers" score 0
 MAX_NESTING_DEPTH = 8  # deeper brackets score 0: MATH answers nest <= 3; each level costs the parser ~0.1 s
 
-# ---------------------------------------------------------------------------------------- extraction
+logger = logging.getLogger(__name__)
+_counting = threading.local()  # .counters: this thread's open `timeouts_counted` records
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+# Possessive `\s*+` keeps these linear on long runs of spaces.
+_ANSWER_PREFIX = re.compile(r"^(?:the\s++)?(?:final\s++)?answer\s*+(?:is|:)\s*+:?\s*+", re.IGNORECASE)
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[-+]?\.\d+")
+_UNIT_WORDS = re.compile(r"(?:\s+[A-Za-z]+\.?)+")
+_LETTER_AT_START = re.compile(r"^(?:(?i:option|choice)\s*)?\(?([A-D])\)?(?=$|[\s.:,)\]])")
+_LETTER_ANSWER_IS = re.compile(r"(?i:answer)\s*+(?:(?i:is)\s*+)?(?::\s*+)?(?:(?i:option)\s*+)?"
+                               r"\(?([A-D])\)?(?![A-Za-z])")
+# Towers (9^9^9, (10^{10})^{10^{10}}), powers of powers (M^{10^{9}}, e^{e^{e^{x}}}), exponents of 6+ digits and
+# factorials or binomials of huge numbers: no MATH answer has one, and each can hold a grading worker to its limit.
+_POWER_TOWER = re.compile(r"\d\s*[})]*\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d+(?:\.\d+)?\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d"
+                          r"|\^\s*\{\s*[-+]?\d+\s*(?:\^|\*\*)\s*\{?\s*[-+]?\d"
+                          r"|\^\s*\{[^{}]*\^\s*\{[^{}]*\^")
+_HUGE_EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*[-+]?\d{6,}|\d[eE][-+]?\d{6,}|\d{5,}\s*!"
+                            r"|\([^()]*\d\s*\^[^()]*\)\s*!|\{[^{}]*\d\s*\^[^{}]*\}\s*!"
+                            r"|\\[dt]?binom\s*\{[^{}]*(?:\d\s*\^|\d{5,})")
+_LATEX_REPLACEMENTS = (("\u2212", "-"), ("\u00b0", "^\\circ"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                       ("{,}", ","), ("\\!", ""), ("\\,", ""))  # unicode minus/degree; MATH's `32,\!348`
 
 
 def _last_tag_block(text, open_tag, close_tag):
@@ -59,8 +61,7 @@ def _last_tag_block(text, open_tag, close_tag):
 
 
 def _braced_content(text, open_pos):
-    """Content of the `{...}` group opening at text[open_pos], or None if it does not close within
-    MAX_ANSWER_CHARS (bounded scan: an unclosed brace in a 10^6-character text stays cheap)."""
+    """Content of the `{...}` group opening at text[open_pos], or None if it does not close within MAX_ANSWER_CHARS."""
     depth = 0
     for match in re.finditer(r"[{}]", text[open_pos:open_pos + MAX_ANSWER_CHARS + 2]):
         depth += 1 if match.group() == "{" else -1
@@ -70,8 +71,7 @@ def _braced_content(text, open_pos):
 
 
 def last_boxed_content(text):
-    """Content of the last complete `\\boxed{...}` / `\\fbox{...}` (nested braces), or `\\boxed 5` -> "5".
-    Looks at the last 16 occurrences at most, so a text full of unclosed boxes stays cheap."""
+    """Content of the last complete `\\boxed{...}` / `\\fbox{...}`, or `\\boxed 5` -> "5" (of the last 16 at most)."""
     end = len(text)
     for _ in range(16):
         start = max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))
@@ -106,16 +106,6 @@ def extract_final_answer(completion):
     return numbers[-1] if numbers else None
 
 
-# ---------------------------------------------------------------------------------------- fast paths
-# Possessive `\s*+` keeps these linear on long runs of spaces.
-_ANSWER_PREFIX = re.compile(r"^(?:the\s++)?(?:final\s++)?answer\s*+(?:is|:)\s*+:?\s*+", re.IGNORECASE)
-_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[-+]?\.\d+")
-_UNIT_WORDS = re.compile(r"(?:\s+[A-Za-z]+\.?)+")
-_LETTER_AT_START = re.compile(r"^(?:(?i:option|choice)\s*)?\(?([A-D])\)?(?=$|[\s.:,)\]])")
-_LETTER_ANSWER_IS = re.compile(r"(?i:answer)\s*+(?:(?i:is)\s*+)?(?::\s*+)?(?:(?i:option)\s*+)?"
-                               r"\(?([A-D])\)?(?![A-Za-z])")
-
-
 def _unwrap(text):
     """Strip whitespace, markdown bold, `$`, a trailing period and one \\boxed/\\text wrapper (repeatedly)."""
     for _ in range(4):
@@ -133,8 +123,7 @@ def _unwrap(text):
 
 def plain_number(text, allow_words=False):
     """Fraction for '1,234', '$72', '72.', '72 dollars' (allow_words), 'The answer is 72'; else None."""
-    text = _unwrap(_ANSWER_PREFIX.sub("", _unwrap(text)))
-    text = text.removeprefix("\\$").removeprefix("$").strip()
+    text = _unwrap(_ANSWER_PREFIX.sub("", _unwrap(text))).removeprefix("\\$").removeprefix("$").strip()
     match = _PLAIN_NUMBER.match(text)
     if not match:
         return None
@@ -163,27 +152,10 @@ def _nesting_depth(text):
     return deepest
 
 
-# Numeric towers (9^9^9, 10**10**10, (10^{10})^{10^{10}}), anything raised to a number's power (M^{10^{9}}), any
-# three nested exponent groups (e^{e^{e^{x}}}), exponents of 6+ digits (10^{1234567}, 1e1234567), factorials of 5+
-# digits or of a number's power ((10^{10})!) and binomials of a number's power or of 5+ digits (\binom{10^{12}}{k}):
-# numbers no answer needs (none of MATH's 8,000 answers has one), each able to hold a grading worker to its time
-# limit, twice.
-_POWER_TOWER = re.compile(r"\d\s*[})]*\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d+(?:\.\d+)?\s*(?:\^|\*\*)\s*[{(]*\s*[-+]?\d"
-                          r"|\^\s*\{\s*[-+]?\d+\s*(?:\^|\*\*)\s*\{?\s*[-+]?\d"
-                          r"|\^\s*\{[^{}]*\^\s*\{[^{}]*\^")
-_HUGE_EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*[-+]?\d{6,}|\d[eE][-+]?\d{6,}|\d{5,}\s*!"
-                            r"|\([^()]*\d\s*\^[^()]*\)\s*!|\{[^{}]*\d\s*\^[^{}]*\}\s*!"
-                            r"|\\[dt]?binom\s*\{[^{}]*(?:\d\s*\^|\d{5,})")
-
-
 def pathological(text):
     """Inputs that can stall sympy inside C code (huge integers) or its recursion: graded 0 up front."""
     return (len(text) > MAX_ANSWER_CHARS or bool(_POWER_TOWER.search(text))
             or bool(_HUGE_EXPONENT.search(text)) or _nesting_depth(text) > MAX_NESTING_DEPTH)
-
-
-_LATEX_REPLACEMENTS = (("\u2212", "-"), ("\u00b0", "^\\circ"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                       ("{,}", ","), ("\\!", ""), ("\\,", ""))  # unicode minus/degree; MATH's `32,\!348`
 
 
 def normalize_latex(text):
@@ -192,43 +164,35 @@ def normalize_latex(text):
     return text.strip()
 
 
-logger = logging.getLogger(__name__)
-_counting = threading.local()  # .counters: this thread's open `timeouts_counted` records
-
-
-# ------------------------------------------------------------------------------------------ grading
 def _grade_cheaply(completion, answer, answer_kind=None):
     """(score, None) when decided without sympy, else (None, (gold, prediction)) for math-verify. answer_kind
-    "choice" compares letters, "number" and "latex" never do (None: a gold letter A-D is a choice)."""
+    "choice" compares letters, "number"/"latex" never do (None: a gold letter A-D is a choice)."""
     if not isinstance(completion, str) or not isinstance(answer, (str, int, float)):
         return 0.0, None
     gold = str(answer).strip()
     prediction = extract_final_answer(completion)
-    if answer_kind == "choice" or (answer_kind is None and len(gold) == 1 and gold in "ABCD"):  # compare letters
+    if answer_kind == "choice" or (answer_kind is None and len(gold) == 1 and gold in "ABCD"):
         text = prediction if prediction is not None else completion[-MAX_COMPLETION_CHARS:]
         return float(choice_letter(text, whole_completion=prediction is None) == gold), None
     if not prediction or not gold or pathological(prediction) or pathological(gold):
         return 0.0, None
     gold, prediction = normalize_latex(gold), normalize_latex(prediction)
     gold_number = plain_number(gold)
-    if gold_number is not None:
-        predicted_number = plain_number(prediction, allow_words=True)
-        if predicted_number is not None:
-            return float(predicted_number == gold_number), None
+    predicted_number = None if gold_number is None else plain_number(prediction, allow_words=True)
+    if predicted_number is not None:
+        return float(predicted_number == gold_number), None
     return None, (gold, prediction)
 
 
 @dataclass
 class GraderTimeouts:
-    """Completions scored 0 because their comparison timed out twice, while `timeouts_counted` was open: their
-    positions in the list each grade_accuracy call graded."""
+    """Positions (in each grade_accuracy call's list) scored 0 because their comparison timed out twice."""
     positions: set = field(default_factory=set)
 
 
 @contextlib.contextmanager
 def timeouts_counted():
-    """Collect the completions this thread's grade_accuracy calls score 0 for want of a verdict (a time-out, twice):
-    a possibly wrong reward, said (rewards/grader_timeouts, the completions log), not hidden."""
+    """Collect what this thread's grade_accuracy calls score 0 for want of a verdict: reported, not hidden."""
     count = GraderTimeouts()
     counters = _counting.__dict__.setdefault("counters", [])
     counters.append(count)
@@ -239,10 +203,8 @@ def timeouts_counted():
 
 
 def grade_accuracy(completions, answers, num_workers=0, timeout_s=None, answer_kind=None):
-    """Accuracy (1.0/0.0) of each completion against its ground truth; math-verify items go to
-    max(1, num_workers) worker processes in parallel. Never raises on model output, never waits past the
-    deadlines; an item timed out twice scores 0, is counted (`timeouts_counted`) and is not cached (a busy machine
-    must not fix a wrong 0). answer_kind: --answer-kind (`_grade_cheaply`)."""
+    """Accuracy (1.0/0.0) of each completion against its ground truth, math-verify on max(1, num_workers) processes.
+    Never raises on model output; an item timed out twice scores 0, is counted (`timeouts_counted`), is not cached."""
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
     timeout_s = VERIFY_TIMEOUT_S if timeout_s is None else timeout_s  # read at call time: settable
@@ -274,12 +236,9 @@ def accuracy_reward(completion: str, answer: str, *, timeout_s: float | None = N
 
 
 def format_reward(completion: str) -> float:
-    """1.0 iff completion.strip() is `<think>\\n{A}\\n</think>\\n<answer>\\n{B}\\n</answer>` with each of the
-    four tags exactly once (A, B may be empty). Whitespace at the two ends is ignored: decoded text can
-    carry a leading space or a trailing newline; everything between must be exact."""
-    if not isinstance(completion, str):
-        return 0.0
-    text = completion.strip()
+    """1.0 iff completion.strip() is `<think>\\n{A}\\n</think>\\n<answer>\\n{B}\\n</answer>`, each tag exactly once
+    (A, B may be empty); the ends' whitespace is ignored, as decoded text can carry some."""
+    text = completion.strip() if isinstance(completion, str) else ""
     if not (text.startswith("<think>\n") and text.endswith("\n</answer>")):
         return 0.0
     if any(text.count(tag) != 1 for tag in ("<think>", "</think>", "<answer>", "</answer>")):
@@ -297,14 +256,10 @@ def tag_count_reward(completion: str) -> float:
     return 0.25 * sum(completion.count(tag) == 1 for tag in tags)
 
 
-# ------------------------------------------------------------------------------ the registry of terms
 @dataclass
 class RewardTerm:
-    """A reward term. func(prompts, completions, answer, completion_ids, num_workers, **options) -> list[float | None],
-    called with keyword arguments (TRL's shape: take **kwargs for what you do not use); completion_ids: each
-    completion's token ids (a list per completion, its length = its token count) or None outside training.
-    weight: its default weight in the total (0: logged, not trained on). options: name -> default, set per run with
-    --reward-options NAME.OPTION=VALUE (parsed to the default's type) and passed to func as keyword arguments."""
+    """func(prompts, completions, answer, completion_ids, num_workers, **options) -> list[float | None], called by
+    keyword (take **kwargs); weight: its default weight (0: logged only); options: name -> default, --reward-options."""
     name: str
     func: Callable
     weight: float = 1.0
@@ -326,7 +281,6 @@ def register_reward(name: str, weight: float = 1.0, summary: str = "", **options
     return add
 
 
-# -------------------------------------------------------------------------------- TRL-shaped batch API
 def completion_text(completion):
     """Text of a completion given as a string or as TRL conversational messages."""
     if isinstance(completion, str):
@@ -341,12 +295,10 @@ def completion_text(completion):
 @register_reward("accuracy", 1.0, "1 if the final answer equals the ground truth (math-verify), else 0")
 def accuracy_rewards(prompts, completions, answer, num_workers=0, timeout_s=None, answer_kind=None,
                      **kwargs) -> list[float]:
-    """TRL reward function: `answer` is the dataset column of ground truths (one per completion); answer_kind:
-    --answer-kind (number, latex or choice; None: told by the answer)."""
+    """TRL reward function; `answer`: the ground truths' column; answer_kind: --answer-kind (None: from the answer)."""
     if answer is None:
         raise ValueError("the accuracy reward needs the dataset's 'answer' column (one per completion)")
-    return grade_accuracy([completion_text(c) for c in completions], list(answer), num_workers, timeout_s,
-                          answer_kind)
+    return grade_accuracy([completion_text(c) for c in completions], list(answer), num_workers, timeout_s, answer_kind)
 
 
 @register_reward("format", 1.0,
@@ -372,8 +324,7 @@ class RewardResult:
     def metrics(self) -> dict[str, float]:
         """TRL-named means: "reward" and "rewards/<fn>/mean"."""
         out = {"reward": float(self.total.mean())}
-        for name, values in self.per_func.items():
-            out[f"rewards/{name}/mean"] = float(values.nanmean())
+        out.update((f"rewards/{name}/mean", float(values.nanmean())) for name, values in self.per_func.items())
         if self.grader_timeouts is not None:
             out["rewards/grader_timeouts"] = int(self.grader_timeouts.sum())
         return out
@@ -391,10 +342,8 @@ class OwnReward:
 
 @dataclass(frozen=True)
 class RewardSettings:
-    """What scoring a round reads besides the rollouts, built once per run: --reward-weights, --reward-options,
-    whether the prompts end in THINK_PREFILL (--prefill-think), --answer-kind, the --reward-function functions, their
-    time limit (--reward-function-timeout-s) and the `trainer_state` they receive (a transformers.TrainerState that the
-    run keeps current, as TRL's trainer does; None: a fresh one)."""
+    """What scoring a round reads besides the rollouts, from the flags, built once per run; trainer_state: the
+    transformers.TrainerState the run keeps current for one's own functions, as TRL's trainer does (None: fresh)."""
     weights: dict | None = None
     options: dict | None = None
     prefill_think: bool = False
@@ -415,16 +364,14 @@ RESERVED_KEYWORDS = ("prompts", "completions", "completion_ids", "answer", "num_
 
 
 def score_rollouts(rollouts, examples, settings) -> RewardResult:
-    """Every rollout of a sampling.Rollouts (row i*n + j: rollout j of examples[i], data.Examples) scored by every
-    registered term and every function of one's own, weighted (settings: a RewardSettings)."""
+    """Each rollout (row i*n + j: rollout j of examples[i]) scored by every registered term and own function."""
     completion_ids = [ids[:length] for ids, length in zip(rollouts.completion_ids.tolist(), rollouts.lengths.tolist())]
     return score_texts(examples, rollouts.prompt_index.tolist(), rollouts.texts, completion_ids, settings)
 
 
 def score_texts(examples, rows, texts, completion_ids, settings, registered=True) -> RewardResult:
-    """Completion texts[k] of examples[rows[k]] (data.Examples) scored as `score_rollouts` does (registered=False:
-    by the functions of one's own alone, as eval.py reports them); each function also gets every column of the rows
-    (data.Example.columns) by name, as TRL passes them."""
+    """Completion texts[k] of examples[rows[k]] scored as `score_rollouts` does (registered=False: by one's own
+    functions alone, as eval.py does); each function also gets the rows' dataset columns by name, as in TRL."""
     names = dict.fromkeys(key for example in examples for key in getattr(example, "columns", {}))
     columns = {key: [examples[i].columns.get(key) for i in rows] for key in names if key not in RESERVED_KEYWORDS}
     return compute_rewards([examples[i].prompt for i in rows],
@@ -434,8 +381,7 @@ def score_texts(examples, rows, texts, completion_ids, settings, registered=True
 
 
 def terms_of(settings, registered=True):
-    """compute_rewards' reward_funcs, weights, options and time limit for a RewardSettings: every registered term
-    (registered=False: none) and every function of one's own, weighted; --answer-kind given to the accuracy term."""
+    """compute_rewards' keyword arguments for a RewardSettings (registered=False: one's own functions only)."""
     options = dict(settings.options or {})
     if settings.answer_kind:
         options["accuracy"] = {**options.get("accuracy", {}), "answer_kind": settings.answer_kind}
@@ -446,11 +392,9 @@ def terms_of(settings, registered=True):
 
 
 def _checked_values(name, values, count, prompts):
-    """A function's values as a float32 tensor (None: NaN, not applicable), as TRL converts them; anything else is
-    one ValueError line naming the function and the first bad completion (its prompt's start): nothing is trained on
-    a wrong reward. A number beyond float32's range (1e300 is finite as a Python float) is refused too."""
+    """A function's values as a float32 tensor (None: NaN), as TRL converts them; anything else (wrong count, NaN, a
+    non-number, beyond float32) is one ValueError naming the function and the first bad completion."""
     import torch
-
     if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
         raise ValueError(f"reward function {name!r} returned {type(values).__name__}, not a list of {count} numbers")
     values = values.tolist() if hasattr(values, "tolist") else list(values)
@@ -483,24 +427,16 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
                     function_timeout_s=trl_call.DEFAULT_TIMEOUT_S) -> RewardResult:
     """Every reward function on every completion, and their weighted sum (paper: 1/1/1).
 
-    reward_funcs: name -> reward function (None: every registered term, REWARD_FUNCS). A registered term is called
-    f(prompts, completions, answer, completion_ids, num_workers, **options, **columns) with the completion texts
-    (options: its defaults, replaced by options[name]). Any other function (one's own) is called as TRL calls it
-    (grading/trl_call.py): prompts, completions in the prompts' format (chat prompts: one assistant message each),
-    completion_ids (token ids per completion, or None), every column (answer included), trainer_state (None: a fresh
-    one), log_extra and log_metric, awaited if async, within function_timeout_s seconds; what it logs is in the
-    result. A None from a function (TRL: "not applicable") is NaN in per_func and counts 0 in total. weights: name ->
-    weight (weight 0: logged, not summed); a registered term not named keeps its default weight, any other function
-    needs one, and a weight for no function is a ValueError (a silently defaulted or ignored weight would change the
-    objective). columns: name -> one value per completion. A function of one's own that raises, times out or exits,
-    or any function that returns a wrong count, NaN, a non-number or a number beyond float32, is one ValueError line
-    naming it (`_checked_values`); so is a weighted total beyond float32."""
+    reward_funcs: name -> function (None: every registered term). A registered term gets, by keyword, prompts, the
+    completion texts, answer, completion_ids, num_workers, the columns and its options (options[name] over its
+    defaults); one's own is called as TRL calls it (grading/trl_call.py), within function_timeout_s. None from a
+    function is NaN in per_func, 0 in total. weights: name -> weight (0: logged, not summed); a registered term not
+    named keeps its default, one's own needs one, a weight for no function is a ValueError. So is a function of one's
+    own that raises, times out or exits, wrong values from any (`_checked_values`) or a total beyond float32."""
     import torch
-
     reward_funcs = REWARD_FUNCS if reward_funcs is None else reward_funcs
     weights = {**{name: DEFAULT_REWARD_WEIGHTS[name] for name in reward_funcs if name in REWARD_TERMS},
                **(weights or {})}
-    options = options or {}
     unknown, unweighted = set(weights) - set(reward_funcs), set(reward_funcs) - set(weights)
     if unknown:
         raise ValueError(f"weights given for unknown reward functions {sorted(unknown)}; "
@@ -511,7 +447,7 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
     if len(answers) != len(completions) or len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers: "
                          "give one prompt and one answer per completion")
-    columns = columns or {}
+    options, columns = options or {}, columns or {}
     own_calls = [name for name in reward_funcs if name not in REWARD_TERMS]
     if own_calls:  # what TRL passes besides the columns
         log = trl_call.RewardLog(len(completions))
@@ -519,7 +455,7 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
                       "completion_ids": completion_ids, **columns, "answer": list(answers),
                       "trainer_state": trl_call.trainer_state() if trainer_state is None else trainer_state}
     per_func, total = {}, torch.zeros(len(completions), dtype=torch.float32)
-    with timeouts_counted() as timeouts:  # completions scored 0 for want of a verdict
+    with timeouts_counted() as timeouts:
         for name, func in reward_funcs.items():
             if name in own_calls:
                 log_extra, log_metric = log.for_function(name)
@@ -539,7 +475,8 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
     beyond = torch.isinf(total).nonzero()
     if len(beyond):
         row = int(beyond[0])
-        terms = ", ".join(f"{name} {float(values[row]):g} x weight {weights[name]:g}" for name, values in per_func.items())
+        terms = ", ".join(f"{name} {float(values[row]):g} x weight {weights[name]:g}"
+                          for name, values in per_func.items())
         raise ValueError(f"the weighted total reward of completion {row} of {len(completions)} is beyond float32's "
                          f"range (3.4e38): {terms}")
     timed_out = torch.zeros(len(completions), dtype=torch.bool)

@@ -1,18 +1,10 @@
 """Rollout generation: paper Algorithm 1, line 1 ("generate n rollouts per prompt with the current policy").
 
-PODS (Xu et al., "Not All Rollouts are Useful", §3) generates many rollouts (n) per prompt because inference is
-embarrassingly parallel, then trains on a subset (m). This module is the inference half: the P*n rows in chunks of
-at most `rollout_batch_size` sequences (the memory bound of one generation call), each chunk seeded on its own, with
-the completion mask cut after the first EOS.
-
-Two backends. "hf": Hugging Face `generate`, the reference (engine/hf_generate.py). "engine" (the default where it
-applies): the optional fast path in engine/ for Llama-family models (prefill once per distinct prompt, a bucketed
-static KV cache, a decode step recorded as a CUDA graph, finished rows dropped); every other architecture falls back
-to "hf" with a warning. On both, the prefix every prompt of a chunk starts with is computed once (prefix_sharing).
-Only our settings shape the distribution on both: the model's own generation_config is never consulted. Both
-return, for every generated token, its log-probability under the sampler (`sampler_logprobs`), which the update
-compares with the trainer's (policy.py's sampler check); an exception inside the engine falls back to eager decoding,
-then to "hf", one warning line each (`--backend engine`: an error instead).
+The P*n rows are generated in chunks of at most `rollout_batch_size` (the memory bound), each seeded on its own, by
+Hugging Face `generate` ("hf", the reference) or, for Llama-family models, the fast path in engine/ ("engine", the
+default), which falls back to eager decoding, then to "hf", on an error. Only our settings shape the distribution
+(never the model's generation_config); each token's log-prob under the sampler comes back for the update's check
+against the trainer's (policy.py).
 Simplifications: no vLLM / paged attention, no continuous batching across chunks.
 """
 
@@ -43,12 +35,10 @@ class GenerationSettings:
     temperature: float = 1.0              # 0 = greedy
     top_p: float = 1.0
     rollout_batch_size: int = 64          # rows per generation call: the memory bound of generation
-    backend: str | None = None            # "engine" (no fallback), "hf", or None: the engine where it can decode
-                                          # the model, falling back when it fails
+    backend: str | None = None            # "engine" (no fallback), "hf", or None: the engine with fallbacks
     generation_copy: bool | None = None   # engine: decode from a merged 16-bit weight copy (None: unless 4-bit)
     cache_tokens: int = 0                 # engine: floor on the KV-cache length (a run's calls share CUDA graphs)
-    prefix_sharing: bool = True           # the tokens every prompt of a chunk starts with are computed once (both
-                                          # backends; same tokens, log-probs equal to rounding); False: per prompt
+    prefix_sharing: bool = True           # a chunk's common prompt prefix computed once (log-probs equal to rounding)
 
 
 @dataclass
@@ -62,21 +52,17 @@ class Rollouts:
     lengths: torch.Tensor           # LongTensor[P*n], completion_mask.sum(1)
     truncated: torch.Tensor         # BoolTensor[P*n], no EOS within max_new_tokens
     prompt_index: torch.Tensor      # LongTensor[P*n], i for row i*n + j
-    # FloatTensor[P*n, Tc]: log p of each token under the sampler, softmax(logits / T) over the whole vocabulary
-    # (before the top-p cut; greedy: T = 1), as policy.token_logprobs defines it; 0 after the first EOS
-    sampler_logprobs: torch.Tensor | None = None
+    sampler_logprobs: torch.Tensor | None = None  # FloatTensor[P*n, Tc]: log p under the sampler; 0 after EOS
     backend: str = "hf"             # what generated them: "engine", "eager" or "hf" (BACKEND_NAMES)
 
 
 def derived_seed(*parts):
-    """A seed mixed from integers (run seed, step, chunk, process, ...): distinct parts never share a stream.
-    Every derived seed of the project comes from here."""
+    """A seed mixed from integers (run seed, step, chunk, process, ...): distinct parts never share a stream."""
     return int(np.random.SeedSequence([int(part) for part in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def eos_token_ids(model, tokenizer):
-    """All ids that end a completion: the tokenizer's EOS plus the model's generation EOS list
-    (Llama-3 instruct stops on <|eot_id|> as well as <|end_of_text|>)."""
+    """All ids that end a completion: the tokenizer's EOS plus the model's generation EOS list (Llama-3: <|eot_id|>)."""
     ids = set()
     for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
         if source is None:
@@ -88,9 +74,7 @@ def eos_token_ids(model, tokenizer):
 
 
 def completion_mask_after_eos(completion_ids, eos_ids):
-    """(mask, truncated): mask is 1 up to and including the first EOS of each row, 0 after.
-
-    Pad may equal EOS, so 'first EOS' is the only reliable end marker."""
+    """(mask, truncated): mask is 1 up to and including the first EOS of each row (pad may equal EOS), 0 after."""
     is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device))
     has_eos = is_eos.any(dim=1)
     width = completion_ids.shape[1]
@@ -105,9 +89,8 @@ _FALLBACKS = weakref.WeakKeyDictionary()   # model -> (the backend it fell back 
 
 
 def resolve_backend(model, backend, cache_len=0):
-    """None -> 'engine' where the engine can decode the model, else 'hf' with a one-line warning (once per reason),
-    or what the model fell back to (`fall_back`). `backend` is one of BACKENDS (check_settings); "engine" where the
-    engine cannot decode the model raises SamplerError."""
+    """The backend to generate with: None -> "engine" if it can decode the model (or what it fell back to), else
+    "hf" with a warning; "engine" where it cannot raises SamplerError."""
     if backend == "hf":
         return "hf"
     reason = engine.unsupported_reason(model, cache_len)
@@ -123,8 +106,7 @@ def resolve_backend(model, backend, cache_len=0):
 
 
 def fall_back(model, backend, reason):
-    """From now on `model` generates with `backend` ("eager" or "hf") unless a call asks for "engine"; one
-    warning line with the reason."""
+    """From now on `model` generates with `backend` ("eager" or "hf") unless a call asks for "engine"; warns."""
     _FALLBACKS[model] = (backend, reason)
     warnings.warn(f"{reason}; generating with {BACKEND_NAMES[backend]} from now on")
 
@@ -140,8 +122,8 @@ def fallback_of(model):
 
 
 def after_engine_error(model, backend, error, requested):
-    """The backend to retry a chunk with after `error` inside the engine: "eager" after "engine" (CUDA-graph
-    recording or compilation failed), then "hf". requested "engine": SamplerError instead."""
+    """The backend to retry a chunk with after `error` inside the engine: "eager" after "engine", then "hf"
+    (requested "engine": SamplerError)."""
     what = f"{BACKEND_NAMES[backend]} failed ({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]})"
     if requested == "engine":
         raise SamplerError(f"{what}, and --backend engine allows no fallback; leave --backend unset to fall back "
@@ -151,11 +133,8 @@ def after_engine_error(model, backend, error, requested):
 
 
 def after_gap(model, gap, backend, requested, where, rejected=False):
-    """After a step (or an evaluation chunk) whose rollouts came from `backend`, `gap` their sampler's log-probs
-    against the trainer's (policy.py's sampler check): None if the sampler can be trusted, else the fallback's one-line
-    reason (the model generates with Hugging Face generate() from now on, `fall_back`). requested "engine": SamplerError
-    instead (no fallback allowed). rejected: the step's update was not applied, which the line says. The gap of
-    rollouts Hugging Face generated is logged but never acted on: there is nothing to fall back to."""
+    """None if `gap` (the sampler's log-probs against the trainer's) trusts `backend`, else fall back to HF and return
+    the reason (requested "engine": SamplerError); rejected: the update was not applied. An "hf" gap is not acted on."""
     why = None if backend == "hf" else policy.off_policy(gap, where, rejected)
     if why is None:
         return None
@@ -168,9 +147,8 @@ def after_gap(model, gap, backend, requested, where, rejected=False):
 
 
 def after_step(model, result, rounds, requested, where):
-    """After a training step: its sampler metrics, {"sampler/engine": 1.0 when the decode engine generated every
-    rollout, "sampler/fallback": the reason, when the step's gap made generation fall back to HF (`after_gap`)}.
-    result: the step's update.UpdateMetrics; rounds: its train.Rounds; requested: --backend."""
+    """A step's sampler metrics: "sampler/engine" (1.0: the engine generated every rollout) and "sampler/fallback"
+    (the reason, when the step's gap made generation fall back to HF)."""
     backends = {backend for round_ in rounds for backend in round_.backends}
     metrics = {"sampler/engine": float("hf" not in backends)}
     fast = next((backend for backend in sorted(backends) if backend != "hf"), "hf")
@@ -196,15 +174,10 @@ def check_settings(settings, n=1):
 
 
 def sample_completions(model, prompt_ids, prompt_mask, n, eos_ids, pad_id, settings, seed=0, first_chunk=0):
-    """Tensor core of generate_rollouts: left-padded prompt ids [P, Tp] -> (completion_ids, completion_mask,
-    truncated, sampler_logprobs, backend) for the P*n rows (row i*n + j = rollout j of prompt i), on the CPU
-    (Rollouts' fields). eos_ids=[]: no row ends (every completion runs to max_new_tokens; benchmarks decode fixed
-    lengths this way). An exception inside the engine retries the chunk on the next backend (after_engine_error).
-
-    Chunk c (rows c*B .. c*B+B-1, B = settings.rollout_batch_size) is sampled with seed derived_seed(seed, c), so
-    the caller's RNG is untouched and a chunk's rollouts depend only on (seed, c, its own prompts): same seed + same
-    B -> same rollouts. first_chunk: the index of the first chunk (a process generating rows k*B.. of a larger
-    batch draws what one process generating all of it draws: multigpu/)."""
+    """Left-padded prompt ids [P, Tp] -> (completion_ids, completion_mask, truncated, sampler_logprobs, backend) of
+    the P*n rows, on the CPU. eos_ids=[]: every completion runs to max_new_tokens (benchmarks). Chunk c of
+    rollout_batch_size rows is seeded with derived_seed(seed, first_chunk + c), whatever the caller's RNG: a process
+    generating part of a batch (first_chunk > 0) draws what one process generating all of it would."""
     check_settings(settings, n)
     if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape or prompt_ids.shape[0] == 0:
         raise ValueError(f"prompt_ids and prompt_mask must both be [P, Tp] with P > 0, got "
@@ -257,8 +230,7 @@ def _chunk(model, prompt_ids, prompt_mask, rows, keep, backend, s, eos_ids, pad_
 
 
 def generate_rollouts(model, tokenizer, prompts, n, settings, seed=0, first_chunk=0):
-    """Sample n completions for each prompt (rendered text) -> Rollouts. Seeding and chunking as in
-    sample_completions."""
+    """n completions for each prompt (rendered text) as Rollouts, seeded as in sample_completions."""
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a non-empty list of strings")
     check_settings(settings, n)

@@ -4,15 +4,10 @@
     python train.py --baseline               # its GRPO baseline (n = m = 4)
     python train.py --preset a [--baseline]  # paper setting (a): Qwen2.5-3B-Instruct on GSM8K, PODS 64/16
 
-One step (`train_step`): n rollouts per prompt -> rewards -> keep m per prompt by the rule, advantages over the kept
-ones -> clipped GRPO update -> the step's metrics line (`step_metrics`). Here: the step, its records (`StepSettings`,
-`Round`), its round strategies (`rollout_round`, `round_strategy`) and the seams where several processes differ
-(`OneProcess`). The run (`train`): run/loop.py's loop around the step (load, then step, log, evaluate and checkpoint
-until the budget ends), to which this command hands the step.
+One step (`train_step`): n rollouts per prompt -> rewards -> keep m per prompt, advantages over the kept ones ->
+clipped GRPO update -> the step's metrics line. The run around it (loop, flags, checkpoints): run/, docs/training.md;
+several GPUs (settings (e), (f)): `torchrun ... -m multigpu`, the same loop through the seams of `OneProcess`.
 Simplifications: a constant learning rate; rule-based rewards only; our own decode engine or HF generate (no vLLM).
-Several GPUs (settings (e), (f)): `torchrun ... -m multigpu` runs this same loop through the seams of `OneProcess`.
-The run around the step (the loop, flags, presets, checkpoints, the run folder, what a run logs): run/; more in
-docs/training.md.
 """
 
 import os
@@ -48,12 +43,11 @@ from run.report import PHASE_KEYS
 from stopwatch import timed
 from variants import dynamic_sampling
 
-SELECTION_STREAM = 0x5E1EC7  # the random rule's seeds: derived_seed(batch seed, this, first chunk), no chunk's seed
+SELECTION_STREAM = 0x5E1EC7  # the random rule's seed stream (selection_seed)
 
 
 class OneProcess:
-    """The seams where a run on several processes (multigpu/: torchrun + FSDP2) differs from this one-process run.
-    multigpu fills each in; here each does nothing, so the loop reads as if they were not there."""
+    """The seams where a run on several processes (multigpu/: torchrun + FSDP2) differs; here each does nothing."""
     is_main = True  # the process that writes the run folder and prints
 
     def load_policy(self, args):
@@ -116,9 +110,8 @@ class StepSettings:
 
 @dataclass
 class Round:
-    """One generation round: P prompts x n rollouts, filled as the step goes (rewards, then the rows PODS kept and
-    their advantages, then each kept row's sampler ratio from the update). The metrics line and the completions log
-    read it."""
+    """One generation round: P prompts x n rollouts, filled in as the step goes (rewards, kept rows and advantages,
+    sampler ratios); the metrics line and the completions log read it."""
     examples: list                  # [P] data.Example
     rollouts: sampling.Rollouts     # row i*n + j: rollout j of prompt i
     rewards: torch.Tensor           # [P, n] weighted total: what the selection rule sees
@@ -195,9 +188,8 @@ class Round:
 
 
 def rollout_round(model, tokenizer, examples, settings, seed, costs, sizes=None, first_chunk=0):
-    """PODS's generation and rewards: n rollouts per prompt of `examples`, scored, as a Round (sizes: see
-    OneProcess.rounds; one process generates every example)."""
-    with timed(costs, "generate_s"):  # n rollouts per prompt (the decode engine, or HF generate())
+    """n rollouts per prompt of `examples`, scored, as a Round (sizes: each process's share, multigpu; unused here)."""
+    with timed(costs, "generate_s"):
         rollouts = sampling.generate_rollouts(model, tokenizer, [e.text for e in examples], settings.num_rollouts,
                                               settings.generation, seed, first_chunk)
     with timed(costs, "reward_s"):  # accuracy, format and tag count, weighted (paper Appendix A.1)
@@ -205,8 +197,7 @@ def rollout_round(model, tokenizer, examples, settings, seed, costs, sizes=None,
 
 
 def scored_round(examples, rollouts, settings, first_chunk=0):
-    """The Round of `rollouts` (n per prompt of `examples`, none for none) with their rewards (settings: a
-    StepSettings)."""
+    """The Round of `rollouts` (n per prompt of `examples`) with their rewards."""
     scores = rewards.score_rollouts(rollouts, examples, settings.rewards)
     logged_columns = [{column: values[row] for column, values in scores.logged_columns.items()}
                       for row in range(len(rollouts.texts))]
@@ -246,9 +237,7 @@ def train_step(model, tokenizer, optimizer, rounds, settings, step, make_round=r
 
 
 # ------------------------------------------------------------------------------------------ the step's metrics line
-# Paper §4's reward and accuracy curves, under TRL's names (reward, reward_std, frac_reward_zero_std, completions/...,
-# clip_ratio/..., loss, grad_norm), plus this trainer's counters and the phases' timings. Where the line goes
-# (metrics.jsonl, TensorBoard, W&B): run/report.py.
+# Paper §4's curves under TRL's names, plus this trainer's counters and the phases' timings (written by run/report.py).
 
 def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
     """Metrics over all n rollouts per prompt of every Round; "reward_selected" over the kept ones
@@ -285,8 +274,8 @@ def step_metrics(scored, result, optimizer, costs, mask_truncated=False):
 
 
 def logged_metrics(scored, metrics):
-    """{name: mean of the step's values} of what the reward functions gave log_metric (TRL: the mean over the
-    logging step), under TRL's name; a name the step's line has already is one ValueError line naming the function."""
+    """{name: mean of the step's values} of what the reward functions gave log_metric (as TRL); ValueError for a name
+    the step's line has already."""
     values = {}
     for function, name, value in (entry for s in scored for entry in s.logged_metrics):
         if name in metrics:
@@ -304,9 +293,8 @@ def kept_groups(scored_round):
 
 
 def selection_seed(batch_seed, first_chunk):
-    """The seed of the random rule's generator for a rollout batch: a stream of its own, apart from every generation
-    chunk's (sampling.derived_seed(batch_seed, chunk)) and refill round's, yet fixed by the batch (a resume redraws
-    it)."""
+    """The seed of the random rule's generator for a rollout batch: apart from every generation chunk's stream, yet
+    fixed by the batch (a resumed step redraws the same subset)."""
     return sampling.derived_seed(batch_seed, SELECTION_STREAM, first_chunk)
 
 
@@ -321,9 +309,8 @@ def step_settings(args):
 
 
 def round_strategy(args, processes=ONE_PROCESS, draw=None, say=None):
-    """The loop's round strategy, chosen once: `rollout_round`, each process's share of it (several processes), and
-    with --dynamic-sampling refilled with `draw(count)`, the next examples of the prompt order, until the groups
-    with a spread are enough (say(line): a note above the progress bar)."""
+    """The loop's round strategy, chosen once: `rollout_round` (each process's share of it), refilled with
+    --dynamic-sampling by `draw(count)` until enough groups have a spread (say(line): a note above the progress bar)."""
     make_round = processes.rounds(rollout_round)
     if not args.dynamic_sampling:
         return make_round
@@ -334,8 +321,7 @@ def round_strategy(args, processes=ONE_PROCESS, draw=None, say=None):
 # ------------------------------------------------------------------------------------------ the run
 
 def train(args, processes=ONE_PROCESS):
-    """The training run described by `args` (config.parse_args): run/loop.py's loop around `train_step` in the run's
-    folder, holding its lock; returns the run folder."""
+    """The run of `args` (config.parse_args): run/loop.py's loop around `train_step`; returns the run folder."""
     return loop.train(args, processes, train_step=train_step, step_settings=step_settings,
                       round_strategy=round_strategy, evaluate=heldout.evaluate, cpu_at_start=CPU_AT_START)
 

@@ -1,36 +1,20 @@
-"""The update phase of GRPO-PODS (paper Algorithm 1, policy update on the m kept rollouts per prompt, §3.1-3.2):
-the one implementation train.py and the benchmarks both call.
+"""The update phase of GRPO-PODS (paper Algorithm 1, policy update on the m kept rollouts per prompt, §3.1-3.2).
 
 - `kept_batch`: a selection (pods.py: [P, m] indices, a [P, n] mask, or rows) as rollout rows -> an `UpdateBatch`.
-- `fill_logprobs`: one no-grad pass for what the loss compares against: old log-probs (only when needed: with one
-  update per batch pi_old = pi and the ratio is 1) and reference log-probs (only KL beta > 0: the LoRA adapter
-  switched off is the reference policy, so no second model is held).
-- `update_policy`: mu optimizer steps, each accumulated over micro-batches whose padding columns are cut. Every
-  micro-batch's loss is a *sum* (grpo_loss.grpo_loss_sum) divided by one normaliser of the whole step
-  (`loss_denominator`), so the accumulated gradient is that of one batch of all kept rows whatever the micro-batch
-  size. Then gradient clipping and the optimizer step; no rows (every prompt dropped): no optimizer step. Its options
-  are named parts it calls in that order: `check_batches`, `_SamplerCheck` (the sampler gap), `checkpoint_plan`,
-  `_accumulate` (the entropies only for --top-entropy-quantile), `_gradient_norm`, `_read_step` (the step's one host
-  sync), `_finish_step` (a non-finite step skipped); the optimizers: OPTIMIZER_FACTORIES.
+- `fill_logprobs`: one no-grad pass for old log-probs (only when needed: with one update per batch pi_old = pi and
+  the ratio is 1) and reference log-probs (only KL beta > 0: the LoRA adapter switched off is the reference policy).
+- `update_policy`: mu optimizer steps, each accumulated over micro-batches cut to their own width. Each micro-batch's
+  loss is a *sum* (grpo_loss.grpo_loss_sum) divided by one normaliser of the whole step (`loss_denominator`), so the
+  gradient is that of one batch of all kept rows whatever the micro-batch size; then clipping and the optimizer step.
 
-Choices: dropout is off during the update and the log-prob pass, as in TRL (the ratio and the KL compare
-deterministic policies). Full fine-tuning in bf16 keeps fp32 master weights under bf16 autocast
-(`UpdateSettings.autocast_dtype`): bf16 weights cannot hold updates of lr ~ 1e-6. An optimizer step whose loss or
-gradient norm is not finite is not taken and is counted (`UpdateMetrics.skipped_steps`); the caller decides when to
-stop. The sampler check (policy.py): the first pass (the policy that sampled) is compared with the sampler's
-log-probs at no extra forward pass (`UpdateMetrics.sampler_gap`); --importance-sampling-correction also weights the
-loss by pi_old / pi_sampler (its "token_reject" needs pi_old before the first backward: one more no-grad pass).
-The GPU's pace: every decision about the batch's layout is made on the host (micro-batch widths, token counts,
-prefix.completion_logprobs' layout), the batch goes to the device without waiting, and the device is read once per
-optimizer step (loss, gradient norm, metrics, the sampler check: one copy). AdamW runs over all tensors at once
-(foreach); on CUDA, TF32 float32 products, Liger-Kernel's fused RMSNorm, rotary and SiLU x up (checked against the
-plain path first; one failing later in the step turns them off and the step runs again on the plain path), and as
-little checkpoint replay as the memory needs (`checkpoint_plan`: MLPs first, then whole layers, to fit
-MEMORY_CEILING): engine/kernels.py. Elsewhere the model runs as built (tests and benchmarks take the GPU paths on a
-CPU: engine/gpu_paths.py). A bf16 base's LoRA adapter is computed in bf16 there (`lora_forward`, which
-models.lora_in_base_dtype puts in place at loading), from copies that follow every optimizer step (OPTIMIZER_STEPS).
+Choices: dropout is off (as in TRL: the ratio and the KL compare deterministic policies). Full fine-tuning in bf16
+keeps fp32 master weights under bf16 autocast: bf16 weights cannot hold updates of lr ~ 1e-6. A step whose loss or
+gradient norm is not finite is skipped and counted (`UpdateMetrics.skipped_steps`). The first pass is compared with
+the sampler's log-probs at no extra forward pass (policy.py's sampler check). For the GPU's pace every decision about
+the batch's layout is made on the host, and the device is read once per optimizer step (`_read_step`); on CUDA the
+fused kernels, TF32 and as little checkpoint replay as memory needs (`checkpoint_plan`) are engine/kernels.py's.
 Several processes (multigpu/) hook in at one seam, `sum_over_processes`: the normaliser and the loss are summed over
-processes, so the update is that of the global batch, and a non-finite loss anywhere skips the step everywhere.
+processes, so the update is that of the global batch.
 """
 
 import contextlib
@@ -51,8 +35,8 @@ from engine import prefix
 
 ADAM_BETAS = (0.9, 0.99)  # the authors' released config
 # Optimizer steps taken in this process, by any torch optimizer (a hook after every step): what tells the bf16 copies
-# of a LoRA adapter (`lora_forward`) that the fp32 masters moved, since fused AdamW and bitsandbytes' 8-bit
-# AdamW write them without bumping their version counters.
+# of a LoRA adapter (engine/lora_bf16.py) that the fp32 masters moved, since fused AdamW and bitsandbytes' 8-bit AdamW
+# write them without bumping their version counters.
 OPTIMIZER_STEPS = [0]
 
 
@@ -167,9 +151,8 @@ def loss_mask(batch, mask_truncated=False):
 
 
 def micro_batches(batch, size, device, mask_truncated=False):
-    """MicroBatches of at most `size` rows, padding columns no row of the slice needs cut off (left of the
-    prompts, right of the completions): a short micro-batch costs what its own longest row costs. Their
-    completion_mask is the loss mask (`loss_mask`); the attention still sees every generated token."""
+    """MicroBatches of at most `size` rows, each cut to the columns its own rows need (left of the prompts, right of
+    the completions); completion_mask is the loss mask (`loss_mask`), the attention still sees every generated token."""
     mask = loss_mask(batch, mask_truncated)
 
     def to_device(tensor):  # asynchronous: the host goes on queueing work (the batch stays in host memory)
@@ -186,64 +169,33 @@ def micro_batches(batch, size, device, mask_truncated=False):
 
 
 def _micro_batch_widths(batch, size):
-    """(rows, prompt columns, completion columns) of each micro-batch of `size` rows: the columns its longest
-    prompt and its longest completion need (at least one)."""
+    """(rows, prompt columns, completion columns >= 1) of each micro-batch of `size` rows."""
     for start in range(0, len(batch.advantages), size):
         rows = slice(start, start + size)
         yield rows, int(batch.prompt_mask[rows].sum(1).max()), max(1, int(batch.completion_mask[rows].sum(1).max()))
 
 
-# Of a CUDA device's memory, what the update's plan leaves aside for what it does not count (the allocator's
-# fragmentation, the estimate's own error); and what it plans for whatever the card: a 48 GB L40S with margin (the
-# weights, the engine's copy and cache, the logits and the saved activations).
-MEMORY_MARGIN = 0.25
-MEMORY_CEILING = 40 * 2 ** 30
-
-
-def activation_budget(device):
-    """Bytes the update's saved activations and logits may take on `device`: the least of its free memory (with what
-    torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less what is allocated; None where the GPU
-    paths do not run (nothing is decided from memory there; gpu_paths: an emulated card's memory)."""
-    if torch.device(device).type not in gpu_paths.DEVICE_TYPES:
-        return None
-    free, total, allocated, reserved = gpu_paths.memory(device)
-    unused = reserved - allocated   # held by torch's allocator, free to reuse
-    return min(free + unused - MEMORY_MARGIN * total, MEMORY_CEILING - allocated)
-
-
 def checkpoint_plan(model, batches, settings, device):
-    """(layers replayed whole, layers whose MLP alone replays) in this update's backward (kernels.checkpointing), for
-    a model built with gradient checkpointing: as little replay as the largest micro-batch's saved activations
-    (kernels.saved_bytes_per_token) and logits (with a fused head, one chunk of them) need to fit `activation_budget`
-    (kernels.checkpoint_plan); (None, 0):
-    every layer whole, as built, where no budget is known (off CUDA) or with several processes (they would have to
-    measure together)."""
-    budget = activation_budget(device)  # first: off CUDA nothing is planned (engine/kernels.py not entered)
-    layers = 0 if budget is None or prefix.several_processes() else len(kernels.checkpointable_layers(model))
-    if not layers:
+    """(layers replayed whole, layers whose MLP alone replays) in this update's backward: as little replay as lets its
+    largest micro-batch fit the card's memory (kernels.update_plan); (None, 0), every layer whole as built, off a GPU
+    or with several processes (they would have to measure together)."""
+    if not on_gpu(device) or prefix.several_processes():   # off a GPU engine/kernels.py is not entered
         return None, 0
     parts = [(min(rows.stop, len(batch.advantages)) - rows.start, prompt, completion) for batch in batches
              for rows, prompt, completion in _micro_batch_widths(batch, settings.micro_batch_size)]
-    tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
-    logits = 4 * 4 * policy._LOGSUMEXP_CHUNK_ELEMENTS  # the log-softmax's float32 chunks
-    if policy.fused_head(model) is None:  # the model's own logits, and their gradient, whole
-        logits += max(rows * completion for rows, _, completion in parts) * \
-            policy.hf_model(model).config.vocab_size * 2 * next(model.parameters()).element_size()
-    return kernels.checkpoint_plan(layers, kernels.saved_bytes_per_token(model), tokens, budget - logits)
+    return kernels.update_plan(model, parts, device)
 
 
 def on_gpu(device):
-    """Whether the update's GPU fast paths act on `device` (engine/kernels.py): CUDA, or the device engine/gpu_paths.py
-    emulates one on."""
+    """Whether the update's GPU fast paths act on `device`: CUDA, or the device gpu_paths emulates one on."""
     return torch.device(device).type in gpu_paths.DEVICE_TYPES
 
 
 @contextlib.contextmanager
 def _gpu_paths(model, device, settings, plan=(None, 0)):
-    """For the block, on a GPU: the fused kernels and the activation checkpointing plan (engine/kernels.py);
-    elsewhere the model as built (off CUDA the plan is (None, 0): every checkpointed layer whole, as built). Yields
-    how to run the block's work: once (on a GPU, again on the plain path if a fused kernel fails in it:
-    kernels.with_fallback)."""
+    """For the block, on a GPU: the fused kernels and the checkpointing `plan` (engine/kernels.py); elsewhere the
+    model as built. Yields how to run the block's work: once (on a GPU again on the plain path if a fused kernel fails
+    in it: kernels.with_fallback)."""
     if not on_gpu(device):
         yield lambda work: work()
         return
@@ -254,8 +206,7 @@ def _gpu_paths(model, device, settings, plan=(None, 0)):
 
 @contextlib.contextmanager
 def _compute(settings, device):
-    """The update's numerics: bf16 autocast for full fine-tuning in bf16 (settings.autocast_dtype); on CUDA, TF32 for
-    any float32 matrix product (kernels.tf32_matmuls)."""
+    """The update's numerics: bf16 autocast for full fine-tuning in bf16; on CUDA, TF32 float32 products."""
     with contextlib.ExitStack() as stack:
         if settings.autocast_dtype is not None:
             stack.enter_context(torch.autocast(torch.device(device).type, dtype=settings.autocast_dtype))
@@ -265,9 +216,8 @@ def _compute(settings, device):
 
 
 def _logprobs(model, micro, settings, device, step=None, with_entropies=False):
-    """The micro-batch's completion log-probs [b, C'] (grad mode as the caller's), each distinct prompt run once
-    where prefix.logprobs_function allows it, reading the step's shared prefix where `_step_prefix` ran one: the same
-    numbers either way, up to float rounding."""
+    """The micro-batch's completion log-probs [b, C'], each distinct prompt run once where prefix.py allows it
+    (reading the step's shared prefix where `_step_prefix` ran one): the same numbers, up to float rounding."""
     logprobs = prefix.logprobs_function(model, settings.prefix_sharing)
     options = {} if logprobs is policy.token_logprobs else dict(host=micro.host)
     if step is not None:
@@ -279,10 +229,8 @@ def _logprobs(model, micro, settings, device, step=None, with_entropies=False):
 
 
 def _step_prefix(model, batches, settings, device):
-    """The prefix every prompt of the step shares, run once for all its micro-batches (prefix.step_prefix; in grad
-    mode its gradient goes back after the last micro-batch: prefix.backward_step_prefix), or None: one micro-batch
-    (it shares its own prefix), prefix sharing off or not possible here, several processes (prefix.several_processes),
-    or no shared token."""
+    """The prefix every prompt of the step shares, run once for all its micro-batches (prefix.step_prefix), or
+    None: one micro-batch, prefix sharing off or not possible, several processes, or no shared token."""
     micro_batch_count = sum(math.ceil(len(batch.advantages) / settings.micro_batch_size) for batch in batches)
     if micro_batch_count < 2 or prefix.several_processes() or \
             prefix.logprobs_function(model, settings.prefix_sharing) is not prefix.completion_logprobs:
@@ -295,15 +243,14 @@ def _step_prefix(model, batches, settings, device):
 
 
 def needs_old_logprobs(settings):
-    """mu > 1 (pi_old is the policy before the first step), or --importance-sampling-correction token_reject, whose
-    rejected tokens leave the loss normaliser, which must be known before the first micro-batch's backward."""
+    """mu > 1 (pi_old is the policy before the first step), or token_reject, whose rejected tokens leave the
+    normaliser, which must be known before the first backward."""
     return settings.updates_per_batch > 1 or settings.loss.importance_sampling_correction == "token_reject"
 
 
 def fill_logprobs(model, batches, settings):
-    """Set each batch's old_logprobs (only `needs_old_logprobs`) and ref_logprobs (only kl_coef > 0; LoRA adapter
-    disabled = the reference policy), each in one no-grad pass over the update's micro-batches (the step's shared
-    prefix run once per pass); None where not needed."""
+    """Set each batch's old_logprobs (`needs_old_logprobs`) and ref_logprobs (kl_coef > 0; the adapter disabled
+    is the reference), each in one no-grad pass; None where not needed."""
     need_old, need_ref = needs_old_logprobs(settings), settings.loss.kl_coef > 0
     if need_ref and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs a LoRA model: the adapter switched off is the reference policy")
@@ -328,19 +275,17 @@ def fill_logprobs(model, batches, settings):
 
 
 def micro_batch_loss(logprobs, micro, settings, entropies=None):
-    """(the micro-batch's loss numerator, grpo_loss metrics): divided by `loss_normaliser` it adds up to the
-    step's loss. mu == 1 and no old log-probs: pi_old = pi, so the ratio is 1 with no extra forward pass."""
+    """(the micro-batch's loss numerator, grpo_loss metrics). Without old log-probs pi_old = pi (mu == 1): the
+    ratio is 1 with no extra forward pass."""
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
     return grpo_loss.grpo_loss_sum(logprobs, old, micro.advantages, micro.completion_mask, settings.loss,
                                    micro.ref_logprobs, micro.sampler_logprobs, entropies)
 
 
 def loss_denominator(batches, settings):
-    """What the step's loss numerators are divided by (grpo_loss.loss_denominator over every batch's loss mask):
-    kept rows ("sequence", paper §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"), a number
-    known on the host. With --importance-sampling-correction token_reject, "token" counts the tokens it accepts
-    (grpo_loss.loss_tokens), which pi_old decides on the device: a 0-dim tensor there, read with the loss (no sync of
-    its own). A sum over rows: several processes sum their values."""
+    """What the step's loss numerators are divided by (grpo_loss.loss_denominator): kept rows ("sequence", paper
+    §3.1), kept tokens ("token") or rows x max completion tokens ("fixed"), known on the host; with token_reject, the
+    tokens it accepts, a 0-dim tensor on the device read with the loss (no sync of its own)."""
     loss = settings.loss
     masks = [loss_mask(batch, loss.mask_truncated) for batch in batches]
     if loss.importance_sampling_correction != "token_reject" or loss.aggregation != "token":
@@ -355,10 +300,9 @@ def loss_denominator(batches, settings):
 
 
 def _accumulate(model, optimizer, batches, settings, device, normaliser, ratios=None):
-    """One optimizer step's gradients, from zero: the forward and backward passes over every micro-batch (the step's
-    shared prefix run once, its gradient sent back after the last) -> (the loss on the device, the metrics'
-    token-weighted sums, the sampler check's sums or None, the tokens). ratios: per batch, [B] on the device: with
-    them (the first pass), the sampler check runs and each kept row's mean ratio is written there."""
+    """One optimizer step's gradients, from zero, over every micro-batch (the shared prefix's gradient sent back
+    after the last) -> (loss on the device, metrics' token-weighted sums, sampler-check sums or None, tokens). ratios
+    (the first pass): per batch, [B] on the device, where each kept row's mean ratio to the sampler is written."""
     optimizer.zero_grad(set_to_none=True)
     loss, metric_sums, gap_sums, tokens = torch.zeros((), device=device), {}, None, 0
     step = _step_prefix(model, batches, settings, device)
@@ -380,30 +324,26 @@ def _accumulate(model, optimizer, batches, settings, device, normaliser, ratios=
 
 
 def _logprobs_and_entropies(model, micro, settings, device, step):
-    """(the micro-batch's log-probs, the policy's entropies at them or None): the entropies only where
-    --top-entropy-quantile masks the loss by them."""
+    """(log-probs, entropies or None): the entropies only for --top-entropy-quantile."""
     if settings.loss.top_entropy_quantile < 1:
         return _logprobs(model, micro, settings, device, step, True)
     return _logprobs(model, micro, settings, device, step), None
 
 
 def _check_sampler(gap_sums, ratios, logprobs, micro):
-    """The sampler check of a micro-batch (policy.py): its gap sums added to `gap_sums`, each of its rows' mean
-    ratio pi / pi_sampler written into `ratios` (its batch's, on the device) -> the gap sums."""
+    """A micro-batch's sampler check (policy.py): its gap sums added to `gap_sums`, its rows' mean ratio
+    pi / pi_sampler written into `ratios` -> the gap sums."""
     gap_sums = policy.add_gap_sums(gap_sums, policy.gap_sums(logprobs, micro.sampler_logprobs, micro.completion_mask))
     ratios[micro.rows] = policy.row_mean_ratios(logprobs, micro.sampler_logprobs, micro.completion_mask)
     return gap_sums
 
 
 def update_policy(model, optimizer, batches, settings, sum_over_processes=None, max_sampler_gap=None):
-    """mu = settings.updates_per_batch optimizer steps on `batches` (fill_logprobs first when mu > 1 or
-    kl_coef > 0) -> UpdateMetrics. A step whose loss or gradient norm is not finite is skipped (no optimizer step,
-    gradients dropped). Gradients of the last step stay on the parameters. No rows (every prompt dropped): nothing
-    to train on, no optimizer step (optimizer_steps = 0, loss 0). sum_over_processes: a number summed over the
-    processes of a multi-process run (multigpu/); None: this process alone. max_sampler_gap: a mean sampler gap
-    (over every process) above which rollouts of the decode engine are off-policy (policy.off_policy): known after the
-    first forward pass, so that step is rejected before its optimizer step (sampler_rejected; gradients dropped,
-    nothing taken). Rollouts of Hugging Face generate() are checked too but never rejected: nothing to fall back to."""
+    """mu = settings.updates_per_batch optimizer steps on `batches` (fill_logprobs first when it is needed) ->
+    UpdateMetrics. No rows: no optimizer step. sum_over_processes: a number summed over processes (multigpu/); None:
+    this process alone. max_sampler_gap: a mean sampler gap above which the decode engine's rollouts are off-policy
+    (policy.off_policy): the first pass's step is then rejected before its optimizer step (generate()'s rollouts are
+    checked, never rejected: nothing to fall back to)."""
     total = sum_over_processes or (lambda value: value)
     max_sampler_gap = _engine_gap_limit(batches, max_sampler_gap, total)
     rows = sum(len(batch.advantages) for batch in batches)
@@ -436,16 +376,15 @@ def update_policy(model, optimizer, batches, settings, sum_over_processes=None, 
 
 
 def _engine_gap_limit(batches, max_sampler_gap, total):
-    """max_sampler_gap where some process's batches come from the decode engine, else None: rollouts of Hugging Face
-    generate() are checked but never rejected (nothing to fall back to)."""
+    """max_sampler_gap where some process's batches come from the decode engine, else None."""
     if max_sampler_gap is not None and not total(int(any(batch.engine_made for batch in batches))):
         return None
     return max_sampler_gap
 
 
 def check_batches(batches, settings):
-    """A ValueError line for batches the update cannot train on: without the log-probs fill_logprobs sets, without
-    the sampler's an importance-sampling correction needs, or with an advantage not finite (on the host: no sync)."""
+    """A ValueError line for batches the update cannot train on: missing the log-probs fill_logprobs sets or the
+    sampler's an importance-sampling correction needs, or an advantage not finite."""
     for name, needed in (("old_logprobs", needs_old_logprobs(settings)), ("ref_logprobs", settings.loss.kl_coef > 0)):
         if needed and any(getattr(batch, name) is None for batch in batches):
             raise ValueError(f"the batches lack {name}: call fill_logprobs(model, batches, settings) first")
@@ -458,9 +397,8 @@ def check_batches(batches, settings):
 
 @dataclass
 class _SamplerCheck:
-    """The first pass against the sampler's log-probs (policy.py), on when every batch has them: the gap, per
-    batch each kept row's mean ratio pi / pi_sampler ([B], NaN: no tokens; on the device until read), and the limit
-    of the gap above which the step is rejected (None: never)."""
+    """The first pass against the sampler's log-probs (on when every batch has them): the gap, each kept row's
+    mean ratio pi / pi_sampler per batch ([B], NaN: no tokens), and the gap limit (None: never rejected)."""
     on: bool
     gap: policy.SamplerGap
     ratios: list
@@ -472,22 +410,20 @@ class _SamplerCheck:
                    [torch.full((len(batch.advantages),), math.nan, device=device) for batch in batches], limit)
 
     def rejects(self, total):
-        """Whether the mean gap over every process exceeds the limit (every process decides on the global gap alike):
-        trained on, these rollouts would move the policy by another policy's samples."""
+        """Whether the mean gap over every process exceeds the limit (all processes decide alike)."""
         return self.limit is not None and total(self.gap.abs_sum) / max(total(self.gap.tokens), 1) > self.limit
 
 
 def _gradient_norm(params, max_grad_norm):
-    """The gradient norm before clipping (on the device), the gradients clipped to max_grad_norm (<= 0: not clipped);
-    with sharded parameters (FSDP2) the norm over every process's shards."""
+    """The gradient norm before clipping (on the device; FSDP2: over every shard), the gradients clipped to
+    max_grad_norm (<= 0: not clipped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf, foreach=True)
     return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
 
 def _read_step(loss, grad_norm, metric_sums, gap_sums, check):
-    """The step's one host sync: the loss, the gradient norm and the metrics' sums and, on the checked first pass
-    (gap_sums), the sampler check, in one copy -> (loss, grad_norm, {metric: sum}); the sampler check's gap and rows'
-    ratios (on the host) go into `check`."""
+    """The step's one host sync: loss, gradient norm, metrics' sums and (first pass) the sampler check, in one
+    copy -> (loss, grad_norm, {metric: sum}); the sampler's gap and ratios go into `check`."""
     on_device = [loss, grad_norm, *metric_sums.values()]
     if gap_sums is not None:
         on_device += [gap_sums, *check.ratios]
@@ -500,9 +436,8 @@ def _read_step(loss, grad_norm, metric_sums, gap_sums, check):
 
 
 def _finish_step(optimizer, loss, grad_norm, rejected):
-    """The optimizer step on the accumulated gradients, or none, the gradients dropped: rejected (the sampler check),
-    or a loss or gradient norm not finite (one bad batch must not write NaN into the weights, and every later
-    checkpoint) -> whether it was skipped for that."""
+    """The optimizer step, or none with the gradients dropped (rejected, or a non-finite loss or gradient norm: one
+    bad batch must not write NaN into the weights) -> whether it was skipped as non-finite."""
     if not rejected and math.isfinite(loss) and math.isfinite(grad_norm):
         optimizer.step()
         return False
@@ -540,8 +475,7 @@ class _Steps:
 
 
 def _adamw(params, **options):
-    """torch's AdamW over all tensors at once (foreach: a few kernels over every tensor; CUDA's default, the same
-    numbers as one tensor at a time)."""
+    """torch's AdamW over all tensors at once (foreach: the same numbers as one tensor at a time)."""
     return torch.optim.AdamW(params, foreach=True, **options)
 
 
@@ -566,8 +500,7 @@ def make_optimizer(model, learning_rate, weight_decay=0.0, optimizer_name="adamw
 
 
 def set_hyperparameters(optimizer, learning_rate, weight_decay):
-    """The given learning rate and weight decay in every parameter group: a resumed optimizer state carries the
-    old run's values, and the flags of the resumed run must win."""
+    """The given lr and weight decay in every group: a resumed optimizer carries the old run's values."""
     for group in optimizer.param_groups:
         group["lr"], group["weight_decay"] = learning_rate, weight_decay
 
@@ -578,80 +511,3 @@ def peak_memory_gib(device, reserved=False):
         peak = torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)
         return peak / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-# ------------------------------------------------ a bf16 base's LoRA adapter computed in bf16
-# models.lora_in_base_dtype puts `lora_forward` in place of each peft LoRA Linear's forward when the policy is loaded:
-# where the GPU paths run (or a CPU computes bf16 natively), a bf16 base's fp32 adapter is computed in bf16, from
-# copies refreshed after every optimizer step (OPTIMIZER_STEPS), in three matrix products.
-
-class LoRAProduct(torch.autograd.Function):
-    """x W^T (+ bias) + s (x A^T) B^T for 2-D x in the base weights' dtype, in three matrix products (the last one
-    adds the adapter's product, scaled, to the base's); A and B arrive in that dtype (`_low_precision_copies`) and
-    their gradients leave in the adapter's own dtype (fp32 master weights). W and the bias are frozen."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, a_low, b_low, scaling):
-        xa = x @ a_low.t()
-        out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-        out = torch.addmm(out, xa, b_low.t(), alpha=scaling)
-        ctx.save_for_backward(x, xa, weight, a_low, b_low)
-        ctx.scaling, ctx.adapter_dtype = scaling, lora_a.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The scaling rides on the matrix products (addmm's alpha; beta = 0: its first argument, of the right
-        # shape, is not read): one kernel each, not a product and then a multiplication.
-        x, xa, weight, a_low, b_low = ctx.saved_tensors
-        scaled = torch.addmm(xa, grad, b_low, beta=0, alpha=ctx.scaling)   # dL/d(xA^T), [N, r]
-        grad_x = torch.addmm(grad @ weight, scaled, a_low) if ctx.needs_input_grad[0] else None
-        grad_a = (scaled.t() @ x).to(ctx.adapter_dtype) if ctx.needs_input_grad[3] else None
-        grad_b = torch.addmm(b_low, grad.t(), xa, beta=0, alpha=ctx.scaling).to(ctx.adapter_dtype) \
-            if ctx.needs_input_grad[4] else None
-        return grad_x, None, None, grad_a, grad_b, None, None, None
-
-
-def computes_in_bf16(device) -> bool:
-    """Whether a bf16 base's LoRA adapter is computed in bf16 on `device` (`lora_forward`): where the GPU paths run
-    (engine/gpu_paths.py), and on a CPU with bf16 instructions of its own (policy.native_bf16), whose bf16 products are
-    its fastest; elsewhere peft's float32 adapter."""
-    device = torch.device(device)
-    return device.type in gpu_paths.DEVICE_TYPES or (device.type == "cpu" and policy.native_bf16(device))
-
-
-def _low_precision_copies(module, adapter, dtype):
-    """The adapter's A and B weights in `dtype`, cast once per change of the weights and reused by every forward until
-    then: an optimizer step (OPTIMIZER_STEPS: fused AdamW and bitsandbytes' 8-bit AdamW write the weights without
-    bumping their versions) or an in-place write that bumps their version (a checkpoint loaded)."""
-    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-    key = (OPTIMIZER_STEPS[0], a._version, b._version, dtype, a.data_ptr(), b.data_ptr())
-    cached = module.__dict__.get("_low_precision_lora")
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, a.to(dtype), b.to(dtype))
-        module.__dict__["_low_precision_lora"] = cached
-    return cached[1], cached[2]
-
-
-def lora_forward(module, peft_forward):
-    """The forward of a peft LoRA Linear `module`: where the input has the base weights' dtype and the adapter
-    another (bf16 base, fp32 adapter), `LoRAProduct` in the base dtype; elsewhere (float32 throughout, the adapter
-    off or merged, dropout active, a LoRA variant) peft's own forward, unchanged."""
-    def forward(x, *args, **kwargs):
-        adapters = module.active_adapters
-        adapter = adapters[0] if len(adapters) == 1 else None
-        base = module.base_layer
-        if (args or kwargs or not computes_in_bf16(x.device) or adapter not in module.lora_A
-                or module.disable_adapters or module.merged
-                or module.lora_variant or getattr(module, "fan_in_fan_out", False) or x.dtype != base.weight.dtype
-                or x.dtype == module.lora_A[adapter].weight.dtype
-                or (module.lora_dropout[adapter].training and not isinstance(module.lora_dropout[adapter],
-                                                                             torch.nn.Identity))):
-            return peft_forward(x, *args, **kwargs)
-        a_low, b_low = _low_precision_copies(module, adapter, x.dtype)
-        flat = x.reshape(-1, x.shape[-1])
-        out = LoRAProduct.apply(flat, base.weight, base.bias, module.lora_A[adapter].weight,
-                                module.lora_B[adapter].weight, a_low, b_low, module.scaling[adapter])
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-    return forward

@@ -673,9 +673,8 @@ def decode_run(args, layers, narrow, mapping, rows, multiprocessors=0):
 def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, tokens, cache):
     """{card: {"layers": replayed whole, "mlps": replayed MLPs}} as update.checkpoint_plan decides on each card, for a
     micro-batch of `rows` rows and `tokens` positions: its activations (kernels.saved_bytes_per_token at the real
-    widths) and logits within the card's memory less update.MEMORY_MARGIN and what is resident (`resident_bytes`),
-    and within update.MEMORY_CEILING."""
-    import update
+    widths) and logits within the card's memory less kernels.MEMORY_MARGIN and what is resident (`resident_bytes`),
+    and within kernels.MEMORY_CEILING."""
     from engine import kernels
 
     if {48, 96, 192} & set(mapping):
@@ -687,7 +686,7 @@ def checkpoint_plans(args, real, narrow, mapping, layers, rows, completion, toke
     logits = rows * completion * real.vocab_size * 2 * 2 + 4 * 4 * __import__("policy")._LOGSUMEXP_CHUNK_ELEMENTS
     plans = {}
     for name, card in CARDS.items():
-        budget = min(card.memory_bytes * (1 - update.MEMORY_MARGIN) - resident, update.MEMORY_CEILING - resident)
+        budget = min(card.memory_bytes * (1 - kernels.MEMORY_MARGIN) - resident, kernels.MEMORY_CEILING - resident)
         whole, mlps = kernels.checkpoint_plan(layers, per_token, tokens, budget - logits)
         plans[name] = {"layers": whole, "mlps": mlps}
     return plans

@@ -1,6 +1,5 @@
 """The decode loop of the engine (package docstring: the design): the model families it runs, per-model Engine
-records, row and cache-length buckets, and `generate`, which prefills, decodes step by step and drops finished rows
-(CUDA-graph recording and compilation: graphs.py).
+records, row and cache-length buckets, and `generate`, which prefills, decodes step by step and drops finished rows.
 """
 
 import dataclasses
@@ -20,32 +19,25 @@ import engine.step as decode_step
 import policy
 import stopwatch
 
-# The step's operations (engine/ops.py): None = fused kernels on CUDA (each checked against its reference first),
-# plain PyTorch elsewhere; "reference" = the plain-PyTorch step with separate projections (what the fused one is
-# measured and checked against: bench decode); "fused" = the fused ops on any device (a CPU runs their reference
-# behind each op: `PODS_DECODE_KERNELS=fused python -m bench census` counts the kernels a GPU launches).
+# The step's operations (engine/ops.py): None = fused kernels on CUDA, plain PyTorch elsewhere; "reference" = the
+# plain step with separate projections (bench decode's baseline); "fused" = the fused ops on any device.
 KERNELS = os.environ.get("PODS_DECODE_KERNELS") or None
-# Eager decoding reads only the cache columns written so far, the shared prefix once (State.attend_len, shared_len);
-# benchmarks switch it off to time decoding as it was before (every row's whole bucketed cache: bench evalprefix).
-EAGER_WINDOW = True
+EAGER_WINDOW = True         # eager decoding reads only the columns written so far (benchmarks switch it off)
 CACHE_BUCKET_TOKENS = 256   # cache lengths are multiples of this: a few graphs cover every prompt width
 CHECK_EVERY = 16            # decode steps between host checks for finished rows
 EOS_SLOTS = 8               # EOS ids padded to this many (-1 = none): the step's shapes never change
-# Backend when none is passed: False = the step runs eagerly, recorded as CUDA graphs on CUDA (warm-up: seconds).
-# "inductor" fuses its small kernels too, but compiles once per bucket (the whole model: ~1 min each on a GPU).
-DEFAULT_COMPILE_BACKEND = False
+DEFAULT_COMPILE_BACKEND = False   # False: eager (graphs on CUDA); "inductor" compiles once per bucket (~1 min)
 NEVER = 2 ** 62
 
 
 @dataclass
 class DecodeStats:
-    """Process totals in STATS (copy with dataclasses.replace before a call, subtract after). decode_s includes
-    host checks and compaction; row_steps sums the bucket's rows over step launches (the work done)."""
+    """Process totals in STATS (copy with dataclasses.replace before a call, subtract after)."""
     prefill_s: float = 0.0
     prefill_tokens: int = 0     # token positions the prefill ran (a shared prefix counts once per call)
-    decode_s: float = 0.0
+    decode_s: float = 0.0       # host checks and compaction included
     decode_steps: int = 0
-    row_steps: int = 0
+    row_steps: int = 0          # the bucket's rows summed over step launches (the work done)
     warmup_s: float = 0.0       # compilation + CUDA-graph recording
     compiled_graphs: int = 0    # graphs handed to the compile backend
     captured_graphs: int = 0    # CUDA graphs recorded
@@ -56,11 +48,8 @@ STATS = DecodeStats()
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer in the order a decode step runs it: the norms, the projections and the MLP's activation.
-    As a family finds it (`FAMILIES`), qkv and gate_up are the modules whose outputs, concatenated, are q|k|v and
-    gate|up (three and two, or one already fused); as the engine calls it (`build_layer`), qkv: x -> (q, k, v),
-    gate_up: x -> (gate, up), o and down: x -> output, over merged copies or the modules themselves. q_norm and
-    k_norm (None: none) run over each head of q and k before rotary."""
+    """One decoder layer. As a family finds it, qkv and gate_up are the modules giving q|k|v and gate|up; as the
+    engine calls it (`build_layer`), qkv: x -> (q, k, v), gate_up: x -> (gate, up). q_norm, k_norm: None if none."""
     input_norm: object
     qkv: object
     o: object
@@ -92,11 +81,8 @@ def fused_projections(layer):
                  (mlp.gate_up_proj,), mlp.down_proj, mlp.activation_fn)
 
 
-# The model families the engine decodes (paper §4 trains Qwen2.5 and Llama-3): model_type (transformers config) ->
-# where its layer keeps its modules. A family whose layer is pre-norm RMSNorm (HF's LlamaRMSNorm formula, which the
-# fused norm computes and checks), rotary attention with grouped query heads (optionally normed per head) and a gated
-# MLP is one entry here; any other model type generates through Hugging Face generate (sampling.py says so in one
-# line).
+# The families the engine decodes (paper §4: Qwen2.5, Llama-3), model_type -> where its layer keeps its modules: any
+# pre-norm RMSNorm, rotary, grouped-query, gated-MLP layout. Other model types generate through Hugging Face.
 FAMILIES = {"llama": separate_projections, "qwen2": separate_projections, "mistral": separate_projections,
             "phi3": fused_projections, "qwen3": normed_heads}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -104,10 +90,8 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 @dataclass
 class Engine:
-    """One model's decode-time callables (layers: a Layer each), cached per model and process with the weight
-    copies [(decode_step.CopySource, merged weight)], the step (compiled or not), its operations (`kernels`, a
-    step.Kernels), and the buffers (cache_len -> (rows, tensors)) and states ((rows, cache_len, sample, nucleus)
-    -> (State, CUDA graph or None)) of each bucket."""
+    """One model's decode-time callables, cached per model and process, with its weight copies, its step and
+    kernels, and each bucket's buffers (cache_len -> (rows, tensors)) and states (key -> (State, graph or None))."""
     embed: object
     layers: list
     norm: object
@@ -131,8 +115,7 @@ class Engine:
 
 @dataclass
 class State:
-    """One bucket of rows. Per-row tensors are views of buffers shared by all buckets of a cache length. A row
-    attends to cache columns [0, shared) (the prefix every prompt starts with) and [start, slot] (its own)."""
+    """One bucket of rows: views of buffers shared by every bucket of a cache length."""
     keys: list                # [rows, kv_heads, cache_len, head_dim] per layer
     values: list
     start: torch.Tensor       # [rows] first column of the row's own prompt (after the shared prefix and the pads)
@@ -143,15 +126,12 @@ class State:
     row_keys: torch.Tensor    # [rows] 32-bit noise key
     out: torch.Tensor         # [rows, cache_len] generated tokens, column = step
     logprobs: torch.Tensor    # [rows, cache_len] float32 sampler log-prob of each generated token (0 once done)
-    draws: torch.Tensor       # [rows, cache_len] float32 the row's uniform draw of each step (step.uniform_draws)
-    scalars: dict             # shared: slot, step [1] (views of counters [2]), shared [1]; temperature, top_p, pad
-                              # []; eos [EOS_SLOTS]
+    draws: torch.Tensor       # [rows, cache_len] float32 the row's uniform draw of each step
+    scalars: dict             # slot, step [1] (views of counters [2]), shared [1]; temperature, top_p, pad; eos
     sample: bool              # temperature > 0 (else greedy)
     nucleus: bool             # top_p < 1
-    attend_len: int = 0       # eager decoding: the cache columns attention reads, those written so far (0: all of
-                              # them, as a recorded graph's fixed shapes need)
-    shared_len: int = 0       # eager decoding: the first columns, the same in every row (the prefix all prompts
-                              # share), read once for all rows (step.attend_shared; 0: per row)
+    attend_len: int = 0       # eager decoding: the cache columns written so far (0: all, a graph's fixed shape)
+    shared_len: int = 0       # eager decoding: the shared prefix's columns, read once for all rows (0: per row)
 
 
 ROW_FIELDS = ("start", "tokens", "positions", "done", "stop_at", "row_keys", "out", "logprobs", "draws")
@@ -183,11 +163,9 @@ def unsupported_reason(model, cache_len=0):
 
 
 def engine_for(model, generation_copy=None, compile_backend=None, refresh_weights=True, capture=None):
-    """The cached Engine of `model`, rebuilt when its signature changed. refresh_weights: recompute the merged
-    copies (the adapter changes at every optimizer step). generation_copy None: merged copies unless 4-bit.
-    compile_backend None: DEFAULT_COMPILE_BACKEND; False: no compilation; a dynamo backend name or callable:
-    torch.compile the step with it (tests count graphs on CPU this way). capture None: CUDA graphs are recorded
-    on CUDA unless bitsandbytes modules run in the step or the model is FSDP-sharded; False: never."""
+    """The cached Engine of `model`, rebuilt when its signature changed; refresh_weights: recompute the merged
+    copies. generation_copy None: a copy unless 4-bit. compile_backend None: DEFAULT_COMPILE_BACKEND, else False or
+    a dynamo backend. capture None: CUDA graphs where `records_graphs`; False: never."""
     hf = policy.hf_model(model)
     quantized = getattr(hf.config, "quantization_config", None) is not None
     copy = not quantized if generation_copy is None else bool(generation_copy)
@@ -202,8 +180,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
         kernels = decode_step.PLAIN if KERNELS is None and device.type not in gpu_paths.DEVICE_TYPES else \
             ops.kernels_for(device, KERNELS)
         config, copies = hf.config, []
-        # A CPU's products over weights laid out for it (decode_step.cpu_layout): the plain step of a CPU only, not a
-        # GPU's step emulated there nor the kernels a benchmark asks for
+        # oneDNN layouts for the plain step of a CPU only, not the kernels a benchmark asks for
         layouts = [] if kernels is decode_step.PLAIN and KERNELS is None and device.type == "cpu" else None
         attention = hf.model.layers[0].self_attn
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attention.head_dim
@@ -222,8 +199,7 @@ def engine_for(model, generation_copy=None, compile_backend=None, refresh_weight
 
 
 def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size, layouts=None):
-    """The Layer the engine calls over one decoder layer's modules (a family's Layer); merged copies appended to
-    `copies` (on a CPU, their layout slots to `layouts`)."""
+    """The Layer the engine calls over a family's Layer of one decoder layer's modules."""
     return dataclasses.replace(
         modules, qkv=decode_step.projections(modules.qkv, qkv_sizes, copy, copies, stacked, layouts),
         o=decode_step.projection(modules.o, copy, copies, layouts),
@@ -233,8 +209,7 @@ def build_layer(modules, copy, copies, stacked, qkv_sizes, intermediate_size, la
 
 
 def records_graphs(model, copy, quantized):
-    """Whether the engine records CUDA graphs by default: on CUDA, unless bitsandbytes kernels run in the step or
-    FSDP re-allocates the weights around every unshard."""
+    """Whether CUDA graphs are recorded by default: on CUDA, unless bitsandbytes kernels or FSDP run in the step."""
     hf = policy.hf_model(model)
     on_cuda = hf.model.embed_tokens.weight.device.type == "cuda"
     return on_cuda and (copy or not quantized) and not graphs.fsdp_sharded(model)
@@ -255,19 +230,16 @@ def bucket_for(rows, max_rows):
 
 
 def next_size(alive, size, max_rows, exact):
-    """The rows the decode loop runs on once `alive` of its `size` rows are left: the bucket that holds them (a
-    recorded graph's or a compiled step's shapes), or, eager (`exact`), the live rows themselves once an eighth of
-    the rows finished (gathering the cache costs about one step; a few rows less would not repay it)."""
+    """The rows the loop runs once `alive` of its `size` are left: their bucket, or, eager (`exact`), the live rows
+    once an eighth finished (gathering the cache costs about one step)."""
     if exact and alive <= size * 7 // 8:
         return alive
     return min(size, bucket_for(alive, max_rows))
 
 
 def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
-    """The State of a bucket. With CUDA graphs, the first use of a (cache length, sampling mode) records the graphs
-    of every row bucket at once, so the rows dropped later in this or any later call never record one mid-run.
-    Recording runs the step on whatever the buffers hold (the running chunk's step/slot counters are restored),
-    so callers fill the State after this."""
+    """The State of a bucket. With CUDA graphs, the first use of a (cache length, sampling mode) records every row
+    bucket's graph, so none is recorded mid-run; recording runs the step on the buffers, so callers fill it after."""
     dec, (allocated, buffers) = engine, engine.buffers.get(cache_len, (0, None))
     if allocated < max_rows:  # (re)allocate; zeros keep never-written cache entries finite under the mask
         engine.states = {key: value for key, value in engine.states.items() if key[1] != cache_len}
@@ -298,8 +270,8 @@ def state_for(engine, rows, cache_len, max_rows, sample, nucleus):
 
 
 def check_kernels(engine, states):
-    """The fused ops checked against their references on each new bucket's shapes before it runs (ops.check); an
-    op that fails runs its reference from then on, and the graphs recorded with it are dropped."""
+    """Each new bucket's fused ops checked against their references (ops.check); a failing op runs its reference
+    from then on, and the graphs recorded with it are dropped."""
     start = time.perf_counter()
     for state in states if engine.kernels.fused else []:
         failed = ops.check(engine, state)
@@ -310,8 +282,8 @@ def check_kernels(engine, states):
 
 
 def compacted(engine, state, alive, row_ids, size, cache_len, max_rows, flags):
-    """The live rows `alive` of `state` gathered into the bucket of `size` rows (extra rows: copies marked done);
-    returns (its State, its graph, the chunk row of each of its rows, -1 for the extra ones)."""
+    """The live rows `alive` of `state` gathered into a bucket of `size` rows (extra rows: copies marked done):
+    (its State, its graph, the chunk row of each of its rows, -1 for the extra ones)."""
     index = torch.cat([alive, alive[:1].expand(size - len(alive))])
     fields = lambda s: [getattr(s, name) for name in ROW_FIELDS] + s.keys + s.values  # noqa: E731
     kept = [tensor[index] for tensor in fields(state)]
@@ -328,22 +300,15 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
              top_p=1.0, seed=0, max_rows=None, forced_lengths=None, check_every=CHECK_EVERY, generation_copy=None,
              compile_backend=None, refresh_weights=True, cache_tokens=0, capture=None, return_logprobs=False,
              prefix_sharing=True):
-    """Completions [R, max_new_tokens] (pad after the first EOS) of R rows; row r continues prompt row_prompt[r]
-    of the D distinct left-padded prompts prompt_ids / prompt_mask [D, W] (each prefilled once). return_logprobs:
-    (completions, the sampler's log-prob of every token [R, max_new_tokens] float32, 0 after the first EOS).
+    """Completions [R, max_new_tokens] (pad after the first EOS) of R rows; row r continues prompt row_prompt[r] of
+    the left-padded prompt_ids / prompt_mask [D, W]. return_logprobs: also the sampler's log-probs [R, max_new_tokens].
 
-    temperature 0 = greedy. seed: the chunk's noise seed (row r's tokens depend on (seed, r, its prompt) only).
-    max_rows: the largest chunk of the process (its row buckets, e.g. rollout_batch_size). cache_tokens: a floor
-    on the cache length (a run passes its longest prompt + max_new_tokens, so every call shares one length and
-    one set of graphs). forced_lengths [R]
-    (benchmarks' synthetic lengths): row r emits eos_ids[0] as token number forced_lengths[r] unless it ended
-    before. eos_ids=[]: no row ends. generation_copy, compile_backend, refresh_weights: see engine_for (a caller
-    running several chunks of one policy refreshes once). capture: see engine_for (False: eager decoding, the
-    fallback when recording fails). prefix_sharing: the tokens every prompt starts with are prefilled once for all
-    (prefix.shared_prefix_layout: the cache holds [prefix][suffix, left padded]); False: once per distinct prompt.
-    The prompts' layout is decided on the host (prompts on the model's device are read back once for it: pass them
-    from the host) and the prompts go to the model's device without waiting. The caller sets the model's mode
-    (eval(): no dropout)."""
+    temperature 0 = greedy; row r's tokens depend on (seed, r, its prompt) only. max_rows: the process's largest
+    chunk (its row buckets). cache_tokens: a floor on the cache length, so a run's calls share one set of graphs.
+    forced_lengths [R] (benchmarks): row r emits eos_ids[0] as token number forced_lengths[r]. eos_ids=[]: no row
+    ends. generation_copy, compile_backend, refresh_weights, capture: see engine_for. prefix_sharing: the prompts'
+    common prefix is prefilled once for all (prefix.shared_prefix_layout). Pass the prompts on the host (their layout
+    is decided there); the caller sets the model's mode (eval())."""
     prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
     if not bool(prompt_mask[:, -1].all()):
         raise ValueError("prompts must be left padded (the last column real for every prompt)")
@@ -368,8 +333,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         prompt_keys, prompt_values = decode_step.prefill(engine, prompt_ids, prompt_mask, shared)
     STATS.prefill_tokens += shared + len(prompt_ids) * (width - 1 - shared)
     with stopwatch.timed(STATS, "decode_s", device):  # host checks and compaction included
-        # Eager decoding has no shapes to reuse: a chunk runs its own rows, not the bucket's (the demo's held-out
-        # evaluation ends with 36 rows, which a bucket of 64 would pad with 28).
+        # Eager decoding has no shapes to reuse: a chunk runs its own rows, not a padded bucket's.
         exact = not engine.capture and engine.step is decode_step.decode_step
         size, flags = rows if exact else bucket_for(rows, max_rows), (temperature > 0, top_p < 1)
         state, graph = state_for(engine, size, cache_len, max_rows, *flags)
@@ -377,7 +341,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         for cache, prompt in zip(state.keys + state.values, prompt_keys + prompt_values):
             cache[:rows, :, :width - 1] = prompt[row_prompt]
         real = torch.arange(size, device=device) < rows   # rows past `rows` only pad the bucket
-        # A row's own columns start after the prefix and its pads (left padding); extra rows read only their own.
+        # A row's own columns start after the prefix and its pads; extra rows read only their own.
         state.start.fill_(width - 1)[:rows] = shared + (prompt_mask[row_prompt, shared:width - 1] == 0).sum(1)
         state.tokens.fill_(pad_id)[:rows] = prompt_ids[row_prompt, -1]
         state.positions.zero_()[:rows] = prompt_mask[row_prompt].sum(1) - 1
@@ -391,7 +355,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
                                 top_p=top_p, pad=pad_id).items():
             state.scalars[name].fill_(value)
         state.scalars["eos"].copy_(torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids))))
-        # One spare row past the chunk's: where the bucket's padding rows write (`record`), so no row is selected.
+        # One spare row past the chunk's: where the bucket's padding rows write (`record`).
         result = torch.full((rows + 1, max_new_tokens), pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(rows + 1, max_new_tokens, device=device)
         row_ids = torch.arange(size, device=device).masked_fill(~real, -1)   # chunk row of each bucket row
@@ -399,9 +363,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
         for step in range(max_new_tokens):
             if graph is not None:
                 graph.replay()
-            else:
-                # Attention reads the columns written so far, not the whole bucketed cache (twice as many at the
-                # demo's lengths): decoding on a CPU is bound by reading the cache as much as the weights.
+            else:   # attention reads the columns written so far: a CPU step is bound by reading the cache
                 state.attend_len, state.shared_len = (width + step, shared) if windowed else (0, 0)
                 engine.step(engine, state)
             STATS.decode_steps, STATS.row_steps = STATS.decode_steps + 1, STATS.row_steps + size
@@ -420,8 +382,7 @@ def generate(model, prompt_ids, prompt_mask, row_prompt, max_new_tokens, eos_ids
 
 
 def record(result, logprobs, state, row_ids, columns):
-    """The bucket's tokens and log-probs of its first `columns` steps into the chunk's rows `row_ids` of result and
-    logprobs (-1, a row padding the bucket: their spare last row), read nowhere by the host."""
+    """The bucket's first `columns` tokens and log-probs into the chunk's rows `row_ids` (-1: the spare last row)."""
     rows = torch.where(row_ids >= 0, row_ids, len(result) - 1)
     result[rows, :columns] = state.out[:, :columns]
     logprobs[rows, :columns] = state.logprobs[:, :columns]

@@ -13,6 +13,7 @@ import math
 import sys
 import warnings
 
+import policy
 from engine import gpu_paths
 from policy import checkpointing_modules, dropout_off, hf_model
 from lazy import lazy_module
@@ -117,6 +118,38 @@ def checkpoint_plan(layers, per_token, tokens, budget_bytes):
         return 0, min(layers, math.ceil((need(0, 0) - budget_bytes) / max((plain - mlp) * tokens, 1)))
     wholes = min(layers, math.ceil((need(0, layers) - budget_bytes) / max((mlp - whole) * tokens, 1)))
     return wholes, layers - wholes
+
+
+# Of a card's memory, what the update's plan leaves aside for what it does not count (the allocator's fragmentation,
+# the estimate's own error); and what it plans for whatever the card: a 48 GB L40S with margin (the weights, the
+# engine's copy and cache, the logits and the saved activations).
+MEMORY_MARGIN = 0.25
+MEMORY_CEILING = 40 * 2 ** 30
+
+
+def activation_budget(device):
+    """Bytes the update's saved activations and logits may take on `device`, a GPU or one gpu_paths emulates: the
+    least of its free memory (with what torch holds unused) less MEMORY_MARGIN of the card, and MEMORY_CEILING less
+    what is allocated."""
+    free, total, allocated, reserved = gpu_paths.memory(device)
+    unused = reserved - allocated   # held by torch's allocator, free to reuse
+    return min(free + unused - MEMORY_MARGIN * total, MEMORY_CEILING - allocated)
+
+
+def update_plan(model, parts, device):
+    """`checkpoint_plan` of the update of `model` on `device`, whose micro-batches are `parts` [(rows, prompt columns,
+    completion columns)]: the largest one's saved activations (`saved_bytes_per_token`) and logits (with a fused head,
+    one chunk of them) within `activation_budget`; (None, 0), every layer whole as built, without checkpointed
+    layers."""
+    layers = len(checkpointable_layers(model))
+    if not layers:
+        return None, 0
+    tokens = max(rows * (prompt + completion) for rows, prompt, completion in parts)
+    logits = 4 * 4 * policy._LOGSUMEXP_CHUNK_ELEMENTS  # the log-softmax's float32 chunks
+    if policy.fused_head(model) is None:  # the model's own logits, and their gradient, whole
+        logits += max(rows * completion for rows, _, completion in parts) * \
+            hf_model(model).config.vocab_size * 2 * next(model.parameters()).element_size()
+    return checkpoint_plan(layers, saved_bytes_per_token(model), tokens, activation_budget(device) - logits)
 
 
 # How far a fused kernel may stray from the plain path on the check's input (the largest difference over the largest

@@ -1,30 +1,12 @@
 """Each distinct prompt token computed once in the update (paper Algorithm 1's policy update, made cheaper, same
-result): the m kept rollouts of a prompt all repeat that prompt, and every prompt of a batch repeats the same chat
-template, system prompt and worked example.
+result): a prompt's m kept rollouts all repeat it, and every prompt repeats the chat template and worked example.
 
-`completion_logprobs` gives what policy.token_logprobs gives (float32 log p of each completion token, [B, C])
-from the same [prompt | completion] rows, with each distinct prompt run once:
-1. rows with identical prompt tokens (and mask) are one group (`prompt_groups`);
-2. the longest run of real tokens every distinct prompt starts with (`common_prefix_length`, found from the ids, not
-   from the template) runs once, [1, L], its keys and values repeated for the distinct prompts' suffixes
-   ([prefix][suffix, left padded]: the pads between are masked, positions come from the mask);
-3. the distinct prompts' keys and values (the KV cache) are repeated for the B rows (index_select) and the
-   completions run on them; the prompt's last logits score the first completion token. Where the rows repeat few
-   prompt tokens (`folds`: one prompt per step), 2 and 3 are one model call.
-The layout is decided on the host, from host copies of the rows (`layout`): no device value is read back. Repeating
-keys and values is differentiable (index_select's backward sums), so loss and gradients equal the per-row
-computation up to float rounding (tests/test_prefix.py). Only the last prompt position reaches the vocabulary.
-
-Gradient checkpointing replays each layer's forward, cache writes included: the cache's layers (`_PastLayer`) hold a
-fixed past, so a replayed write gives the same tensors. `unsupported_reason` says when this cannot run (reentrant
-checkpointing, a transformers release whose checkpointed layers drop the cache, a cache of other than plain
-key/value tensors, a model that is not a transformers causal LM): update.py then runs every row in full. With
-several processes (FSDP: every rank must make the same forward calls) the prefix level is off.
-Across micro-batches, the prefix every prompt of an optimizer step shares runs once per step (`step_prefix`: each
-micro-batch attends to detached copies of its keys and values, whose gradients go back through it once,
-`backward_step_prefix`); with one prompt per step (the paper's presets) that is all of the prompt but its last token.
-Simplification: distinct prompts are found per micro-batch; a prompt whose rows fall into two micro-batches runs its
-own suffix once in each.
+`completion_logprobs` gives what policy.token_logprobs gives: the prefix all distinct prompts share runs once, then
+each distinct prompt's suffix, then the completions on their keys and values repeated for the rows (index_select,
+whose backward sums the rows' gradients); the prefix an optimizer step's prompts share runs once for all its
+micro-batches (`step_prefix`). Where this cannot run (`unsupported_reason`) every row runs in full.
+Simplifications: no shared prefix with several processes (FSDP); distinct prompts are found per micro-batch, so a
+prompt whose rows fall into two micro-batches runs its own suffix once in each.
 """
 
 import contextlib
@@ -45,8 +27,7 @@ import policy
 
 
 def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(first [G]: a row of each distinct prompt, in order of first appearance; group [B]: each row's group index)
-    for prompts [B, Tp] with their mask (pad tokens do not count: only ids where the mask is set, and the mask)."""
+    """(first [G]: a row of each distinct prompt, in order of appearance; group [B]: each row's); pads do not count."""
     key = torch.where(prompt_mask.bool(), prompt_ids, -1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     rows = torch.arange(len(inverse), device=inverse.device)
@@ -65,9 +46,8 @@ def is_left_padded(mask: Tensor) -> bool:
 
 
 def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
-    """The number of leading real tokens every left-padded prompt [G, Tp] shares (found from the ids, no template
-    knowledge), at most the shortest prompt's length - 1: each prompt keeps one token of its own (in the update its
-    last position scores the first completion token; in generation the first decode step consumes it)."""
+    """The number of leading real tokens every left-padded prompt [G, Tp] shares, at most the shortest length - 1:
+    each prompt keeps a token of its own (its last position scores the first completion token)."""
     lengths = prompt_mask.sum(1)
     shortest = int(lengths.min()) if len(lengths) else 0
     if shortest < 2:
@@ -79,12 +59,8 @@ def common_prefix_length(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
 
 
 def shared_prefix_layout(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, int]:
-    """(ids, mask, shared): the left-padded prompts [D, W] re-laid out as [shared prefix][suffix, left padded], the
-    prefix being `common_prefix_length` (a prompt that IS the prefix keeps a suffix of one token). Pads sit between
-    prefix and suffix; the mask marks them, so position ids from the mask (policy.position_ids_from_mask) count
-    the same real tokens as before. The width becomes shared + the longest suffix (<= W); shared = 0 gives the
-    prompts unchanged (bar all-pad columns). Generation (the engine's prefill, sampling's generate() path) runs the
-    prefix once for every row."""
+    """(ids, mask, shared): left-padded prompts [D, W] re-laid out as [shared prefix][suffix, left padded], shared =
+    `common_prefix_length`; the pads between are masked, so positions from the mask are unchanged."""
     lengths, width = prompt_mask.sum(1), prompt_mask.shape[1]
     shared = common_prefix_length(prompt_ids, prompt_mask)
     suffix_width = int(lengths.max()) - shared
@@ -97,15 +73,13 @@ def shared_prefix_layout(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tenso
 
 
 def cache_argument(model):
-    """The name of the KV-cache argument of the transformers model inside `model` ("cache" in transformers >= 5.x
-    releases that renamed it, else "past_key_values")."""
+    """The model's KV-cache argument: "cache" in transformers releases that renamed it, else "past_key_values"."""
     parameters = inspect.signature(policy.hf_model(model).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _checkpointed_layers(model):
-    """The modules of `model` that gradient checkpointing replays in the backward (transformers' flag, in training
-    mode: policy.dropout_off keeps them so in the update)."""
+    """The modules of `model` that gradient checkpointing replays in the backward (flag on, in training mode)."""
     return [m for m in policy.checkpointing_modules(model) if m.gradient_checkpointing is True and m.training]
 
 
@@ -132,9 +106,7 @@ _SAID = set()  # the reasons `logprobs_function` could not share, each said once
 
 
 def logprobs_function(model, prefix_sharing=True):
-    """`completion_logprobs` where prefix_sharing is asked for and `unsupported_reason` allows it on `model` (in the
-    current grad mode), else policy.token_logprobs (every row in full) with one warning line per reason, once:
-    the update's passes and the evaluation's sampler check choose alike."""
+    """`completion_logprobs` if asked for and allowed (`unsupported_reason`), else policy.token_logprobs (a warning)."""
     if not prefix_sharing:
         return policy.token_logprobs
     reason = unsupported_reason(model)
@@ -142,15 +114,13 @@ def logprobs_function(model, prefix_sharing=True):
         return completion_logprobs
     if reason not in _SAID:
         _SAID.add(reason)
-        warnings.warn(f"prefix sharing: {reason}; every row's prompt runs in full (--prefix-sharing off silences "
-                      "this)")
+        warnings.warn(f"prefix sharing: {reason}; every row's prompt runs in full (--prefix-sharing off silences this)")
     return policy.token_logprobs
 
 
 class _PastLayer(DynamicLayer):
-    """A cache layer with a fixed past (keys/values [b, heads, T, d] given at construction, or none): update(k, v)
-    holds and returns past + (k, v). The same call twice gives the same, so gradient checkpointing may replay a layer
-    (its backward recomputes the forward, update included) where a growing DynamicLayer would append twice."""
+    """A cache layer with a fixed past (keys/values [b, heads, T, d], or none): update(k, v) returns past + (k, v),
+    the same again when gradient checkpointing replays the layer (a DynamicLayer would append twice)."""
 
     def __init__(self, keys=None, values=None):
         super().__init__()
@@ -193,12 +163,10 @@ def _cache_under_checkpointing(model):
 
 
 def _forward(model, ids, mask, positions, cache, logits_to_keep):
-    """(values at the last logits_to_keep positions, head: policy.kept_outputs, then `cache` holding its past and
-    ids' keys and values) of one forward pass. mask None: no padding and no past (the model's causal mask alone: no
-    mask tensor, nothing for the host to check)."""
+    """(values, head: policy.kept_outputs, then `cache` holding its past and ids' keys and values) of one forward
+    pass. mask None: no padding and no past (the model's causal mask alone)."""
     with _cache_under_checkpointing(model) as checkpointing:
-        # The layers read and write `cache` whenever one is passed; use_cache=True under checkpointing would only
-        # make transformers warn that it turns use_cache off.
+        # The layers use `cache` whenever passed; use_cache=True under checkpointing would only make transformers warn.
         values, head = policy.kept_outputs(model, logits_to_keep, input_ids=ids, attention_mask=mask,
                                            position_ids=positions, use_cache=not checkpointing,
                                            **{cache_argument(model): cache})
@@ -210,8 +178,7 @@ def _forward(model, ids, mask, positions, cache, logits_to_keep):
 
 
 def repeat_cache(model, cache, index: Tensor):
-    """A new cache whose row i holds `cache`'s row index[i] (every layer's keys and values index_selected:
-    differentiable, the gradients of repeated rows sum back)."""
+    """A new cache whose row i holds `cache`'s row index[i] (index_select: the repeated rows' gradients sum back)."""
     return _cache(model, [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
                           for layer in cache.layers])
 
@@ -235,9 +202,8 @@ class StepPrefix:
 
 
 def step_prefix_ids(prompts) -> Tensor | None:
-    """The longest run of tokens every prompt of `prompts` ((prompt_ids [B, Tp], prompt_mask) pairs, left padded)
-    starts with, each prompt keeping one token of its own (`common_prefix_length`); None if some are not left
-    padded."""
+    """The longest run of tokens all `prompts` ((ids, mask) pairs) start with, each keeping one token of its own (None:
+    some are not left padded)."""
     found = None
     for ids, mask in prompts:
         if len(ids) == 0:
@@ -255,9 +221,7 @@ def step_prefix_ids(prompts) -> Tensor | None:
 
 
 def step_prefix(model, ids: Tensor) -> StepPrefix:
-    """Run the prefix ids [L] (host) once (with gradients in grad mode): the keys and values every micro-batch of the
-    step then reads (completion_logprobs(..., step=...)); `backward_step_prefix` after the last micro-batch's
-    backward."""
+    """Run the prefix ids [L] (host) once for every micro-batch of the step; `backward_step_prefix` after the last."""
     on_device = ids.to(next(model.parameters()).device, non_blocking=True)[None]
     _, _, cache = _forward(model, on_device, None, None, _cache(model), 1)
     outputs = [(layer.keys, layer.values) for layer in cache.layers]
@@ -266,8 +230,7 @@ def step_prefix(model, ids: Tensor) -> StepPrefix:
 
 
 def backward_step_prefix(step: StepPrefix):
-    """Send the gradients the micro-batches left on the prefix's keys and values through its forward, once: the
-    parameters then hold what every row's backward through its own copy of the prefix would have given."""
+    """Send the gradients the micro-batches left on the prefix's keys and values back through its forward, once."""
     pairs = [(output, given.grad) for kv, given_kv in zip(step.outputs, step.inputs) for output, given in
              zip(kv, given_kv) if given.grad is not None]
     if pairs:
@@ -275,8 +238,7 @@ def backward_step_prefix(step: StepPrefix):
 
 
 def several_processes() -> bool:
-    """A multi-process run (multigpu/): FSDP runs the same collectives on every rank, so every rank must make the
-    same forward calls, and the prefix level (used or not by each rank's own prompts) stays off."""
+    """A multi-process run: FSDP needs the same forward calls on every rank, so the prefix level stays off."""
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         torch.distributed.get_world_size() > 1
 
@@ -292,25 +254,20 @@ class Layout:
     folded: bool        # each row runs its own suffix and its completion in one call (FOLD_LIMIT)
 
 
-# Each row's own prompt tokens (after the prefix) run with its completion, one model call in all instead of one for
-# the distinct prompts and one for the completions, when the tokens it repeats (a prompt's own tokens once per row,
-# not once per prompt) are at most one per row or this fraction of the completion tokens the call runs anyway: the
-# paper's presets (one prompt per step, m rows) repeat the prompt's last token m - 1 times for a model call less
-# (a whole forward and backward of kernels); prompts whose own parts are long (the demo's questions) keep theirs.
+# Rows fold (own prompt tokens and completion in one model call, not two) when the tokens this repeats are at most one
+# per row or this fraction of the completion tokens: the paper's presets repeat one token m - 1 times for a call less.
 FOLD_LIMIT = 1 / 8
 
 
 def folds(rows: int, prompts: int, suffix: int, completion_tokens: int) -> bool:
-    """Whether rows of `prompts` distinct prompts, whose own parts are at most `suffix` tokens, run them with their
-    completions in one model call (FOLD_LIMIT)."""
+    """Whether `rows` rows of `prompts` distinct prompts, own parts <= `suffix` tokens, fold (FOLD_LIMIT)."""
     return (rows - prompts) * suffix <= max(rows, FOLD_LIMIT * rows * max(completion_tokens - 1, 1))
 
 
 def layout(prompt_ids: Tensor, prompt_mask: Tensor, completion_tokens: int, shared_prefix: bool = True,
            step_ids: Tensor | None = None) -> Layout:
-    """The Layout of rows whose prompts are prompt_ids / prompt_mask [B, Tp] (host tensors: nothing is read back
-    from a device), with completion_tokens columns. step_ids: the step's prefix [L] every prompt starts with and
-    goes past (ValueError otherwise); else with shared_prefix the prefix the distinct prompts share."""
+    """The Layout of rows whose prompts are prompt_ids / prompt_mask [B, Tp] (host tensors). step_ids: the step's
+    prefix [L] every prompt goes past (ValueError otherwise); else with shared_prefix the distinct prompts' prefix."""
     first, group = prompt_groups(prompt_ids, prompt_mask)
     lengths = prompt_mask.sum(1)
     if step_ids is not None:
@@ -331,11 +288,8 @@ def layout(prompt_ids: Tensor, prompt_mask: Tensor, completion_tokens: int, shar
 
 
 def _own_tokens(model, ids, mask, own, suffix, prefix_length, cache, logits_to_keep):
-    """The forward of rows [n, W] after a prefix of prefix_length tokens whose keys and values `cache` holds (one row;
-    None: no prefix): each row's last `own` [n] prompt tokens, right-aligned in its first `suffix` columns (the
-    columns before them hold prefix tokens or padding: masked), then whatever follows (a completion, masked where the
-    mask says). -> (values [n, logits_to_keep, ...] and head (`_forward`), the cache with every row's keys and values,
-    its mask)."""
+    """(values, head, cache, mask) of rows [n, W] after the one-row prefix `cache` holds (None: none): each row's last
+    `own` [n] prompt tokens right-aligned in its first `suffix` columns (masked before), then what follows."""
     width = ids.shape[1]
     run_mask = mask.masked_fill(torch.arange(width, device=mask.device) < suffix - own[:, None], 0)
     full_mask = torch.cat([mask.new_ones(len(ids), prefix_length), run_mask], 1)
@@ -347,14 +301,8 @@ def _own_tokens(model, ids, mask, own, suffix, prefix_length, cache, logits_to_k
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
                         temperature: float = 1.0, shared_prefix: bool = True, step: StepPrefix | None = None,
                         host: tuple[Tensor, Tensor] | None = None, with_entropies: bool = False):
-    """policy.token_logprobs (same arguments: rows [left-padded prompt | completion], C = num_completion_tokens)
-    with each distinct prompt run once (its keys and values repeated for its rows), and with shared_prefix the
-    prefix every prompt shares run once (not with several processes: `several_processes`), or with `step` read from
-    the step's prefix (every prompt must start with it). float32 [B, C]; gradients flow into `model` unless under
-    no_grad (with `step`, into step.inputs until `backward_step_prefix`). host: input_ids and attention_mask on the
-    host (update.py has them), where the layout is found (else they are copied there: a host sync).
-    Model calls: the prefix (unless `step`), then, folded (`FOLD_LIMIT`), every row's own prompt tokens and its
-    completion in one; else the distinct prompts' own tokens, then the completions on their repeated keys and values."""
+    """policy.token_logprobs with each distinct prompt run once and, with shared_prefix, their shared prefix once (or
+    `step`'s: its gradients go to step.inputs). host: host copies of input_ids, attention_mask (else a host sync)."""
     policy.check_logprob_inputs(input_ids, attention_mask, num_completion_tokens, temperature)
     c = num_completion_tokens
     host_ids, host_mask = host if host is not None else (input_ids.cpu(), attention_mask.cpu())
@@ -379,8 +327,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     last, head, cache, cache_mask = _own_tokens(model, prompt_ids[first, -plan.suffix:],
                                                 prompt_mask[first, -plan.suffix:], own[first], plan.suffix,
                                                 plan.prefix, cache, 1)
-    # The last completion token only predicts past the row: the first C - 1 go in (1 when C = 1, its logits unused,
-    # so that the calls never depend on C).
+    # The last completion token only predicts past the row (C = 1: one goes in, unused, so calls never depend on C).
     inputs = max(c - 1, 1)
     mask = torch.cat([cache_mask.index_select(0, group), completion_mask[:, :inputs]], 1)
     positions = policy.position_ids_from_mask(mask)[:, -inputs:]

@@ -1,24 +1,13 @@
 """One decode step of a Llama-family model, written by hand in plain PyTorch over its Hugging Face modules (the
 reference of every fused kernel: engine/ops.py; the loop around it: engine/decode.py), and the weights it multiplies.
 
-Paper Algorithm 1, line 1 (sampling rollouts), at the level of one token: the decoder layers over a preallocated
-KV cache, the prefill of distinct prompts, and the choice of the next token (greedy, or softmax(logits / T) within
-the top-p nucleus, sampled by inverse CDF from a hashed uniform) with its log-probability under the sampler (what
-the trainer checks it against). A step calls its operations through a `Kernels` record (these functions, or the
-fused ops that replace them on a GPU), in place on fixed-shape tensors, so the engine can record it as one CUDA
-graph.
-
-The weights (the second half of this file): LoRA merged into a separate copy of each adapted projection (paper §4
-setting (a): LoRA r=64 on q,k,v,o,gate,up,down, whose unmerged adapter would add two small GEMMs per projection and
-token). The projections one input feeds are merged into one copy, stacked: q|k|v and gate|up, so a decode step runs
-4 GEMMs per layer instead of 7 (the k and v ones alone are small and latency-bound) and splits the output into
-views. The copy is refreshed at every generation call (the adapter changes at every optimizer step); the training
-weights are never touched (peft's in-place merge_adapter() / unmerge_adapter() would leave a bf16 rounding error in
-the frozen base weights at every step). bitsandbytes 4-bit projections are dequantized into the copy; on a CPU the
-copies are laid out for oneDNN's products (`cpu_layout`).
-Simplifications: the layouts of decode.FAMILIES only (pre-norm, rotary, gated MLP); no sliding window; adapters that
-are not a plain additive update (DoRA, LoRA bias) run unmerged, as in training; a model without adapters runs its
-own modules (a copy would only fuse them, at the cost of the weights' memory again).
+Paper Algorithm 1, line 1 (sampling rollouts), one token at a time: the layers over a preallocated KV cache, the
+prefill, and the next token (greedy, or top-p by inverse CDF from a hashed uniform) with its sampler log-prob. Each
+operation goes through a `Kernels` record, in place on fixed-shape tensors, so a step records as one CUDA graph.
+The weights: LoRA merged into a separate copy (q|k|v and gate|up stacked, 4-bit weights dequantized, laid out for
+oneDNN on a CPU), refreshed at every call; the training weights are untouched (peft's in-place merge rounds them).
+Simplifications: decode.FAMILIES' layouts only; no sliding window; adapters that are not a plain additive update
+(DoRA, LoRA bias) run unmerged; a model without adapters runs its own modules.
 """
 
 import functools
@@ -32,8 +21,7 @@ from policy import position_ids_from_mask
 
 
 def mix32(x):
-    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding values in [0, 2**32); each product
-    mod 2**32 is formed from 16-bit halves of the constant, so none overflows int64."""
+    """Wellons' lowbias32 hash of int64 tensors in [0, 2**32), products split in 16-bit halves: no int64 overflow."""
     for shift, constant in ((16, 0x7FEB352D), (15, 0x846CA68B)):
         x = x ^ (x >> shift)
         x = (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
@@ -48,10 +36,9 @@ def row_noise_keys(seed, rows):
 
 def uniform_draws(row_keys, step):
     """One U(0, 1) draw per row, a pure function of (row key, step): no generator state for a CUDA graph to hold,
-    and a row's draws do not depend on which bucket it runs in. The engine draws every step's at once
-    (row_keys [R, 1], step [L]: a [R, L] table the step reads a column of)."""
+    and a row's draws do not depend on its bucket. row_keys [R, 1], step [L] give the [R, L] table of a call."""
     bits = mix32(row_keys ^ mix32(step))
-    return ((bits >> 8).float() + 0.5) * 2.0 ** -24   # 24 random bits, in (0, 1): never 0 or 1
+    return ((bits >> 8).float() + 0.5) * 2.0 ** -24   # 24 random bits, never 0 or 1
 
 
 def add_rms_norm(x, residual, norm):
@@ -67,8 +54,7 @@ def rotate_half(x):
 
 
 def rotate(x, cos, sin):
-    """Rotary embedding of x [B, heads, T, hd] by cos / sin [B, T, rd] (rd <= hd: Phi-3 may rotate part of a head),
-    as transformers' apply_rotary_pos_emb computes it."""
+    """Rotary embedding of x [B, heads, T, hd] by cos / sin [B, T, rd] (rd < hd: Phi-3 rotates part of a head)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if cos.shape[-1] == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
@@ -77,14 +63,13 @@ def rotate(x, cos, sin):
 
 
 def head_norm(x, norm, head_dim):
-    """The norm module over each head of x [B, T, heads * hd] (Qwen3's q_norm / k_norm: RMSNorm over head_dim,
-    after the projection and before rotary), the same shape."""
+    """Qwen3's q_norm / k_norm: the norm over each head of x [B, T, heads * hd], before rotary."""
     return norm(x.unflatten(-1, (-1, head_dim))).flatten(-2)
 
 
 def rotary_cache_write(q, k, v, cos, sin, key_cache, value_cache, slots):
-    """q [B, T, Hq * hd], k and v [B, T, Hkv * hd] (views of one projection's output) -> q rotated [B, Hq, T, hd];
-    k rotated and v are written into cache columns `slots` [T] of key_cache / value_cache [B, Hkv, L, hd]."""
+    """q [B, T, Hq * hd], k and v [B, T, Hkv * hd] -> q rotated [B, Hq, T, hd]; k rotated and v are written into
+    cache columns `slots` [T] of key_cache / value_cache [B, Hkv, L, hd]."""
     batch, length, head_dim = q.shape[0], q.shape[1], key_cache.shape[-1]
     q, k, v = (t.view(batch, length, -1, head_dim).transpose(1, 2) for t in (q, k, v))
     key_cache.index_copy_(2, slots, rotate(k, cos, sin))
@@ -93,10 +78,8 @@ def rotary_cache_write(q, k, v, cos, sin, key_cache, value_cache, slots):
 
 
 def attend(q, keys, values, mask, scaling):
-    """q [B, heads, T, hd] over the cache [B, kv_heads, L, hd] where mask [B, 1, T, L] -> [B, T, heads * hd].
-    The query heads sharing a KV head (transformers' repeat_kv) act as that head's group * T queries, so the
-    cache is read once per KV head and never copied. Two matrix products and a float32 softmax, not torch's CPU
-    flash attention, whose rounding depends on the thread count (run/threads.py changes it with the machine's load)."""
+    """q [B, heads, T, hd] over the cache [B, kv_heads, L, hd] where mask [B, 1, T, L] -> [B, T, heads * hd], the
+    cache never copied; not torch's CPU flash attention, whose rounding depends on the thread count."""
     batch, heads, length, head_dim = q.shape
     grouped = q.reshape(batch, keys.shape[1], -1, head_dim)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
@@ -107,10 +90,8 @@ def attend(q, keys, values, mask, scaling):
 
 
 def attend_shared(q, keys, values, mask, scaling, shared):
-    """`attend` where the first `shared` cache columns hold the same keys and values in every row (the prefix all
-    prompts start with, prefix.shared_prefix_layout): they are read once, from row 0, as one matrix product for
-    every row's queries, and the softmax runs over [prefix | the row's own columns] together. Eager decoding
-    only (the prefix length is a host number here; the fused kernel reads it from the device)."""
+    """`attend` where the first `shared` cache columns are the same in every row (the prompts' common prefix): read
+    once, from row 0, for every row's queries, in one softmax with the row's own columns. Eager decoding only."""
     batch, heads, length, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads * length
@@ -130,11 +111,8 @@ def attend_shared(q, keys, values, mask, scaling, shared):
 
 @dataclass
 class Bounds:
-    """The cache columns each row's query reads: [0, shared) (the prefix every row holds; the fused kernel reads it
-    from row 0) and [start[row], slot] (its own prompt and completion). length: the columns the reference reads
-    (eager decoding: those written so far; a recorded graph: the whole cache); shared_len: the prefix length as a
-    host number where it is known (eager decoding: `attend_shared`), else 0. No mask exists unless the reference
-    asks for one."""
+    """The cache columns each row reads: [0, shared) (the common prefix) and [start[row], slot]; length: those the
+    reference reads (eager: written so far; a graph: all); shared_len: the prefix length if on the host, else 0."""
     start: torch.Tensor     # [B] int64
     shared: torch.Tensor    # [1] int64
     slot: torch.Tensor      # [1] int64: the column this step writes, the last one read
@@ -144,7 +122,7 @@ class Bounds:
     cached_mask: torch.Tensor = field(default=None, repr=False)
 
     def mask(self):
-        """[B, 1, 1, length] bool, built once per step for every layer (the reference's; the fused kernel has none)."""
+        """[B, 1, 1, length] bool, built once per step for every layer (the fused kernel needs none)."""
         if self.cached_mask is None:
             columns = torch.arange(self.length, device=self.start.device)
             own = (columns >= self.start[:, None]) & (columns <= self.slot)
@@ -161,17 +139,12 @@ def decode_attention(q, key_cache, value_cache, bounds):
 
 
 def act_mul(gate, up, act):
-    """The gated MLP's act(gate) * up."""
     return act(gate) * up
 
 
 def choose_tokens(logits, state, draws=None):
-    """Greedy argmax, or a draw from softmax(logits / T) restricted to the top-p nucleus: the most likely tokens
-    whose probabilities before them sum to < top_p (as transformers' TopPLogitsWarper). draws: the step's
-    uniform per row (None: hashed here from the row keys and the step, engine/step.uniform_draws).
-
-    Sampling inverts the CDF with one uniform per row (first token whose cumulative probability reaches it):
-    ~4 passes over [rows, vocab], where Gumbel-max would need a keyed hash of every logit (tens of passes)."""
+    """Greedy argmax, or softmax(logits / T) within the top-p nucleus sampled by inverse CDF of the row's uniform
+    `draws` (None: hashed here): ~4 passes over [rows, vocab], where Gumbel-max would hash every logit."""
     if not state.sample:
         return logits.argmax(-1)
     logits = logits / state.scalars["temperature"]
@@ -189,17 +162,15 @@ def choose_tokens(logits, state, draws=None):
 
 
 def sampler_logprob(logits, token, state):
-    """log p(token) under softmax(logits / T) over the whole vocabulary (before the top-p cut; greedy: T = 1): the
-    definition of policy.token_logprobs, so the trainer can check the sampler token by token. [rows] float32,
-    gathered here so no [rows, vocab] tensor outlives the step."""
+    """log p(token) under softmax(logits / T) over the whole vocabulary (before the top-p cut; greedy: T = 1), as
+    policy.token_logprobs defines it; [rows] float32, so no [rows, vocab] tensor outlives the step."""
     scaled = logits / state.scalars["temperature"] if state.sample else logits
     return scaled.gather(-1, token[:, None]).squeeze(-1) - scaled.logsumexp(-1)
 
 
 def finish_step(logits, state):
-    """After the LM head: every row's token chosen from its logits [B, V] (a row reaching its forced length emits
-    EOS, a finished row pad), recorded with its sampler log-prob in column `step`; rows that emitted an EOS id are
-    done; the token becomes the row's next input, one position further."""
+    """After the LM head: each row's token (EOS at its forced length, pad once done) and log-prob recorded in
+    column `step`, rows that emitted an EOS marked done, the token made the next input."""
     scalars, logits = state.scalars, logits.float()
     token = choose_tokens(logits, state, state.draws.index_select(1, scalars["step"]).squeeze(1))
     token = torch.where(state.stop_at == scalars["step"], scalars["eos"][0], token)
@@ -214,8 +185,7 @@ def finish_step(logits, state):
 
 @dataclass(frozen=True)
 class Kernels:
-    """What a decode step calls for each operation: these reference functions, or (engine/ops.py) the fused ops
-    named in `fused`. stacked: the merged weight copy joins q|k|v and gate|up into one GEMM each."""
+    """A step's operations: these references, or engine/ops.py's ops named in `fused`; stacked: q|k|v, gate|up."""
     add_rms_norm: object = add_rms_norm
     rotary_cache_write: object = rotary_cache_write
     decode_attention: object = decode_attention
@@ -229,9 +199,8 @@ PLAIN = Kernels()
 
 
 def run_layers(dec, hidden, positions, keys, values, slots, attention, kernels=PLAIN):
-    """hidden [B, T, H] (the residual stream: updated in place) through every decoder layer; this input's K/V are
-    written to cache columns `slots` [T]; attention(q [B, heads, T, hd], layer keys, layer values) -> [B, T,
-    heads * hd]. Returns (the last layer's MLP output, the residual stream without it): the final norm adds them."""
+    """hidden [B, T, H] (the residual stream, updated in place) through every layer, K/V written to cache columns
+    `slots`; attention(q, layer keys, layer values) -> [B, T, heads * hd]. Returns (last MLP output, residual)."""
     cos, sin = dec.rotary(hidden, positions)
     x = None
     for layer, layer_keys, layer_values in zip(dec.layers, keys, values):
@@ -257,10 +226,8 @@ def decode_step(dec, state):
 
 
 def prefill(dec, prompt_ids, prompt_mask, shared=0):
-    """K/V of every prompt but its last token (the first decode step consumes it), [D, kv_heads, W - 1, hd].
-    shared: the first `shared` columns hold the same tokens in every row, unpadded (prefix.shared_prefix_layout, on
-    the host: nothing is read back here): they run once, as one row, and every prompt's suffix attends to that row's
-    K/V. Plain PyTorch (PLAIN)."""
+    """K/V of every prompt but its last token (the first decode step's input), [D, kv_heads, W - 1, hd], in plain
+    PyTorch. The first `shared` columns (the same in every row, a host number) run once, as one row."""
     distinct, length, device = prompt_ids.shape[0], prompt_ids.shape[1] - 1, prompt_ids.device
     if not 0 <= shared <= length:
         raise ValueError(f"a shared prefix of {shared} tokens needs {shared} columns before the last")
@@ -270,7 +237,8 @@ def prefill(dec, prompt_ids, prompt_mask, shared=0):
         once = [cache[:1, :, :shared].clone() for cache in keys]
         causal = torch.ones(shared, shared, dtype=torch.bool, device=device).tril()
         run_layers(dec, dec.embed(prompt_ids[:1, :shared]), torch.arange(shared, device=device)[None], once[::2],
-                   once[1::2], torch.arange(shared, device=device), masked_attention(causal[None, None], dec.scaling))
+                   once[1::2], torch.arange(shared, device=device),
+                   functools.partial(attend, mask=causal[None, None], scaling=dec.scaling))
         for cache, prefix in zip(keys, once):
             cache[:, :, :shared] = prefix
     if length > shared:
@@ -280,20 +248,15 @@ def prefill(dec, prompt_ids, prompt_mask, shared=0):
         allowed = ((causal & mask[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device))[:, shared:]
         run_layers(dec, dec.embed(prompt_ids[:, shared:length]), position_ids_from_mask(mask)[:, shared:],
                    keys[::2], keys[1::2], torch.arange(shared, length, device=device),
-                   masked_attention(allowed[:, None], dec.scaling))
+                   functools.partial(attend, mask=allowed[:, None], scaling=dec.scaling))
     return keys[::2], keys[1::2]
-
-
-def masked_attention(mask, scaling):
-    return lambda q, keys, values: attend(q, keys, values, mask, scaling)
 
 
 # ---------------------------------------------------------------- the weights a step multiplies
 
 
 def mergeable_deltas(module):
-    """The weight updates peft's merge would add to this projection ([] if none), or None where an adapter is
-    not a plain additive update (DoRA and other variants, LoRA bias): then the module itself is called."""
+    """The updates peft's merge adds to this projection ([]: none), or None for adapters not plainly additive."""
     if not hasattr(module, "lora_A") or module.disable_adapters or module.merged:
         return []
     names = [name for name in module.active_adapters if name in module.lora_A]
@@ -319,16 +282,14 @@ def base_weight(module):
 
 @dataclass(frozen=True)
 class CopySource:
-    """What one merged copy holds, its rows in this order: the projections' weights stacked (+ their adapters'
-    deltas), and the stacked copy of their biases (None when none has one)."""
+    """The projections one merged copy stacks, in row order, and its stacked bias (None when none has one)."""
     modules: tuple
     bias: torch.Tensor | None
 
 
 def stacked_copy(modules, generation_copy, copies, layouts=None):
-    """F.linear over one merged copy of `modules` stacked (they read the same input; their outputs concatenated),
-    appended to `copies` (and, on a CPU, its slot for `cpu_layout` to `layouts`); None where no copy is made:
-    generation_copy off, an adapter that is not a plain additive update, or nothing to merge nor dequantize."""
+    """F.linear over one merged copy of `modules` stacked (appended to `copies`), or None where no copy is made:
+    generation_copy off, an adapter not a plain additive update, or nothing to merge nor dequantize."""
     deltas = [mergeable_deltas(module) for module in modules]
     bases = [base_layer(module) for module in modules]
     quantized = any(hasattr(base.weight, "quant_state") for base in bases)
@@ -343,23 +304,15 @@ def stacked_copy(modules, generation_copy, copies, layouts=None):
     return functools.partial(linear_in_copy_dtype, weight=weight, bias=bias, layout=laid_out(weight, layouts))
 
 
-def unmerged_call(module):
-    """The module itself (its adapter run unmerged, as in training), or its base layer where it has nothing to
-    merge (no adapter, or adapters switched off)."""
-    return base_layer(module) if mergeable_deltas(module) == [] else module
-
-
 def projection(module, generation_copy, copies, layouts=None):
-    """What the engine calls for one projection: F.linear over a merged (dequantized) copy where one is made,
-    else the base layer (nothing to merge) or the module itself (adapter run unmerged, as in training)."""
-    return stacked_copy((module,), generation_copy, copies, layouts) or unmerged_call(module)
+    """One projection's call: a merged copy, else its base layer (nothing to merge) or itself (adapter unmerged)."""
+    return stacked_copy((module,), generation_copy, copies, layouts) or \
+        (base_layer(module) if mergeable_deltas(module) == [] else module)
 
 
 def projections(modules, sizes, generation_copy, copies, stacked=True, layouts=None):
-    """What the engine calls for projections that read one input (q, k, v; gate, up; or one already fused):
-    x -> the tuple of outputs of `sizes` their outputs make, concatenated. With a merged copy (stacked), one GEMM
-    over the copies stacked and views of its output; else each module in turn (one fused module's output split),
-    from its own merged copy where one is made."""
+    """x -> the outputs (of `sizes`) of projections that read one input: one GEMM over a stacked copy split into
+    views, else each module in turn (`projection`; one already fused module's output split)."""
     linear = stacked_copy(modules, generation_copy, copies, layouts) if stacked else None
     if linear is not None:
         return lambda x: linear(x).split(sizes, -1)
@@ -370,22 +323,18 @@ def projections(modules, sizes, generation_copy, copies, stacked=True, layouts=N
 
 
 def linear_in_copy_dtype(x, weight, bias, layout=(None,)):
-    """F.linear in the copy's dtype, the result in the input's: what a bitsandbytes 4-bit layer computes (input
-    and bias cast to its compute dtype, output cast back). peft's prepare_model_for_kbit_training keeps the
-    embeddings and norms, so the residual stream, in float32 while the dequantized copy is bf16; where the dtypes
-    agree both casts are no-ops. layout: a slot holding the copy's `cpu_layout` (None: F.linear)."""
+    """F.linear in the copy's dtype, the result in the input's, as a bitsandbytes 4-bit layer computes (its
+    embeddings and norms stay float32 while the copy is bf16). layout: a slot holding the copy's `cpu_layout`."""
     return linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype), layout).to(x.dtype)
 
 
 # ---------------------------------------------------------------- a CPU's weights laid out for its matrix products
 
-# Whether oneDNN's weight layout is used on this CPU (None: not checked yet): checked once against F.linear.
-CPU_LAYOUT = {"usable": None}
+CPU_LAYOUT = {"usable": None}   # whether oneDNN's layout is used (None: not yet checked against F.linear)
 
 
 def laid_out(weight, layouts):
-    """A slot for `weight`'s `cpu_layout`, listed in `layouts` to be filled whenever the weights change
-    (`lay_out`); None (F.linear) where layouts is None (not a CPU)."""
+    """A slot for `weight`'s `cpu_layout`, listed in `layouts` for `lay_out` to fill; [None] where layouts is None."""
     slot = [None]
     if layouts is not None:
         layouts.append((weight, slot))
@@ -393,8 +342,7 @@ def laid_out(weight, layouts):
 
 
 def head(module, layouts):
-    """What the engine calls for the LM head: on a CPU the head's weight in `cpu_layout` (its slot in `layouts`),
-    unless hooks are registered on the module (they see its calls); else the module itself."""
+    """The LM head's call: on a CPU its weight in `cpu_layout`, unless hooks are registered on it; else the module."""
     if layouts is None or type(module) is not torch.nn.Linear:
         return module
     slot = laid_out(module.weight, layouts)
@@ -414,11 +362,8 @@ def linear(x, weight, bias, layout=(None,)):
 
 
 def cpu_layout(weight, rows=64):
-    """`weight` [out, in] re-laid out in oneDNN's blocked format for products of about `rows` rows on a CPU, or None
-    where that is not possible (no oneDNN, another dtype than float32 or bf16, a CUDA tensor) or not checked equal
-    to F.linear (said once). A decode step's products of 64 rows then skip laying the weight out at every call:
-    bf16 1.3-1.5x, float32 1.4-2.2x faster at the demo's shapes on 2 threads (BENCHMARKS.md, "The demo's step on a
-    CPU"); bf16 products give F.linear's numbers, float32 ones differ by rounding."""
+    """`weight` [out, in] in oneDNN's blocked format for products of ~`rows` rows (1.3-2.2x faster: BENCHMARKS.md),
+    or None where not possible (no oneDNN, not a CPU float32 / bf16) or unequal to F.linear (said once)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or \
             CPU_LAYOUT["usable"] is False or not torch.backends.mkldnn.is_available():
         return None

@@ -160,7 +160,7 @@ def test_the_replay_plan_follows_the_emulated_cards_memory():
     with gpu_paths.emulated("cpu", memory_bytes=0):
         assert update.checkpoint_plan(model, work, settings(), "cpu") == (2, 0)   # every layer whole
     assert update.checkpoint_plan(model, work, settings(), "cpu") == (None, 0)   # no GPU: as built
-    assert update.activation_budget("cpu") is None
+    assert not update.on_gpu("cpu")
 
 
 def test_tf32_is_switched_on_for_the_block_and_back():

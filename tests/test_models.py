@@ -5,7 +5,7 @@ import torch
 
 import models
 import policy as policy_calls
-import update
+from engine import lora_bf16
 from engine import prefix
 from policy import hf_model
 
@@ -207,13 +207,13 @@ def test_a_cpu_policy_attends_eagerly_and_a_bf16_cpu_computes_its_adapter_in_bf1
     policy = models.load_policy(str(tmp_path), dtype=torch.bfloat16, lora_rank=4)
     assert hf_model(policy).config._attn_implementation == "eager"
     monkeypatch.setattr(policy_calls, "native_bf16", lambda device: True)
-    assert update.computes_in_bf16("cpu") and update.computes_in_bf16(torch.device("cpu"))
+    assert lora_bf16.computes_in_bf16("cpu") and lora_bf16.computes_in_bf16(torch.device("cpu"))
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     projection = hf_model(policy).model.layers[0].self_attn.q_proj
     projection(x)
     assert "_low_precision_lora" in projection.__dict__   # the bf16 product ran
     monkeypatch.setattr(policy_calls, "native_bf16", lambda device: False)
-    assert not update.computes_in_bf16("cpu")
+    assert not lora_bf16.computes_in_bf16("cpu")
     del projection.__dict__["_low_precision_lora"]
     projection(x)
     assert "_low_precision_lora" not in projection.__dict__   # peft's float32 adapter

@@ -381,14 +381,14 @@ def test_the_replay_plan_by_hand():
 
 
 def test_the_update_replays_as_little_as_its_budget_needs(monkeypatch):
-    """On CUDA the update plans its backward's replay from its activation budget (update.activation_budget: planted
+    """On CUDA the update plans its backward's replay from its activation budget (kernels.activation_budget: planted
     here) and the micro-batch's tokens and logits: nothing, then MLPs, then whole layers, as the budget shrinks."""
     model = lora_model(checkpointing=True)
     batch = random_batch(4, 5, 6, VOCAB)
     settings = update.UpdateSettings(micro_batch_size=2, prefix_sharing=False)
     seen, plan = [], kernels.checkpoint_plan
     monkeypatch.setattr(kernels, "checkpoint_plan", lambda *args: seen.append(args) or plan(*args))
-    monkeypatch.setattr(update, "activation_budget", lambda device: 1e12)
+    monkeypatch.setattr(kernels, "activation_budget", lambda device: 1e12)
     assert update.checkpoint_plan(model, [batch], settings, "cuda") == (0, 0)
     layers, per_token, tokens, budget = seen[-1]
     assert (layers, tokens) == (2, 2 * (5 + 6)) and per_token == kernels.saved_bytes_per_token(model)
@@ -401,10 +401,9 @@ def test_the_update_replays_as_little_as_its_budget_needs(monkeypatch):
     plain, mlp, whole = per_token
     for planted, want in ((logits + 2 * plain * tokens, (0, 0)), (logits + (plain + mlp) * tokens, (0, 1)),
                           (logits + (mlp + whole) * tokens, (1, 1)), (0, (2, 0))):
-        monkeypatch.setattr(update, "activation_budget", lambda device, planted=planted: planted)
+        monkeypatch.setattr(kernels, "activation_budget", lambda device, planted=planted: planted)
         assert update.checkpoint_plan(model, [batch], settings, "cuda") == want
-    monkeypatch.setattr(update, "activation_budget", lambda device: None)   # off CUDA: every layer, as built
-    assert update.checkpoint_plan(model, [batch], settings, "cpu") == (None, 0)
+    assert update.checkpoint_plan(model, [batch], settings, "cpu") == (None, 0)   # off CUDA: every layer, as built
 
 
 @pytest.mark.parametrize("plan", [(None, 0), (0, 0), (0, 2), (1, 1), (2, 0)])
