@@ -232,11 +232,8 @@ def _check_aggregation(aggregation: str) -> None:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")
 
 
-def loss_denominator(
-    completion_masks: Tensor | list[Tensor],
-    aggregation: str = "sequence",
-    max_completion_tokens: int | None = None,
-) -> int:
+def loss_denominator(completion_masks: Tensor | list[Tensor], aggregation: str = "sequence",
+                     max_completion_tokens: int | None = None) -> int:
     """The normaliser of the whole update batch: `grpo_loss_sum` of every micro-batch / this = the loss.
 
     completion_masks: one [B, C] mask or a list of them (micro-batches), after loss_options.mask_truncated where it
@@ -249,17 +246,10 @@ def loss_denominator(
     return AGGREGATIONS[aggregation].denominator(masks, max_completion_tokens)
 
 
-def grpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    completion_mask: Tensor,
-    settings: LossSettings | None = None,
-    ref_logprobs: Tensor | None = None,
-    sampler_logprobs: Tensor | None = None,
-    entropies: Tensor | None = None,
-    **options,
-) -> tuple[Tensor, dict[str, float]]:
+def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor,
+              settings: LossSettings | None = None, ref_logprobs: Tensor | None = None,
+              sampler_logprobs: Tensor | None = None, entropies: Tensor | None = None,
+              **options) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO loss -J of one whole batch (module docstring) and TRL-named metrics, in float32:
     grpo_loss_sum / max(loss_denominator, 1). settings / options: as in `grpo_loss_sum`, e.g.
     grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1). [B, C] tensors, advantages [B]. With
