@@ -108,7 +108,7 @@ ROLES = {
     "rewards.py": "the registry of reward terms (accuracy, format, tag count) weighted into one total; the answers read",
     "pods.py": "the registry of down-sampling rules (max-variance: one sort + prefix sums), `select`, the advantages",
     "update.py": "the kept rows as a batch, old/reference log-probs, micro-batches, clipping, the optimizer step",
-    "engine/lora_bf16.py": "a bf16 base's LoRA adapter computed in bf16 (`lora_forward`: three matrix products)",
+    "engine/lora_bf16.py": "a bf16 base's LoRA adapter computed in bf16, three matrix products: `lora_forward`",
     "engine/prefix.py": "each distinct token computed once: the prefix every prompt shares, each prompt once for its rows",
     "engine/decode.py": "the decode loop: the model families it runs, bucketed KV cache, finished rows dropped",
     "engine/step.py": "one decode step of a Llama-family model, by hand, over LoRA merged into a copy of the weights",
