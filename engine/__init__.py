@@ -44,8 +44,8 @@ fused operations and their run-time check), triton_kernels.py (their Triton kern
 benchmarks also use `forced_lengths` (synthetic EOS positions).
 Beside the engine: hf_generate.py (Hugging Face generate, sampling.py's reference backend and the engine's fallback),
 prefix.py (each distinct prompt token computed once, in generation and in the update), kernels.py (the update's fused
-kernels and checkpoint plan on CUDA), lora_bf16.py (a bf16 base's LoRA adapter computed in bf16). The sampler's log-probs are checked against the update's every step by
-policy.py's sampler check.
+kernels and checkpoint plan on CUDA), lora_bf16.py (a bf16 base's LoRA adapter computed in bf16). The sampler's
+log-probs are checked against the update's every step by policy.py's sampler check.
 """
 
 from engine.decode import (CHECK_EVERY, STATS, DecodeStats, engine_for, generate, release,  # noqa: F401
