@@ -395,6 +395,7 @@ def _checked_values(name, values, count, prompts):
     """A function's values as a float32 tensor (None: NaN), as TRL converts them; anything else (wrong count, NaN, a
     non-number, beyond float32) is one ValueError naming the function and the first bad completion."""
     import torch
+
     if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
         raise ValueError(f"reward function {name!r} returned {type(values).__name__}, not a list of {count} numbers")
     values = values.tolist() if hasattr(values, "tolist") else list(values)
@@ -434,6 +435,7 @@ def compute_rewards(prompts, completions, answers, reward_funcs=None, weights=No
     named keeps its default, one's own needs one, a weight for no function is a ValueError. So is a function of one's
     own that raises, times out or exits, wrong values from any (`_checked_values`) or a total beyond float32."""
     import torch
+
     reward_funcs = REWARD_FUNCS if reward_funcs is None else reward_funcs
     weights = {**{name: DEFAULT_REWARD_WEIGHTS[name] for name in reward_funcs if name in REWARD_TERMS},
                **(weights or {})}
